@@ -1,0 +1,361 @@
+"""Kernel registry: WGSL files → cached pipelines, bind groups, uniforms, and batched dispatch.
+
+Conventions every shader in `shaders/` follows (and the registry relies on):
+* all bindings live in `@group(0)`; the registry reads them from the source and builds an explicit bind
+  group layout, so a resource is bound by its WGSL variable name (`bind(k, x=..., out=...)`);
+* at most one `var<uniform>`; its struct holds only 4-byte scalars (u32, i32, f32), written by field name;
+* tunables are `override` constants, passed as keyword arguments to `kernel()`.
+
+Uniform values live in a `UniformSlot` inside a shared arena (one buffer per 64 KiB of slots). Setting a
+value only touches host memory; `Recorder.submit()` uploads the dirty arenas once, so a forward pass with
+hundreds of dispatches costs a handful of `write_buffer` calls. A slot holds ONE set of values per submit:
+a call site that records the same dispatch twice with different uniforms needs two slots.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from doppler_py.errors import DeviceLimitError, ShaderError
+from doppler_py.gpu.device import Gpu
+from doppler_py.gpu.tensor import Tensor
+
+SHADER_DIR = Path(__file__).resolve().parents[2] / "shaders"
+
+_BINDING_RE = re.compile(
+    r"@group\(\s*0\s*\)\s*@binding\(\s*(\d+)\s*\)\s*var\s*<\s*(uniform|storage)\s*(?:,\s*(read_write|read))?\s*>"
+    r"\s*(\w+)\s*:\s*([\w<>, ]+?)\s*;"
+)
+_STRUCT_RE = re.compile(r"struct\s+(\w+)\s*\{([^}]*)\}", re.S)
+_FIELD_RE = re.compile(r"(\w+)\s*:\s*(\w+)")
+_ENABLE_SUBGROUPS_RE = re.compile(r"^\s*enable\s+subgroups\s*;\s*$", re.M)
+_COMMENT_RE = re.compile(r"//[^\n]*")
+
+_SCALAR_FORMATS = {"u32": "I", "i32": "i", "f32": "f"}
+
+
+def read_shader(name: str, shader_dir: Path = SHADER_DIR) -> str:
+    path = shader_dir / f"{name}.wgsl"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in shader_dir.glob("*.wgsl")))
+        raise ShaderError(f"no shader named {name!r} in {shader_dir} (known: {known})")
+    return path.read_text()
+
+
+def source_for_naga(source: str) -> str:
+    """naga (wgpu-py) rejects `enable subgroups;` which Tint requires; the builtins work without it."""
+    return _ENABLE_SUBGROUPS_RE.sub("", source)
+
+
+@dataclass(frozen=True)
+class Binding:
+    index: int
+    name: str
+    kind: str  # "uniform", "read-only-storage" or "storage"
+    type_name: str
+
+
+@dataclass(frozen=True)
+class UniformLayout:
+    """Field names and scalar types of a uniform struct, in declaration order."""
+
+    struct_name: str
+    fields: tuple[tuple[str, str], ...]
+
+    @property
+    def size(self) -> int:
+        return 4 * len(self.fields)
+
+    def pack(self, values: dict[str, float | int], into: memoryview) -> None:
+        unknown = set(values) - {name for name, _ in self.fields}
+        if unknown:
+            raise KeyError(f"{self.struct_name} has no field(s) {sorted(unknown)}")
+        for i, (name, kind) in enumerate(self.fields):
+            if name in values:
+                struct.pack_into("<" + _SCALAR_FORMATS[kind], into, 4 * i, values[name])
+
+
+def parse_bindings(source: str) -> list[Binding]:
+    text = _COMMENT_RE.sub("", source)
+    bindings = []
+    for m in _BINDING_RE.finditer(text):
+        index, space, access, name, type_name = m.groups()
+        if space == "uniform":
+            kind = "uniform"
+        else:
+            kind = "storage" if access == "read_write" else "read-only-storage"
+        bindings.append(Binding(int(index), name, kind, type_name.strip()))
+    return sorted(bindings, key=lambda b: b.index)
+
+
+def parse_uniform(source: str, bindings: list[Binding]) -> UniformLayout | None:
+    uniforms = [b for b in bindings if b.kind == "uniform"]
+    if not uniforms:
+        return None
+    if len(uniforms) > 1:
+        raise ShaderError(f"at most one uniform binding per shader, found {[b.name for b in uniforms]}")
+    text = _COMMENT_RE.sub("", source)
+    structs = {m.group(1): m.group(2) for m in _STRUCT_RE.finditer(text)}
+    type_name = uniforms[0].type_name
+    if type_name not in structs:
+        raise ShaderError(f"uniform {uniforms[0].name}: struct {type_name} not found")
+    fields = tuple(_FIELD_RE.findall(structs[type_name]))
+    for name, kind in fields:
+        if kind not in _SCALAR_FORMATS:
+            raise ShaderError(f"uniform struct {type_name}.{name}: only u32/i32/f32 fields are supported")
+    return UniformLayout(type_name, fields)
+
+
+class UniformSlot:
+    """A uniform struct's bytes at a fixed offset of an arena buffer (bind groups reference it forever)."""
+
+    def __init__(self, arena: _UniformArena, offset: int, layout: UniformLayout):
+        self.arena = arena
+        self.offset = offset
+        self.layout = layout
+
+    def set(self, **values: float | int) -> UniformSlot:
+        self.layout.pack(values, self.arena.host_view(self.offset, self.layout.size))
+        self.arena.dirty = True
+        return self
+
+
+class _UniformArena:
+    SIZE = 65_536
+
+    def __init__(self, gpu: Gpu):
+        import wgpu
+
+        self.gpu = gpu
+        self.buffer = gpu.device.create_buffer(
+            size=self.SIZE, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST, label="uniforms"
+        )
+        self.host = np.zeros(self.SIZE, dtype=np.uint8)
+        self.used = 0
+        self.dirty = False
+
+    def host_view(self, offset: int, size: int) -> memoryview:
+        return memoryview(self.host[offset : offset + size])
+
+    def allocate(self, size: int) -> int | None:
+        align = self.gpu.uniform_alignment
+        start = (self.used + align - 1) // align * align
+        if start + size > self.SIZE:
+            return None
+        self.used = start + size
+        return start
+
+    def flush(self) -> None:
+        if self.dirty:
+            self.gpu.queue.write_buffer(self.buffer, 0, memoryview(self.host[: self.used]))
+            self.dirty = False
+
+
+@dataclass(eq=False)
+class Kernel:
+    """A compute pipeline for one (shader, entry point, override constants)."""
+
+    name: str
+    entry: str
+    constants: tuple[tuple[str, float], ...]
+    pipeline: object
+    layout: object
+    bindings: tuple[Binding, ...]
+    uniform: UniformLayout | None
+
+    def __repr__(self) -> str:
+        consts = ", ".join(f"{k}={v}" for k, v in self.constants)
+        return f"Kernel({self.name}.{self.entry}{'; ' + consts if consts else ''})"
+
+
+@dataclass(eq=False)
+class Bound:
+    """A kernel with its resources bound: the unit `Recorder.dispatch` records."""
+
+    kernel: Kernel
+    bind_group: object
+    params: UniformSlot | None
+
+
+class KernelRegistry:
+    """Loads shaders by name and caches modules, pipelines and bind groups for one `Gpu`."""
+
+    def __init__(self, gpu: Gpu, shader_dir: Path = SHADER_DIR):
+        self.gpu = gpu
+        self.shader_dir = shader_dir
+        self._modules: dict[str, tuple[object, str]] = {}
+        self._kernels: dict[tuple, Kernel] = {}
+        self._bind_groups: dict[tuple, object] = {}
+        self._arenas: list[_UniformArena] = []
+
+    # -- compilation ---------------------------------------------------------------------------------
+    def source(self, name: str) -> str:
+        return read_shader(name, self.shader_dir)
+
+    def _module(self, name: str):
+        if name not in self._modules:
+            source = self.source(name)
+            try:
+                module = self.gpu.device.create_shader_module(code=source_for_naga(source), label=name)
+            except Exception as exc:  # wgpu raises its own error types with the compiler's message
+                raise ShaderError(f"shader {name}.wgsl failed to compile: {exc}") from exc
+            self._modules[name] = (module, source)
+        return self._modules[name]
+
+    def kernel(self, name: str, entry: str = "main", **constants: float | int | bool) -> Kernel:
+        key = (name, entry, tuple(sorted(constants.items())))
+        if key in self._kernels:
+            return self._kernels[key]
+        import wgpu
+
+        module, source = self._module(name)
+        bindings = parse_bindings(source)
+        self._check_limits(name, bindings)
+        entries = [
+            {
+                "binding": b.index,
+                "visibility": wgpu.ShaderStage.COMPUTE,
+                "buffer": {"type": b.kind},
+            }
+            for b in bindings
+        ]
+        bgl = self.gpu.device.create_bind_group_layout(entries=entries, label=name)
+        layout = self.gpu.device.create_pipeline_layout(bind_group_layouts=[bgl], label=name)
+        stage = {"module": module, "entry_point": entry}
+        if constants:
+            stage["constants"] = {k: float(v) for k, v in constants.items()}
+        try:
+            pipeline = self.gpu.device.create_compute_pipeline(layout=layout, compute=stage, label=f"{name}.{entry}")
+        except Exception as exc:
+            raise ShaderError(f"pipeline {name}.{entry} {constants or ''} failed: {exc}") from exc
+        kernel = Kernel(name, entry, key[2], pipeline, bgl, tuple(bindings), parse_uniform(source, bindings))
+        self._kernels[key] = kernel
+        return kernel
+
+    def _check_limits(self, name: str, bindings: list[Binding]) -> None:
+        storage = sum(1 for b in bindings if b.kind != "uniform")
+        limit = self.gpu.limits.get("max-storage-buffers-per-shader-stage", 8)
+        if storage > limit:
+            raise DeviceLimitError(f"shader {name}.wgsl binds {storage} storage buffers; the device allows {limit}")
+
+    # -- uniforms and bind groups --------------------------------------------------------------------
+    def uniform_slot(self, layout: UniformLayout) -> UniformSlot:
+        for arena in reversed(self._arenas[-1:]):
+            offset = arena.allocate(layout.size)
+            if offset is not None:
+                return UniformSlot(arena, offset, layout)
+        arena = _UniformArena(self.gpu)
+        self._arenas.append(arena)
+        return UniformSlot(arena, arena.allocate(layout.size), layout)
+
+    def bind(self, kernel: Kernel, params: dict | UniformSlot | None = None, **resources: Tensor) -> Bound:
+        """Bind tensors by WGSL variable name; `params` is a dict of uniform values or an existing slot.
+
+        Bind groups are cached by the identity of the buffers and slot, so binding the same resources
+        again (e.g. every decode step) returns the cached group.
+        """
+        names = {b.name for b in kernel.bindings if b.kind != "uniform"}
+        missing, extra = names - set(resources), set(resources) - names
+        if missing or extra:
+            raise ShaderError(f"{kernel!r}: missing bindings {sorted(missing)}, unknown bindings {sorted(extra)}")
+        slot = params if isinstance(params, UniformSlot) else None
+        if kernel.uniform is not None and slot is None:
+            slot = self.uniform_slot(kernel.uniform)
+            slot.set(**(params or {}))
+        key = (
+            id(kernel.layout),
+            id(slot.arena.buffer) if slot else None,
+            slot.offset if slot else None,
+            *((name, id(t.buffer), t.offset, t.binding_size) for name, t in sorted(resources.items())),
+        )
+        cached = self._bind_groups.get(key)
+        if cached is None:
+            entries = []
+            for b in kernel.bindings:
+                if b.kind == "uniform":
+                    resource = {"buffer": slot.arena.buffer, "offset": slot.offset, "size": kernel.uniform.size}
+                else:
+                    t = resources[b.name]
+                    self._check_binding(kernel, b.name, t)
+                    resource = {"buffer": t.buffer, "offset": t.offset, "size": t.binding_size}
+                entries.append({"binding": b.index, "resource": resource})
+            group = self.gpu.device.create_bind_group(layout=kernel.layout, entries=entries, label=kernel.name)
+            # Keeping the buffers referenced stops their ids (our cache key) being reused by new buffers.
+            cached = (group, [t.buffer for t in resources.values()])
+            self._bind_groups[key] = cached
+        return Bound(kernel, cached[0], slot)
+
+    def _check_binding(self, kernel: Kernel, name: str, tensor: Tensor) -> None:
+        if tensor.binding_size > self.gpu.max_binding_bytes:
+            raise DeviceLimitError(
+                f"{kernel!r}: binding {name} is {tensor.binding_size:,} bytes, above the device's "
+                f"max storage binding of {self.gpu.max_binding_bytes:,} bytes; split the tensor"
+            )
+        if tensor.offset % int(self.gpu.limits.get("min-storage-buffer-offset-alignment", 256)):
+            raise DeviceLimitError(f"{kernel!r}: binding {name} has unaligned offset {tensor.offset}")
+
+    def forget_buffer(self, buffer) -> None:
+        """Drop cached bind groups that reference `buffer` (call before destroying it)."""
+        target = id(buffer)
+        for key in [k for k in self._bind_groups if any(isinstance(x, tuple) and x[1] == target for x in k[3:])]:
+            del self._bind_groups[key]
+
+    def flush_uniforms(self) -> None:
+        for arena in self._arenas:
+            arena.flush()
+
+    def recorder(self) -> Recorder:
+        return Recorder(self)
+
+    @property
+    def cache_sizes(self) -> dict[str, int]:
+        return {"modules": len(self._modules), "pipelines": len(self._kernels), "bind_groups": len(self._bind_groups)}
+
+
+class Recorder:
+    """Records dispatches and copies into ONE command encoder; `submit()` sends it with one queue submit."""
+
+    def __init__(self, registry: KernelRegistry):
+        self.registry = registry
+        self.encoder = registry.gpu.device.create_command_encoder()
+        self._pass = None
+        self.dispatches = 0
+
+    def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> None:
+        limit = self.registry.gpu.limits.get("max-compute-workgroups-per-dimension", 65535)
+        if max(x, y, z) > limit or min(x, y, z) < 0:
+            raise DeviceLimitError(f"{bound.kernel!r}: dispatch ({x}, {y}, {z}) exceeds {limit} per dimension")
+        if x == 0 or y == 0 or z == 0:
+            return
+        if self._pass is None:
+            self._pass = self.encoder.begin_compute_pass()
+        self._pass.set_pipeline(bound.kernel.pipeline)
+        self._pass.set_bind_group(0, bound.bind_group)
+        self._pass.dispatch_workgroups(x, y, z)
+        self.dispatches += 1
+
+    def _end_pass(self) -> None:
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+
+    def copy(self, src: Tensor, dst: Tensor, nbytes: int | None = None) -> None:
+        self._end_pass()
+        size = nbytes if nbytes is not None else src.binding_size
+        self.encoder.copy_buffer_to_buffer(src.buffer, src.offset, dst.buffer, dst.offset, size)
+
+    def submit(self) -> None:
+        self._end_pass()
+        self.registry.flush_uniforms()
+        self.registry.gpu.queue.submit([self.encoder.finish()])
+        self.encoder = None
+
+
+def workgroups(n: int, size: int) -> int:
+    """Number of workgroups of `size` needed to cover `n` items."""
+    return (n + size - 1) // size

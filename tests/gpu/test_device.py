@@ -1,0 +1,53 @@
+"""Device layer: adapter choice, features, explicit limits, typed errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from doppler_py.errors import DeviceLimitError, NoAdapterError
+from doppler_py.gpu import device as device_mod
+from doppler_py.gpu.device import BROWSER_LIMITS, create_gpu, select_adapter
+
+
+def test_browser_limits_mode_gets_exactly_the_webgpu_defaults(gpu):
+    assert gpu.browser_limits
+    for name, value in BROWSER_LIMITS.items():
+        if name in gpu.limits:
+            assert gpu.limits[name] == value, name
+
+
+def test_native_mode_requests_the_adapters_buffer_limits():
+    native = create_gpu(browser_limits=False)
+    offered = native.adapter.limits
+    assert native.limits["max-buffer-size"] == offered["max-buffer-size"]
+    assert native.limits["max-storage-buffers-per-shader-stage"] == offered["max-storage-buffers-per-shader-stage"]
+
+
+def test_optional_features_are_requested_when_the_adapter_has_them(gpu):
+    for feature in device_mod.OPTIONAL_FEATURES:
+        assert (feature in gpu.features) == (feature in gpu.adapter.features)
+
+
+def test_vulkan_is_preferred_over_the_gl_fallback():
+    adapters = device_mod.list_adapters()
+    backends = [str(a.info["backend_type"]).lower() for a in adapters]
+    if "vulkan" in backends and "opengl" in backends:
+        assert backends.index("vulkan") < backends.index("opengl")
+    assert str(select_adapter().info["backend_type"]).lower() == backends[0]
+
+
+def test_unknown_backend_gives_a_typed_error_listing_what_exists(monkeypatch):
+    monkeypatch.setenv("DOPPLER_BACKEND", "no-such-backend")
+    with pytest.raises(NoAdapterError, match="available"):
+        select_adapter()
+
+
+def test_no_adapter_error_says_how_to_install_one(monkeypatch):
+    monkeypatch.setattr(device_mod, "list_adapters", lambda: [])
+    with pytest.raises(NoAdapterError, match="mesa-vulkan-drivers"):
+        select_adapter()
+
+
+def test_buffer_beyond_the_device_limit_is_refused_by_name(gpu):
+    with pytest.raises(DeviceLimitError, match="lm_head"):
+        gpu.check_buffer_size(gpu.limits["max-buffer-size"] + 4, "lm_head")

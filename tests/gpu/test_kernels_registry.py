@@ -1,0 +1,89 @@
+"""Kernel registry: parsing, caching, uniforms, and one-submit recording."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from doppler_py.errors import ShaderError
+from doppler_py.gpu.kernels import parse_bindings, parse_uniform, source_for_naga, workgroups
+from doppler_py.gpu.tensor import Tensor
+
+
+def test_subgroup_directive_is_stripped_for_naga_only_on_its_own_line():
+    src = "enable f16;\nenable subgroups;\n// enable subgroups; in a comment stays\nfn f() {}\n"
+    out = source_for_naga(src)
+    assert "enable f16;" in out
+    assert "\nenable subgroups;\n" not in out
+    assert "// enable subgroups; in a comment stays" in out
+
+
+def test_bindings_and_uniform_fields_are_read_from_the_source():
+    src = """
+    struct P { n: u32, scale: f32, offset: i32, }
+    @group(0) @binding(0) var<uniform> params: P;
+    @group(0) @binding(2) var<storage, read_write> out: array<f32>;
+    @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+    """
+    bindings = parse_bindings(src)
+    assert [(b.index, b.name, b.kind) for b in bindings] == [
+        (0, "params", "uniform"),
+        (1, "x", "read-only-storage"),
+        (2, "out", "storage"),
+    ]
+    layout = parse_uniform(src, bindings)
+    assert layout.fields == (("n", "u32"), ("scale", "f32"), ("offset", "i32"))
+
+
+def test_uniform_struct_with_a_vector_field_is_rejected():
+    src = "struct P { v: vec4<f32> }\n@group(0) @binding(0) var<uniform> p: P;"
+    with pytest.raises(ShaderError, match="only u32/i32/f32"):
+        parse_uniform(src, parse_bindings(src))
+
+
+def test_unknown_shader_name_lists_the_known_ones(registry):
+    with pytest.raises(ShaderError, match="residual"):
+        registry.kernel("no_such_shader")
+
+
+def test_pipelines_and_bind_groups_are_cached(gpu, registry):
+    delta = Tensor.from_numpy(gpu, np.ones(10, np.float32))
+    acc = Tensor.empty(gpu, 10)
+    k1 = registry.kernel("residual")
+    assert registry.kernel("residual") is k1
+    first = registry.bind(k1, params={"n": 10}, delta=delta, acc=acc)
+    again = registry.bind(k1, params=first.params, delta=delta, acc=acc)
+    assert again.bind_group is first.bind_group
+
+
+def test_wrong_binding_names_raise(registry, gpu):
+    t = Tensor.empty(gpu, 4)
+    with pytest.raises(ShaderError, match="missing bindings"):
+        registry.bind(registry.kernel("residual"), params={"n": 4}, acc=t)
+
+
+def test_many_dispatches_in_one_submit_see_each_others_writes_and_their_own_uniforms(gpu, registry, rng):
+    n = 1000
+    x = rng.standard_normal(n).astype(np.float32)
+    acc = Tensor.from_numpy(gpu, np.zeros(n, np.float32))
+    src = Tensor.from_numpy(gpu, x)
+    kernel = registry.kernel("residual")
+    rec = registry.recorder()
+    # Ten accumulations in one encoder; a second op adds only the first half (its own uniform slot).
+    full = registry.bind(kernel, params={"n": n}, delta=src, acc=acc)
+    half = registry.bind(kernel, params={"n": n // 2}, delta=src, acc=acc)
+    for _ in range(10):
+        rec.dispatch(full, workgroups(n, 256))
+    rec.dispatch(half, workgroups(n, 256))
+    rec.submit()
+    expected = 10 * x
+    expected[: n // 2] += x[: n // 2]
+    np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert rec.dispatches == 11
+
+
+def test_odd_sized_tensors_round_trip(gpu):
+    for dtype, data in [("f16", np.arange(7, dtype=np.float16)), ("u32", np.arange(3, dtype=np.uint32))]:
+        t = Tensor.from_numpy(gpu, data)
+        np.testing.assert_array_equal(t.numpy(), data)
+        assert t.dtype == dtype

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs what doppler-py needs on a fresh Debian/Ubuntu machine; safe to run again (skips what is there).
+#   tools/bootstrap.sh main   runtime: a WebGPU adapter (lavapipe if none) and the package in .venv
+#   tools/bootstrap.sh test   + test tools, torch CPU + transformers (reference), node packages, chromium
+set -euo pipefail
+mode="${1:-main}"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+sudo_cmd=""
+if [ "$(id -u)" != 0 ]; then sudo_cmd="sudo"; fi
+
+apt_packages=()
+# No Vulkan driver at all → install Mesa's lavapipe, a software Vulkan adapter wgpu can use.
+if ! ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1; then
+  apt_packages+=(mesa-vulkan-drivers)
+fi
+if [ "$mode" = test ]; then
+  command -v node >/dev/null 2>&1 || apt_packages+=(nodejs npm)
+  [ -x /usr/bin/chromium ] || apt_packages+=(chromium)
+fi
+if [ "${#apt_packages[@]}" -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${apt_packages[*]}"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+if [ "$mode" = test ]; then
+  # torch 2.13.0 CPU comes from a wheel already on these machines; a bare `torch` would pull a CUDA build.
+  "${pip[@]}" -e ".[test,reference]"
+  if [ -f tests/parity/package.json ]; then
+    (cd tests/parity && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+else
+  "${pip[@]}" -e "."
+fi
