@@ -180,12 +180,15 @@ class Bound:
     kernel: Kernel
     bind_group: object
     params: UniformSlot | None
+    resources: dict[str, Tensor]
 
 
 class KernelRegistry:
     """Loads shaders by name and caches modules, pipelines and bind groups for one `Gpu`."""
 
     def __init__(self, gpu: Gpu, shader_dir: Path = SHADER_DIR):
+        # Tests swap in a recorder that also replays each submit under Dawn (tests/parity/dawn).
+        self.recorder_class: type[Recorder] = Recorder
         self.gpu = gpu
         self.shader_dir = shader_dir
         self._modules: dict[str, tuple[object, str]] = {}
@@ -288,7 +291,7 @@ class KernelRegistry:
             # Keeping the buffers referenced stops their ids (our cache key) being reused by new buffers.
             cached = (group, [t.buffer for t in resources.values()])
             self._bind_groups[key] = cached
-        return Bound(kernel, cached[0], slot)
+        return Bound(kernel, cached[0], slot, dict(resources))
 
     def _check_binding(self, kernel: Kernel, name: str, tensor: Tensor) -> None:
         if tensor.binding_size > self.gpu.max_binding_bytes:
@@ -310,7 +313,7 @@ class KernelRegistry:
             arena.flush()
 
     def recorder(self) -> Recorder:
-        return Recorder(self)
+        return self.recorder_class(self)
 
     @property
     def cache_sizes(self) -> dict[str, int]:
