@@ -1,0 +1,33 @@
+// swiglu: out[t, j] = silu(gate_up[t, j]) * gate_up[t, ffn_dim + j], silu(x) = x * sigmoid(x) — the LLaMA
+// MLP activation applied to the output of ONE matmul over the concatenated [gate; up] weights.
+// Bindings: 0 params (uniform Params), 1 gate_up (read, [rows, 2 * ffn_dim]), 2 out (read_write, [rows, ffn_dim]).
+// Params: ffn_dim = MLP width.
+// Dispatch: (ceil(ffn_dim / 256), rows, 1) workgroups of 256; one invocation per output element.
+
+struct Params {
+  ffn_dim: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> gate_up: array<f32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+
+// exp() only ever sees -|x| in (-87, 0]: it cannot overflow (x / (1 + exp(-x)) meets inf at x = -1e4, and WGSL
+// leaves infinities implementation-defined) and WGSL's error bound for exp, 3 + 2|x| ulp, stays small. Below
+// -87, exp(-|x|) would be subnormal; it is taken as exactly 0.
+fn sigmoid(x: f32) -> f32 {
+  let a = abs(x);
+  let e = select(0.0, exp(-a), a < 87.0);
+  return select(e / (1.0 + e), 1.0 / (1.0 + e), x >= 0.0);
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let j = gid.x;
+  if (j >= params.ffn_dim) {
+    return;
+  }
+  let g = gate_up[gid.y * 2u * params.ffn_dim + j];
+  let u = gate_up[gid.y * 2u * params.ffn_dim + params.ffn_dim + j];
+  out[gid.y * params.ffn_dim + j] = g * sigmoid(g) * u;
+}

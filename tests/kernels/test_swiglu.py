@@ -1,0 +1,61 @@
+"""SwiGLU over a fused [gate | up] matmul output, against silu(gate) * up in float64.
+
+Tolerance: rtol 2e-6 — exp (WGSL allows 3 + 2|x| ulp; |x| < 20 here), one division and two products.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.ops.elementwise import SwiGLU
+
+
+def silu_times_up(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
+    gate = gate_up[:, :ffn_dim].astype(np.float64)
+    up = gate_up[:, ffn_dim:].astype(np.float64)
+    with np.errstate(over="ignore"):  # exp(1e4) = inf gives the right limit, silu(-1e4) = -0
+        return gate / (1.0 + np.exp(-gate)) * up
+
+
+def run_swiglu(gpu, registry, gate_up, *, ffn_dim, rows, fill=0.0):
+    max_rows = gate_up.shape[0]
+    out = Tensor.from_numpy(gpu, np.full((max_rows, ffn_dim), fill, np.float32))
+    op = SwiGLU(registry, Tensor.from_numpy(gpu, gate_up), out, ffn_dim=ffn_dim, max_rows=max_rows)
+    rec = registry.recorder()
+    op.record(rec, rows=rows)
+    rec.submit()
+    return out.numpy()
+
+
+@pytest.mark.parametrize("ffn_dim", [1, 255, 1536, 1537])
+def test_matches_silu_of_gate_times_up(gpu, registry, rng, ffn_dim):
+    gate_up = (rng.standard_normal((3, 2 * ffn_dim)) * 4).astype(np.float32)
+    out = run_swiglu(gpu, registry, gate_up, ffn_dim=ffn_dim, rows=3)
+    np.testing.assert_allclose(out, silu_times_up(gate_up, ffn_dim), rtol=2e-6, atol=1e-30)
+
+
+def test_silu_is_finite_and_accurate_for_extreme_gates(gpu, registry):
+    gates = np.array([100, -100, 1e4, -1e4, 1e30, -1e30, 88, -88, 87, -87, 20, -20, 0, 1e-30], np.float32)
+    gate_up = np.concatenate([gates, np.ones_like(gates)])[None, :]
+    out = run_swiglu(gpu, registry, gate_up, ffn_dim=gates.size, rows=1)
+    assert np.isfinite(out).all()
+    # Large negative gates give |silu| < 1e-35 (kernel: exactly -0); everything else to 2e-6 relative.
+    np.testing.assert_allclose(out, silu_times_up(gate_up, gates.size), rtol=2e-6, atol=1e-35)
+
+
+def test_gate_is_the_first_half_and_up_the_second(gpu, registry):
+    ffn_dim = 5
+    gate = np.array([0, 0, 50, 50, -50], np.float32)
+    up = np.array([3, -3, 2, -2, 7], np.float32)
+    out = run_swiglu(gpu, registry, np.concatenate([gate, up])[None, :], ffn_dim=ffn_dim, rows=1)
+    # silu(0) = 0 kills the up value; silu(50) = 50 passes it scaled; silu(-50) ~ -1e-20.
+    np.testing.assert_allclose(out[0], [0, 0, 100, -100, 0], atol=1e-18)
+
+
+def test_only_the_recorded_rows_are_written(gpu, registry, rng):
+    gate_up = rng.standard_normal((4, 2 * 300)).astype(np.float32)
+    out = run_swiglu(gpu, registry, gate_up, ffn_dim=300, rows=2, fill=9.0)
+    np.testing.assert_allclose(out[:2], silu_times_up(gate_up[:2], 300), rtol=2e-6, atol=1e-30)
+    assert (out[2:] == 9.0).all()
