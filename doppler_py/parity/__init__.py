@@ -1,0 +1,1 @@
+"""Support for comparing doppler-py with the JS original (npm doppler-gpu): fetching it, verified."""
