@@ -93,6 +93,46 @@ def parse_bindings(source: str) -> list[Binding]:
     return sorted(bindings, key=lambda b: b.index)
 
 
+_FN_RE = re.compile(r"\bfn\s+(\w+)\s*\(")
+_IDENT_RE = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def _function_bodies(text: str) -> dict[str, str]:
+    """Each WGSL function's name → its body text (brace-matched from the first `{` after the name)."""
+    bodies = {}
+    for m in _FN_RE.finditer(text):
+        start = text.index("{", m.end())
+        depth, i = 0, start
+        while True:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+            if depth == 0:
+                break
+        bodies[m.group(1)] = text[start:i]
+    return bodies
+
+
+def entry_bindings(source: str, entry: str, bindings: list[Binding]) -> list[Binding]:
+    """The bindings that `entry` reaches through its call graph.
+
+    A file may hold several entry points that share helper functions but not all resources; like WebGPU's
+    "auto" layout, each pipeline's bind group holds only what its entry point uses.
+    """
+    bodies = _function_bodies(_COMMENT_RE.sub("", source))
+    if entry not in bodies:
+        raise ShaderError(f"entry point {entry!r} not found (functions: {sorted(bodies)})")
+    seen, todo, used = set(), [entry], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        idents = set(_IDENT_RE.findall(bodies[name]))
+        used |= idents
+        todo.extend(idents & bodies.keys())
+    return [b for b in bindings if b.name in used]
+
+
 def parse_uniform(source: str, bindings: list[Binding]) -> UniformLayout | None:
     uniforms = [b for b in bindings if b.kind == "uniform"]
     if not uniforms:
@@ -217,7 +257,7 @@ class KernelRegistry:
         import wgpu
 
         module, source = self._module(name)
-        bindings = parse_bindings(source)
+        bindings = entry_bindings(source, entry, parse_bindings(source))
         self._check_limits(name, bindings)
         entries = [
             {
@@ -347,10 +387,15 @@ class Recorder:
             self._pass.end()
             self._pass = None
 
-    def copy(self, src: Tensor, dst: Tensor, nbytes: int | None = None) -> None:
+    def copy(
+        self, src: Tensor, dst: Tensor, nbytes: int | None = None, *, src_offset: int = 0, dst_offset: int = 0
+    ) -> None:
+        """Copy bytes between buffers inside this encoder (offsets relative to each tensor's own offset)."""
         self._end_pass()
         size = nbytes if nbytes is not None else src.binding_size
-        self.encoder.copy_buffer_to_buffer(src.buffer, src.offset, dst.buffer, dst.offset, size)
+        self.encoder.copy_buffer_to_buffer(
+            src.buffer, src.offset + src_offset, dst.buffer, dst.offset + dst_offset, size
+        )
 
     def submit(self) -> None:
         self._end_pass()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from doppler_py.errors import ShaderError
-from doppler_py.gpu.kernels import parse_bindings, parse_uniform, source_for_naga, workgroups
+from doppler_py.gpu.kernels import entry_bindings, parse_bindings, parse_uniform, source_for_naga, workgroups
 from doppler_py.gpu.tensor import Tensor
 
 
@@ -87,3 +87,21 @@ def test_odd_sized_tensors_round_trip(gpu):
         t = Tensor.from_numpy(gpu, data)
         np.testing.assert_array_equal(t.numpy(), data)
         assert t.dtype == dtype
+
+
+def test_each_entry_point_binds_only_what_its_call_graph_uses():
+    src = """
+    struct P { n: u32 }
+    @group(0) @binding(0) var<uniform> params: P;
+    @group(0) @binding(1) var<storage, read> a: array<f32>;
+    @group(0) @binding(2) var<storage, read_write> b: array<f32>;
+    @group(0) @binding(3) var<storage, read_write> c: array<f32>;
+    fn helper(i: u32) -> f32 { return a[i]; }  // b is only named in a comment here
+    @compute @workgroup_size(1) fn first() { b[0] = helper(params.n); }
+    @compute @workgroup_size(1) fn second() { c[0] = 1.0; }
+    """
+    bindings = parse_bindings(src)
+    assert [b.name for b in entry_bindings(src, "first", bindings)] == ["params", "a", "b"]
+    assert [b.name for b in entry_bindings(src, "second", bindings)] == ["c"]
+    with pytest.raises(ShaderError, match="not found"):
+        entry_bindings(src, "third", bindings)
