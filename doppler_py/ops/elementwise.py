@@ -1,0 +1,51 @@
+"""Element-wise ops of a transformer block (residual add, SwiGLU) and the shape checks all ops share."""
+
+from __future__ import annotations
+
+from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.tensor import Tensor
+
+
+def require_f32(tensor: Tensor, min_elements: int, what: str) -> None:
+    """An op binds `tensor` once for its largest call; it must be f32 and hold at least `min_elements`."""
+    if tensor.dtype != "f32":
+        raise ValueError(f"{what} must be an f32 tensor, got {tensor.dtype}")
+    if tensor.numel < min_elements:
+        raise ValueError(f"{what} holds {tensor.numel} elements; this op needs at least {min_elements}")
+
+
+def require_rows(rows: int, max_rows: int, what: str) -> None:
+    if not 1 <= rows <= max_rows:
+        raise ValueError(f"{what}: rows must be in 1..{max_rows} (the op's max_rows), got {rows}")
+
+
+class Residual:
+    """acc[t, :] += delta[t, :] for the first `rows` rows of [max_rows, dim] tensors, in place."""
+
+    def __init__(self, registry: KernelRegistry, delta: Tensor, acc: Tensor, *, dim: int, max_rows: int):
+        require_f32(delta, max_rows * dim, "Residual delta")
+        require_f32(acc, max_rows * dim, "Residual acc")
+        self.dim = dim
+        self.max_rows = max_rows
+        self.bound = registry.bind(registry.kernel("residual"), params={"n": 0}, delta=delta, acc=acc)
+
+    def record(self, rec: Recorder, rows: int) -> None:
+        require_rows(rows, self.max_rows, "Residual")
+        n = rows * self.dim
+        self.bound.params.set(n=n)
+        rec.dispatch(self.bound, workgroups(n, 256))
+
+
+class SwiGLU:
+    """out[t, j] = silu(gate_up[t, j]) * gate_up[t, ffn_dim + j]: gate in columns [0, ffn_dim), up after it."""
+
+    def __init__(self, registry: KernelRegistry, gate_up: Tensor, out: Tensor, *, ffn_dim: int, max_rows: int):
+        require_f32(gate_up, max_rows * 2 * ffn_dim, "SwiGLU gate_up")
+        require_f32(out, max_rows * ffn_dim, "SwiGLU out")
+        self.ffn_dim = ffn_dim
+        self.max_rows = max_rows
+        self.bound = registry.bind(registry.kernel("swiglu"), params={"ffn_dim": ffn_dim}, gate_up=gate_up, out=out)
+
+    def record(self, rec: Recorder, rows: int) -> None:
+        require_rows(rows, self.max_rows, "SwiGLU")
+        rec.dispatch(self.bound, workgroups(self.ffn_dim, 256), rows)
