@@ -1,0 +1,150 @@
+"""Causal grouped-query attention of new tokens over one layer's KV cache (shaders/attention.wgsl).
+
+One op serves decode (rows=1), speculative verification (a few rows) and prefill (hundreds of rows); the
+shader header explains the work split. Per call the op picks two numbers:
+
+* key lanes: when a call has fewer 4-query blocks than a workgroup has lane groups (decode, verification),
+  several groups take turns over the keys of one block instead of idling;
+* splits: for few rows over a long context the key range is also split across workgroups (flash-decoding),
+  merged by a second dispatch (shaders/attention_reduce.wgsl), so a call has enough workgroups to keep
+  every core busy.
+"""
+
+from __future__ import annotations
+
+import os
+
+from doppler_py.errors import DeviceLimitError
+from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.tensor import Tensor
+
+LANES = 64  # invocations per workgroup in attention.wgsl
+STEP = 8  # keys a lane group scores per step
+QUERIES_PER_BLOCK = 4
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 16
+SPLIT_MAX_ROWS = 16  # only decode/verification-sized calls split the key range; prefill has blocks enough
+MIN_SPLIT_KEYS = 256  # a split scores at least this many keys (two steps of 16 key lanes)
+GPU_TARGET_WORKGROUPS = 256  # enough to fill the multiprocessors of a large GPU
+
+
+def target_workgroups(adapter_type: str) -> int:
+    """Workgroups a call should have to keep the device busy.
+
+    A CPU adapter (lavapipe) runs one workgroup per core at a time; measured on 2 cores, splitting the keys
+    of a 3-workgroup decode call did not pay for the extra reduce dispatch even at 8192 keys. A GPU needs
+    hundreds of workgroups, so decode over a long context is split there.
+    """
+    if adapter_type.lower() == "cpu":
+        return os.cpu_count() or 1
+    return GPU_TARGET_WORKGROUPS
+
+
+class Attention:
+    """out = causal GQA attention of `q` (rows at positions start_pos..) over `k_cache`/`v_cache`.
+
+    Shapes (f32): q, out [max_rows, n_heads * head_dim]; k_cache, v_cache [max_seq, n_kv_heads, head_dim],
+    holding keys/values for positions 0..start_pos + rows - 1 when the op runs (later positions may hold
+    anything). Query head h reads kv head h // (n_heads // n_kv_heads); the scale is 1 / sqrt(head_dim).
+    head_dim must be a multiple of 16, at most 256.
+    """
+
+    def __init__(
+        self,
+        registry: KernelRegistry,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        out: Tensor,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_seq: int,
+        max_rows: int,
+        q_row_stride: int | None = None,
+    ):
+        width = n_heads * head_dim
+        q_row_stride = width if q_row_stride is None else q_row_stride
+        if q_row_stride < width or q_row_stride % 4:
+            raise ValueError(
+                f"q_row_stride={q_row_stride} must be a multiple of 4 and at least n_heads*head_dim={width}"
+            )
+        if n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={n_kv_heads}")
+        if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 16 in 16..{MAX_HEAD_DIM}")
+        for name, tensor, need in [
+            ("q", q, (max_rows - 1) * q_row_stride + width),
+            ("out", out, max_rows * width),
+            ("k_cache", k_cache, max_seq * n_kv_heads * head_dim),
+            ("v_cache", v_cache, max_seq * n_kv_heads * head_dim),
+        ]:
+            if tensor.dtype != "f32" or tensor.numel < need:
+                raise ValueError(f"{name}: need at least {need} f32 elements, got {tensor.numel} {tensor.dtype}")
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.group = n_heads // n_kv_heads
+        self.head_dim = head_dim
+        self.max_seq = max_seq
+        self.max_rows = max_rows
+        self.lane_groups = LANES // (head_dim // 16)
+        self.target_workgroups = target_workgroups(str(registry.gpu.info.get("adapter_type", "")))
+
+        split_rows = min(max_rows, SPLIT_MAX_ROWS)
+        self.part_acc = Tensor.empty(registry.gpu, (MAX_SPLITS, split_rows, n_heads, head_dim), label="attn partials")
+        self.part_stats = Tensor.empty(registry.gpu, (MAX_SPLITS, split_rows, n_heads, 2), label="attn partial stats")
+        self.bound = registry.bind(
+            registry.kernel("attention", HEAD_DIM=head_dim),
+            params={"n_heads": n_heads, "n_kv_heads": n_kv_heads, "q_stride": q_row_stride // 4},
+            q=q,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            out=out,
+            part_acc=self.part_acc,
+            part_stats=self.part_stats,
+        )
+        self.params = self.bound.params
+        self.reduce = registry.bind(
+            registry.kernel("attention_reduce", HEAD_DIM=head_dim),
+            params=self.params,  # the same Params struct: one slot serves both dispatches
+            part_acc=self.part_acc,
+            part_stats=self.part_stats,
+            out=out,
+        )
+
+    def plan(self, rows: int, start_pos: int, splits: int | None = None) -> tuple[int, int, int]:
+        """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped)."""
+        blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
+        context = start_pos + rows
+        if splits is None:
+            if rows > SPLIT_MAX_ROWS:
+                splits = 1
+            else:
+                base = workgroups(blocks, self.lane_groups) * self.n_kv_heads
+                splits = min(workgroups(self.target_workgroups, base), context // MIN_SPLIT_KEYS)
+        elif splits > 1 and rows > SPLIT_MAX_ROWS:
+            raise ValueError(f"splitting the key range needs rows <= {SPLIT_MAX_ROWS}, got {rows}")
+        splits = max(1, min(splits, MAX_SPLITS, context))
+        split_len = workgroups(context, splits)
+        key_lanes = 1
+        # Double the key lanes while blocks still fill the workgroup and each lane still gets a step of keys.
+        while 2 * key_lanes * blocks <= self.lane_groups and 2 * key_lanes * STEP <= split_len:
+            key_lanes *= 2
+        return key_lanes, split_len, workgroups(context, split_len)
+
+    def record(self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None) -> None:
+        """Record attention for `rows` queries at positions start_pos..start_pos+rows-1.
+
+        `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose.
+        """
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"rows={rows} must be in 1..{self.max_rows}")
+        if start_pos < 0 or start_pos + rows > self.max_seq:
+            raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
+        key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
+        self.params.set(rows=rows, start_pos=start_pos, key_lanes=key_lanes, split_len=split_len, n_splits=n_splits)
+        blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
+        rec.dispatch(self.bound, workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
+        if n_splits > 1:
+            rec.dispatch(self.reduce, workgroups(rows * self.n_heads * self.head_dim // 4, LANES))

@@ -1,0 +1,264 @@
+// attention: causal grouped-query attention of new tokens' queries over one layer's KV cache.
+//   out[row, h, :] = softmax_j(q[row, h, :] · k[j, g, :] / sqrt(HEAD_DIM)) · v[j, g, :]
+//   over keys j = 0 ..= start_pos + row, with kv head g = h / (n_heads / n_kv_heads).
+//
+// Work split. The (row, head) pairs that share kv head g are packed four to a "block"; a lane holds its
+// block's four queries and accumulators for one 16-dim slice of the head as mat4x4s (column c = dim c of
+// the slice, one vec4 component per query), so each key/value load serves four queries and all per-lane
+// state lives in registers (private arrays indexed by a loop variable are spilled to memory by some
+// compilers, e.g. Mesa's, which made an earlier version of this kernel several times slower).
+// HEAD_DIM / 16 lanes ("a group") cover one block. Per step, every group scores STEP keys: lanes write
+// their slice's partial dot products to workgroup memory, then each lane sums its group's partials and
+// runs the online softmax update (running max m, sum l, accumulators) on its slice.
+// When a workgroup has fewer blocks than groups, `key_lanes` groups share a block and take turns of STEP
+// keys ("key lanes"); their states are merged in workgroup memory at the end. Long contexts can also be
+// split across workgroups (grid z, split_len keys each): each split then writes unnormalised partials that
+// attention_reduce.wgsl combines (flash-decoding); with n_splits == 1 the result goes straight to `out`.
+//
+// Bindings: 0 params (uniform Params), 1 q (read) [rows, q_stride * 4], query heads in the first
+//           n_heads * HEAD_DIM floats of each row (RoPE applied; the model's fused [q | k | v] rows),
+//           2 k_cache (read) and 3 v_cache (read) [max_seq, n_kv_heads, HEAD_DIM],
+//           4 out (read_write) [rows, n_heads * HEAD_DIM],
+//           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
+//           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split.
+// Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
+//         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s).
+// Overrides: HEAD_DIM (a multiple of 16, at most 256).
+// Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
+//           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
+// Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage).
+
+struct Params {
+  rows: u32,
+  start_pos: u32,
+  n_heads: u32,
+  n_kv_heads: u32,
+  key_lanes: u32,
+  split_len: u32,
+  n_splits: u32,
+  q_stride: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> k_cache: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> v_cache: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> out: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> part_acc: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> part_stats: array<vec2<f32>>;
+
+override HEAD_DIM: u32 = 64u;
+
+const LANES: u32 = 64u;
+const STEP: u32 = 8u;  // keys a group scores between two barriers
+const STATE: u32 = 18u;  // vec4s of one lane's softmax state: 4 accumulator matrices, m, l
+// Masks a score: real scores are far above it, and exp(NEG - m) is 0 without overflowing.
+const NEG: f32 = -3.0e38;
+
+// Partial scores [LANES][STEP] during the key loop; at the end, the states of half the lanes being merged.
+var<workgroup> exchange: array<vec4<f32>, 576>;
+
+struct State {
+  a0: mat4x4<f32>,
+  a1: mat4x4<f32>,
+  a2: mat4x4<f32>,
+  a3: mat4x4<f32>,
+  m: vec4<f32>,
+  l: vec4<f32>,
+}
+
+// Scales query c's entries (row c of every column) by s[c].
+fn scale_queries(a: mat4x4<f32>, s: vec4<f32>) -> mat4x4<f32> {
+  return mat4x4<f32>(a[0] * s, a[1] * s, a[2] * s, a[3] * s);
+}
+
+// Column c = p * v[c]: query weights times one vec4 of value dims.
+fn outer(p: vec4<f32>, v: vec4<f32>) -> mat4x4<f32> {
+  return mat4x4<f32>(p * v.x, p * v.y, p * v.z, p * v.w);
+}
+
+// Slice i of the queries as a matrix: column c holds dim 4 * i + c of the four queries at q[at[c]].
+fn query_slice(at: vec4<u32>, scale: f32) -> mat4x4<f32> {
+  return transpose(mat4x4<f32>(q[at.x], q[at.y], q[at.z], q[at.w])) * scale;
+}
+
+fn combine(x: State, y: State) -> State {
+  let m = max(x.m, y.m);
+  let cx = exp(x.m - m);
+  let cy = exp(y.m - m);
+  return State(
+    scale_queries(x.a0, cx) + scale_queries(y.a0, cy),
+    scale_queries(x.a1, cx) + scale_queries(y.a1, cy),
+    scale_queries(x.a2, cx) + scale_queries(y.a2, cy),
+    scale_queries(x.a3, cx) + scale_queries(y.a3, cy),
+    m,
+    x.l * cx + y.l * cy,
+  );
+}
+
+fn store_state(at: u32, s: State) {
+  exchange[at] = s.a0[0];
+  exchange[at + 1u] = s.a0[1];
+  exchange[at + 2u] = s.a0[2];
+  exchange[at + 3u] = s.a0[3];
+  exchange[at + 4u] = s.a1[0];
+  exchange[at + 5u] = s.a1[1];
+  exchange[at + 6u] = s.a1[2];
+  exchange[at + 7u] = s.a1[3];
+  exchange[at + 8u] = s.a2[0];
+  exchange[at + 9u] = s.a2[1];
+  exchange[at + 10u] = s.a2[2];
+  exchange[at + 11u] = s.a2[3];
+  exchange[at + 12u] = s.a3[0];
+  exchange[at + 13u] = s.a3[1];
+  exchange[at + 14u] = s.a3[2];
+  exchange[at + 15u] = s.a3[3];
+  exchange[at + 16u] = s.m;
+  exchange[at + 17u] = s.l;
+}
+
+fn load_state(at: u32) -> State {
+  return State(
+    mat4x4<f32>(exchange[at], exchange[at + 1u], exchange[at + 2u], exchange[at + 3u]),
+    mat4x4<f32>(exchange[at + 4u], exchange[at + 5u], exchange[at + 6u], exchange[at + 7u]),
+    mat4x4<f32>(exchange[at + 8u], exchange[at + 9u], exchange[at + 10u], exchange[at + 11u]),
+    mat4x4<f32>(exchange[at + 12u], exchange[at + 13u], exchange[at + 14u], exchange[at + 15u]),
+    exchange[at + 16u],
+    exchange[at + 17u],
+  );
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+  let hd4 = HEAD_DIM / 4u;
+  let slices = HEAD_DIM / 16u;
+  let groups = LANES / slices;
+  let key_lanes = params.key_lanes;
+  let blocks_per_wg = groups / key_lanes;
+  let group = params.n_heads / params.n_kv_heads;
+  let n_pairs = params.rows * group;
+  let n_blocks = (n_pairs + 3u) / 4u;
+  let kv_head = wid.y;
+  let split = wid.z;
+
+  let slice = t % slices;
+  let lane_group = t / slices;
+  let key_lane = lane_group % key_lanes;
+  let local_block = lane_group / key_lanes;
+  let block = wid.x * blocks_per_wg + local_block;
+  let has_block = lane_group < blocks_per_wg * key_lanes && block < n_blocks;
+
+  // The workgroup's last pair sits on its latest row, which bounds the keys any of its lanes needs.
+  let last_pair = min(n_pairs, 4u * (wid.x + 1u) * blocks_per_wg) - 1u;
+  let key_begin = split * params.split_len;
+  let key_end = min(key_begin + params.split_len, params.start_pos + last_pair / group + 1u);
+  var n_steps = 0u;
+  if (key_end > key_begin) {
+    n_steps = (key_end - key_begin + key_lanes * STEP - 1u) / (key_lanes * STEP);
+  }
+
+  // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
+  // j < limit[c]. An empty slot (past the last pair) keeps limit 0 and reads pair 0's query harmlessly.
+  var limit = vec4<u32>(0u);
+  var row_head = vec4<u32>(0u);
+  var q_head = vec4<u32>(0u);
+  for (var c = 0u; c < 4u; c++) {
+    let pair = 4u * block + c;
+    if (has_block && pair < n_pairs) {
+      let head = kv_head * group + pair % group;
+      limit[c] = params.start_pos + pair / group + 1u;
+      row_head[c] = (pair / group) * params.n_heads + head;
+      q_head[c] = (pair / group) * params.q_stride + head * hd4;
+    }
+  }
+  let scale = inverseSqrt(f32(HEAD_DIM));
+  let q_at = q_head + vec4<u32>(4u * slice);
+  var q0 = mat4x4<f32>();
+  var q1 = mat4x4<f32>();
+  var q2 = mat4x4<f32>();
+  var q3 = mat4x4<f32>();
+  if (has_block) {
+    q0 = query_slice(q_at, scale);
+    q1 = query_slice(q_at + vec4<u32>(1u), scale);
+    q2 = query_slice(q_at + vec4<u32>(2u), scale);
+    q3 = query_slice(q_at + vec4<u32>(3u), scale);
+  }
+  var st = State(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), vec4<f32>(NEG), vec4<f32>(0.0));
+
+  for (var it = 0u; it < n_steps; it++) {
+    let first = key_begin + (it * key_lanes + key_lane) * STEP;
+    for (var u = 0u; u < STEP; u++) {
+      let j = first + u;
+      var s = vec4<f32>(0.0);
+      if (has_block && j < key_end) {
+        let at = (j * params.n_kv_heads + kv_head) * hd4 + 4u * slice;
+        s = q0 * k_cache[at] + q1 * k_cache[at + 1u] + q2 * k_cache[at + 2u] + q3 * k_cache[at + 3u];
+      }
+      exchange[t * STEP + u] = s;
+    }
+    workgroupBarrier();
+    for (var u = 0u; u < STEP; u++) {
+      let j = first + u;
+      if (has_block && j < key_end) {
+        var s = vec4<f32>(0.0);
+        for (var d = 0u; d < slices; d++) {
+          s += exchange[(lane_group * slices + d) * STEP + u];
+        }
+        let visible = vec4<u32>(j) < limit;
+        let m = max(st.m, select(vec4<f32>(NEG), s, visible));
+        let rescale = exp(st.m - m);
+        let p = select(vec4<f32>(0.0), exp(s - m), visible);
+        let at = (j * params.n_kv_heads + kv_head) * hd4 + 4u * slice;
+        st.a0 = scale_queries(st.a0, rescale) + outer(p, v_cache[at]);
+        st.a1 = scale_queries(st.a1, rescale) + outer(p, v_cache[at + 1u]);
+        st.a2 = scale_queries(st.a2, rescale) + outer(p, v_cache[at + 2u]);
+        st.a3 = scale_queries(st.a3, rescale) + outer(p, v_cache[at + 3u]);
+        st.m = m;
+        st.l = st.l * rescale + p;
+      }
+    }
+    workgroupBarrier();
+  }
+
+  // Merge the key lanes of each block pairwise: the upper half hands its states to the lower half.
+  for (var half = key_lanes / 2u; half > 0u; half /= 2u) {
+    let at = ((local_block * half + key_lane % half) * slices + slice) * STATE;
+    if (has_block && key_lane >= half && key_lane < 2u * half) {
+      store_state(at, st);
+    }
+    workgroupBarrier();
+    if (has_block && key_lane < half) {
+      st = combine(st, load_state(at));
+    }
+    workgroupBarrier();
+  }
+
+  if (has_block && key_lane == 0u && n_steps > 0u) {
+    let r0 = transpose(st.a0);
+    let r1 = transpose(st.a1);
+    let r2 = transpose(st.a2);
+    let r3 = transpose(st.a3);
+    for (var c = 0u; c < 4u; c++) {
+      if (limit[c] > 0u) {
+        if (params.n_splits == 1u) {
+          let at = row_head[c] * hd4 + 4u * slice;
+          let inv = 1.0 / st.l[c];
+          out[at] = r0[c] * inv;
+          out[at + 1u] = r1[c] * inv;
+          out[at + 2u] = r2[c] * inv;
+          out[at + 3u] = r3[c] * inv;
+        } else {
+          let part = split * params.rows * params.n_heads + row_head[c];
+          let at = part * hd4 + 4u * slice;
+          part_acc[at] = r0[c];
+          part_acc[at + 1u] = r1[c];
+          part_acc[at + 2u] = r2[c];
+          part_acc[at + 3u] = r3[c];
+          if (slice == 0u) {
+            part_stats[part] = vec2<f32>(st.m[c], st.l[c]);
+          }
+        }
+      }
+    }
+  }
+}

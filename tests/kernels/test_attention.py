@@ -1,0 +1,221 @@
+"""Causal GQA attention over the KV cache (shaders/attention.wgsl, attention_reduce.wgsl) vs numpy float64.
+
+Tolerance: |gpu - reference| <= 1e-5 * max|v|. Each output is a convex combination of value rows, so its
+error is the error of the weights times |v|. The kernel computes scores, exponentials and sums in f32
+(relative error ~1e-7 per operation, a few hundred terms at most here) while the reference works in
+float64 from the same f32 inputs; 1e-5 leaves a wide margin over that yet fails on any indexing, masking or
+normalisation mistake, which moves outputs by ~1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from doppler_py.errors import DeviceLimitError
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.ops.attention import Attention
+
+TOLERANCE = 1e-5
+SMOLLM2 = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
+
+
+def reference(q, k, v, rows, start_pos, n_heads, n_kv_heads):
+    """Causal GQA softmax attention in float64; reads only cache positions < start_pos + rows."""
+    head_dim = k.shape[-1]
+    group = n_heads // n_kv_heads
+    context = start_pos + rows
+    qh = q[:rows].reshape(rows, n_heads, head_dim).astype(np.float64)
+    kh = np.repeat(k[:context].astype(np.float64), group, axis=1)  # kv head h // group for query head h
+    vh = np.repeat(v[:context].astype(np.float64), group, axis=1)
+    scores = np.einsum("rhd,jhd->hrj", qh, kh) / np.sqrt(head_dim)
+    future = np.arange(context)[None, :] > (start_pos + np.arange(rows))[:, None]
+    scores[:, future] = -np.inf
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hrj,jhd->rhd", p, vh).reshape(rows, n_heads * head_dim)
+
+
+class Case:
+    """Random queries and a KV cache whose positions past start_pos + rows hold `garbage`."""
+
+    def __init__(self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, garbage=np.nan):
+        self.shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads}
+        self.q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
+        self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
+        self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
+        self.garbage = garbage
+        self.gpu = gpu
+        self.tq = Tensor.from_numpy(gpu, self.q)
+        self.tk = Tensor.empty(gpu, self.k.shape)
+        self.tv = Tensor.empty(gpu, self.v.shape)
+        self.out = Tensor.from_numpy(gpu, np.full(self.q.shape, -7.0, np.float32))
+        self.op = Attention(
+            registry,
+            self.tq,
+            self.tk,
+            self.tv,
+            self.out,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            max_seq=max_seq,
+            max_rows=max_rows,
+        )
+
+    def upload_cache(self, used: int) -> None:
+        for tensor, data in ((self.tk, self.k), (self.tv, self.v)):
+            poisoned = data.copy()
+            poisoned[used:] = self.garbage
+            tensor.write(poisoned)
+
+    def run(self, registry, rows, start_pos, splits=None):
+        self.upload_cache(start_pos + rows)
+        rec = registry.recorder()
+        self.op.record(rec, rows, start_pos, splits=splits)
+        rec.submit()
+        return self.out.numpy()
+
+    def expected(self, rows, start_pos):
+        return reference(self.q, self.k, self.v, rows, start_pos, **self.shape)
+
+    def check(self, got, rows, start_pos):
+        atol = TOLERANCE * np.abs(self.v).max()
+        np.testing.assert_allclose(got[:rows], self.expected(rows, start_pos), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 20, 65])
+def test_prefill_from_position_zero_matches_reference(gpu, registry, rng, rows):
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=96, max_rows=65)
+    got = case.run(registry, rows, 0)
+    case.check(got, rows, 0)
+    assert np.all(got[rows:] == -7.0), "rows past `rows` must not be written"
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows", "start_pos"),
+    [
+        (SMOLLM2, 13, 37),
+        ({"n_heads": 8, "n_kv_heads": 2, "head_dim": 128}, 20, 45),
+        ({"n_heads": 4, "n_kv_heads": 4, "head_dim": 64}, 33, 100),
+    ],
+)
+def test_chunked_prefill_attends_to_the_cached_prefix(gpu, registry, rng, shape, rows, start_pos):
+    case = Case(gpu, registry, rng, **shape, max_seq=160, max_rows=33)
+    case.check(case.run(registry, rows, start_pos), rows, start_pos)
+
+
+def test_decode_matches_reference_at_many_positions(gpu, registry, rng):
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=1)
+    for position in (0, 1, 63, 64, 65, 300):
+        case.check(case.run(registry, 1, position), 1, position)
+
+
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv_heads"),
+    [(9, 3), (4, 4), (8, 2)],
+    ids=["gqa3", "mha", "gqa4"],
+)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("rows", "start_pos"), [(1, 130), (5, 70)], ids=["decode", "verify5"])
+def test_grouped_query_heads_read_their_shared_kv_head(
+    gpu, registry, rng, n_heads, n_kv_heads, head_dim, rows, start_pos
+):
+    case = Case(gpu, registry, rng, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, max_seq=160, max_rows=8)
+    case.check(case.run(registry, rows, start_pos), rows, start_pos)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 256])
+def test_other_head_dims(gpu, registry, rng, head_dim):
+    case = Case(gpu, registry, rng, n_heads=4, n_kv_heads=2, head_dim=head_dim, max_seq=64, max_rows=9)
+    for rows, start_pos in ((1, 50), (9, 21)):
+        case.check(case.run(registry, rows, start_pos), rows, start_pos)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize(("rows", "start_pos"), [(1, 300), (5, 200), (16, 90)])
+def test_key_range_split_across_workgroups_matches_reference(gpu, registry, rng, splits, rows, start_pos):
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=16)
+    assert case.op.plan(rows, start_pos, splits)[2] == splits
+    case.check(case.run(registry, rows, start_pos, splits=splits), rows, start_pos)
+
+
+@pytest.mark.parametrize("garbage", [np.nan, np.inf, -3e38, 3e38], ids=["nan", "inf", "-huge", "huge"])
+def test_cache_past_the_used_length_is_never_read(gpu, registry, rng, garbage):
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=512, max_rows=16, garbage=garbage)
+    for rows, start_pos, splits in ((1, 40, None), (7, 100, None), (3, 150, 3)):
+        got = case.run(registry, rows, start_pos, splits=splits)
+        assert np.isfinite(got[:rows]).all()
+        case.check(got, rows, start_pos)
+
+
+def test_large_magnitude_scores_stay_finite_and_exact(gpu, registry, rng):
+    # Integer q and k make every score exact in f32 (|q.k| < 2^24, scale 1/8), with scores in the thousands:
+    # exp(score) overflows f32, so this only passes with the max subtracted first.
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=128, max_rows=6)
+    case.q = rng.integers(-40, 41, case.q.shape).astype(np.float32)
+    case.k = rng.integers(-40, 41, case.k.shape).astype(np.float32)
+    case.tq.write(case.q)
+    scores = np.abs(case.q[:1, :64] @ case.k[:, 0].T) / 8
+    assert scores.max() > 1000
+    for rows, start_pos, splits in ((6, 0, None), (1, 120, None), (1, 120, 2)):
+        case.check(case.run(registry, rows, start_pos, splits=splits), rows, start_pos)
+
+
+def test_decode_and_verification_ops_share_one_submit(gpu, registry, rng):
+    # Two layers' worth of ops, one with split keys, recorded into one encoder: each keeps its own uniforms
+    # and partial buffers.
+    first = Case(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=5)
+    second = Case(gpu, registry, rng, n_heads=8, n_kv_heads=2, head_dim=128, max_seq=320, max_rows=5)
+    first.upload_cache(301)
+    second.upload_cache(205)
+    rec = registry.recorder()
+    first.op.record(rec, 1, 300, splits=3)
+    second.op.record(rec, 5, 200)
+    rec.submit()
+    first.check(first.out.numpy(), 1, 300)
+    second.check(second.out.numpy(), 5, 200)
+
+
+def test_invalid_shapes_and_positions_are_rejected(gpu, registry, rng):
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4)
+    tensors = (case.tq, case.tk, case.tv, case.out)
+    rec = registry.recorder()
+    with pytest.raises(DeviceLimitError, match="exceed the cache"):
+        case.op.record(rec, 4, 30)
+    with pytest.raises(ValueError, match="rows"):
+        case.op.record(rec, 5, 0)
+    with pytest.raises(ValueError, match="split"):
+        Case(gpu, registry, rng, **SMOLLM2, max_seq=64, max_rows=20).op.record(rec, 20, 0, splits=2)
+    with pytest.raises(ValueError, match="head_dim"):
+        Attention(registry, *tensors, n_heads=9, n_kv_heads=3, head_dim=40, max_seq=32, max_rows=4)
+    with pytest.raises(ValueError, match="multiple"):
+        Attention(registry, *tensors, n_heads=9, n_kv_heads=2, head_dim=64, max_seq=32, max_rows=4)
+
+
+def test_queries_are_read_from_fused_qkv_rows(gpu, registry, rng):
+    """The model passes its [q | k | v] projection rows directly: q heads first, then k and v heads."""
+    n_heads, n_kv_heads, head_dim, rows, start_pos = 9, 3, 64, 5, 40
+    stride = (n_heads + 2 * n_kv_heads) * head_dim
+    qkv = rng.standard_normal((rows, stride)).astype(np.float32)
+    k = rng.standard_normal((64, n_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((64, n_kv_heads, head_dim)).astype(np.float32)
+    out = Tensor.empty(gpu, (rows, n_heads * head_dim))
+    op = Attention(
+        registry,
+        Tensor.from_numpy(gpu, qkv),
+        Tensor.from_numpy(gpu, k),
+        Tensor.from_numpy(gpu, v),
+        out,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        max_seq=64,
+        max_rows=rows,
+        q_row_stride=stride,
+    )
+    rec = registry.recorder()
+    op.record(rec, rows, start_pos)
+    rec.submit()
+    expected = reference(qkv[:, : n_heads * head_dim], k, v, rows, start_pos, n_heads, n_kv_heads)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=TOLERANCE * np.abs(v).max())
