@@ -1,0 +1,264 @@
+"""A model's shape and hyper-parameters, read from a Hugging Face `config.json` and checked.
+
+Fields a config leaves out take the value transformers would use for that architecture, so a folder loads
+the same way here as in transformers. Both the transformers 4 spelling (`rope_theta`, `rope_scaling`,
+`torch_dtype`) and the transformers 5 spelling (`rope_parameters`, `dtype`) are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import EllipsisType
+from typing import Any
+
+from doppler_py.errors import ModelFormatError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    model_type: str
+    max_position_embeddings: int  # transformers' default when config.json omits it
+    qkv_bias: bool  # q/k/v projections always carry biases (Qwen2)
+
+
+ARCHITECTURES: dict[str, _Architecture] = {
+    "LlamaForCausalLM": _Architecture("llama", 2048, qkv_bias=False),
+    "MistralForCausalLM": _Architecture("mistral", 131072, qkv_bias=False),
+    "Qwen2ForCausalLM": _Architecture("qwen2", 32768, qkv_bias=True),
+}
+
+# Parameters each RoPE scaling type needs besides its name ("default" means no scaling).
+ROPE_SCALING_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_DEFAULT_RMS_NORM_EPS = 1e-6
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A validated LLaMA-family configuration (LLaMA, SmolLM, Mistral, Qwen2)."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # {"rope_type": "linear" | "llama3", ...its parameters}, None = plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q_proj, k_proj and v_proj have biases
+    attention_out_bias: bool  # o_proj has a bias too (LLaMA with attention_bias=true)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ModelFormatError(f"{path}: config.json not found") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelFormatError(f"{path}: not a readable JSON file ({exc})") from None
+        if not isinstance(data, dict):
+            raise ModelFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
+        """Check `data` (a parsed config.json); `source` names it in error messages."""
+        fields = _Fields(data, source)
+        architecture = _architecture(data, source)
+        arch = ARCHITECTURES[architecture]
+
+        ints = {name: fields.positive_int(name) for name in _REQUIRED_INTS}
+        heads = ints["num_attention_heads"]
+        kv_heads = fields.positive_int("num_key_value_heads", default=heads)
+        if heads % kv_heads:
+            raise ModelFormatError(
+                f"{source}: field 'num_key_value_heads' = {kv_heads} does not divide num_attention_heads = {heads}"
+            )
+        head_dim = fields.positive_int("head_dim", default=None)
+        if head_dim is None:
+            if ints["hidden_size"] % heads:
+                raise ModelFormatError(
+                    f"{source}: field 'num_attention_heads' = {heads} does not divide "
+                    f"hidden_size = {ints['hidden_size']} (and no head_dim is given)"
+                )
+            head_dim = ints["hidden_size"] // heads
+        if head_dim % 2:
+            raise ModelFormatError(f"{source}: field 'head_dim' = {head_dim} must be even for rotary embeddings")
+
+        max_positions = fields.positive_int("max_position_embeddings", default=arch.max_position_embeddings)
+        _reject_sliding_window(data, max_positions, source)
+        if fields.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{source}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
+        if fields.boolean("mlp_bias", default=False):
+            raise UnsupportedModelError(f"{source}: mlp_bias = true is not supported")
+        bias_flag = fields.boolean("attention_bias", default=False)
+        rope_theta, rope_scaling = _rope(fields, source)
+
+        return cls(
+            architecture=architecture,
+            model_type=arch.model_type,
+            vocab_size=ints["vocab_size"],
+            hidden_size=ints["hidden_size"],
+            intermediate_size=ints["intermediate_size"],
+            num_hidden_layers=ints["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=fields.positive_float("rms_norm_eps", default=_DEFAULT_RMS_NORM_EPS),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False),
+            attention_bias=arch.qkv_bias or bias_flag,
+            attention_out_bias=bias_flag and not arch.qkv_bias,
+            bos_token_id=fields.token_id("bos_token_id", ints["vocab_size"]),
+            eos_token_ids=fields.token_ids("eos_token_id", ints["vocab_size"]),
+            torch_dtype=fields.get("torch_dtype", None) or fields.get("dtype", None),
+        )
+
+
+def _architecture(data: dict[str, Any], source: str) -> str:
+    architectures = data.get("architectures")
+    model_type = data.get("model_type")
+    if architectures:
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise ModelFormatError(f"{source}: field 'architectures' must be a list of names, got {architectures!r}")
+        name = architectures[0]
+        if name not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{source}: architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+            )
+        expected = ARCHITECTURES[name].model_type
+        if model_type is not None and model_type != expected:
+            raise ModelFormatError(
+                f"{source}: field 'model_type' = {model_type!r} contradicts architecture {name!r} ({expected!r})"
+            )
+        return name
+    if model_type is None:
+        raise ModelFormatError(f"{source}: neither 'architectures' nor 'model_type' is given")
+    for name, arch in ARCHITECTURES.items():
+        if arch.model_type == model_type:
+            return name
+    known = ", ".join(a.model_type for a in ARCHITECTURES.values())
+    raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported (supported: {known})")
+
+
+def _reject_sliding_window(data: dict[str, Any], max_positions: int, source: str) -> None:
+    layer_types = data.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise UnsupportedModelError(
+            f"{source}: layer_types other than 'full_attention' (sliding window) are not supported: {layer_types}"
+        )
+    window = data.get("sliding_window")
+    # Qwen2 carries a window size it does not use unless use_sliding_window is set; Mistral has no flag and
+    # uses its window whenever one is set that is shorter than the context.
+    if data.get("use_sliding_window", True) and isinstance(window, int) and window < max_positions:
+        raise UnsupportedModelError(
+            f"{source}: sliding-window attention (sliding_window = {window} < max_position_embeddings = "
+            f"{max_positions}) is not supported"
+        )
+
+
+def _rope(fields: _Fields, source: str) -> tuple[float, dict[str, Any] | None]:
+    parameters = fields.get("rope_parameters", None)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ModelFormatError(f"{source}: field 'rope_parameters' must be an object, got {parameters!r}")
+    parameters = dict(parameters or {})
+    theta = parameters.pop("rope_theta", None)
+    if theta is None:
+        theta = fields.positive_float("rope_theta", default=_DEFAULT_ROPE_THETA)
+    elif not _is_number(theta) or theta <= 0:
+        raise ModelFormatError(f"{source}: field 'rope_parameters.rope_theta' must be a positive number, got {theta!r}")
+
+    scaling = fields.get("rope_scaling", None)
+    if scaling is None:
+        scaling = parameters
+    elif not isinstance(scaling, dict):
+        raise ModelFormatError(f"{source}: field 'rope_scaling' must be an object or null, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind not in ROPE_SCALING_PARAMETERS:
+        raise UnsupportedModelError(
+            f"{source}: rope scaling type {kind!r} is not supported (supported: default, "
+            f"{', '.join(ROPE_SCALING_PARAMETERS)})"
+        )
+    normalized: dict[str, Any] = {"rope_type": kind}
+    for name in ROPE_SCALING_PARAMETERS[kind]:
+        value = scaling.get(name)
+        if not _is_number(value) or value <= 0:
+            raise ModelFormatError(f"{source}: field 'rope_scaling.{name}' must be a positive number, got {value!r}")
+        normalized[name] = value
+    return float(theta), normalized
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class _Fields:
+    """Typed reads of config.json fields, with errors naming the file and the field."""
+
+    def __init__(self, data: dict[str, Any], source: str):
+        self.data = data
+        self.source = source
+
+    def get(self, name: str, default: Any) -> Any:
+        value = self.data.get(name)
+        return default if value is None else value
+
+    def positive_int(self, name: str, default: int | EllipsisType | None = ...) -> Any:
+        """The field's value; a missing field is an error unless a default (None included) is given."""
+        value = self.data.get(name)
+        if value is None:
+            if default is ...:
+                raise ModelFormatError(f"{self.source}: required field {name!r} is missing")
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelFormatError(f"{self.source}: field {name!r} must be a positive integer, got {value!r}")
+        return value
+
+    def positive_float(self, name: str, default: float) -> float:
+        value = self.get(name, default)
+        if not _is_number(value) or value <= 0:
+            raise ModelFormatError(f"{self.source}: field {name!r} must be a positive number, got {value!r}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            raise ModelFormatError(f"{self.source}: field {name!r} must be true or false, got {value!r}")
+        return value
+
+    def token_id(self, name: str, vocab_size: int) -> int | None:
+        ids = self.token_ids(name, vocab_size)
+        if len(ids) > 1:
+            raise ModelFormatError(f"{self.source}: field {name!r} must be one token id, got {self.data[name]!r}")
+        return ids[0] if ids else None
+
+    def token_ids(self, name: str, vocab_size: int) -> tuple[int, ...]:
+        value = self.data.get(name)
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in values):
+            raise ModelFormatError(
+                f"{self.source}: field {name!r} must be a token id below vocab_size = {vocab_size} "
+                f"(or a list of them), got {value!r}"
+            )
+        return tuple(values)

@@ -1,0 +1,632 @@
+"""GGUF files: a checked, memory-mapped reader, and conversion into a Hugging Face style model folder.
+
+A converted folder holds config.json, generation_config.json, model.safetensors, tokenizer.json and
+tokenizer_config.json (with the chat template), plus `doppler_conversion.json`, which says what it was made
+from. Weights are written as f32, f16, or "keep": GGUF blocks of Q4_0 / Q4_1 / Q8_0 are stored byte for byte
+as U8 tensors of shape [N, K/32 * block_bytes], and the safetensors header metadata key "doppler.quant" maps
+each such tensor to {"format": "q4_1", "shape": [N, K]}. Other block types are dequantised to f16 in "keep"
+mode (f16 rounding is far below their quantisation error).
+
+The header is parsed here rather than by `gguf.GGUFReader` so that a truncated or malformed file, or an
+unknown tensor type, is reported with the file, the tensor and the byte offset; the `gguf` package still
+supplies the type table and the dequantisers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from doppler_py.errors import ModelFormatError, UnsupportedModelError
+from doppler_py.model.config import ModelConfig
+
+WEIGHT_MODES = ("f32", "f16", "keep")
+QUANT_METADATA_KEY = "doppler.quant"
+KEPT_BLOCK_FORMATS = {
+    GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q8_0: "q8_0",
+}
+CONVERSION_MARKER = "doppler_conversion.json"
+CONVERSION_FORMAT = 1  # bump when converted folders change, so caches made by older versions are redone
+
+_MAGIC = b"GGUF"
+_SUPPORTED_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4
+
+# --- reading ----------------------------------------------------------------------------------------------
+
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order, rows first (the file lists dimensions innermost first)
+    raw: np.ndarray  # the stored bytes, a uint8 view into the memory map
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The bytes as one row per index of the first dimension (rows of blocks for quantised types)."""
+        return self.raw.reshape(self.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+
+class _Cursor:
+    """Sequential little-endian reads from the mapped file; running off its end is a truncation error."""
+
+    def __init__(self, data: np.ndarray, path: Path):
+        self.data = data
+        self.path = path
+        self.pos = 0
+
+    def take(self, size: int, what: str) -> memoryview:
+        end = self.pos + size
+        if size < 0 or end > len(self.data):
+            raise ModelFormatError(
+                f"{self.path}: truncated GGUF header: {what} needs bytes [{self.pos}, {end}) "
+                f"but the file has {len(self.data)} bytes"
+            )
+        view = memoryview(self.data[self.pos : end])
+        self.pos = end
+        return view
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        size = self.scalar("<Q", what)
+        try:
+            return bytes(self.take(size, what)).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ModelFormatError(f"{self.path}: {what} is not valid UTF-8 ({exc})") from None
+
+    def value(self, kind: int, what: str) -> Any:
+        if kind == _STRING:
+            return self.string(what)
+        if kind in _SCALAR_FORMATS:
+            return self.scalar(_SCALAR_FORMATS[kind], what)
+        if kind == _ARRAY:
+            item_kind = self.scalar("<I", what)
+            count = self.scalar("<Q", what)
+            if item_kind in _SCALAR_FORMATS:
+                dtype = np.dtype(_SCALAR_FORMATS[item_kind])
+                return np.frombuffer(self.take(count * dtype.itemsize, what), dtype=dtype).tolist()
+            return [self.value(item_kind, f"{what}[{i}]") for i in range(count)]
+        raise ModelFormatError(f"{self.path}: {what} has unknown value type {kind}")
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF file's header and map its tensors (no tensor data is read until used)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: GGUF file not found") from None
+    if size < len(_MAGIC):
+        raise ModelFormatError(f"{path}: {size} bytes is too short to be a GGUF file")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cursor = _Cursor(data, path)
+    if bytes(cursor.take(4, "magic")) != _MAGIC:
+        raise ModelFormatError(f"{path}: not a GGUF file (magic {bytes(data[:4])!r})")
+    version = cursor.scalar("<I", "version")
+    if version not in _SUPPORTED_VERSIONS:
+        raise UnsupportedModelError(
+            f"{path}: GGUF version {version} is not supported (supported: {_SUPPORTED_VERSIONS}; "
+            "a huge number means a big-endian file)"
+        )
+    tensor_count = cursor.scalar("<Q", "tensor count")
+    kv_count = cursor.scalar("<Q", "metadata count")
+    metadata: dict[str, Any] = {}
+    for index in range(kv_count):
+        key = cursor.string(f"metadata key #{index}")
+        metadata[key] = cursor.value(cursor.scalar("<I", f"type of {key}"), f"metadata {key!r}")
+
+    infos = []
+    for index in range(tensor_count):
+        name = cursor.string(f"name of tensor #{index}")
+        n_dims = cursor.scalar("<I", f"tensor {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ModelFormatError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+        dims = [cursor.scalar("<Q", f"tensor {name!r}") for _ in range(n_dims)]
+        type_id = cursor.scalar("<I", f"tensor {name!r}")
+        offset = cursor.scalar("<Q", f"tensor {name!r}")
+        infos.append((name, dims, type_id, offset))
+
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelFormatError(f"{path}: general.alignment = {alignment!r} is not a power of two")
+    data_start = -(-cursor.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, type_id, offset in infos:
+        if name in tensors:
+            raise ModelFormatError(f"{path}: tensor {name!r} appears twice")
+        tensors[name] = _tensor(path, data, name, dims, type_id, data_start, offset, alignment)
+    return GGUFFile(path, version, metadata, tensors)
+
+
+def _tensor(
+    path: Path, data: np.ndarray, name: str, dims: list[int], type_id: int, data_start: int, offset: int, align: int
+) -> GGUFTensor:
+    try:
+        ggml_type = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise UnsupportedModelError(f"{path}: tensor {name!r} has unknown ggml type id {type_id}") from None
+    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if dims[0] % block_size:
+        raise ModelFormatError(
+            f"{path}: tensor {name!r} ({ggml_type.name}) has a row of {dims[0]} values, "
+            f"not a multiple of its block size {block_size}"
+        )
+    if offset % align:
+        raise ModelFormatError(f"{path}: tensor {name!r} starts at offset {offset}, not aligned to {align}")
+    nbytes = int(np.prod(dims, dtype=np.int64)) // block_size * block_bytes
+    begin = data_start + offset
+    if begin + nbytes > len(data):
+        raise ModelFormatError(
+            f"{path}: tensor {name!r} needs bytes [{begin}, {begin + nbytes}) but the file has "
+            f"{len(data)} bytes (truncated?)"
+        )
+    return GGUFTensor(name, ggml_type, tuple(reversed(dims)), data[begin : begin + nbytes])
+
+
+# --- model configuration from metadata ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GGUFArchitecture:
+    hf_architecture: str
+    rope_rows_permuted: bool  # llama.cpp's converter interleaves Q/K rows for its rotary kernel
+    has_qkv_bias: bool
+
+
+_ARCHITECTURES = {
+    "llama": _GGUFArchitecture("LlamaForCausalLM", rope_rows_permuted=True, has_qkv_bias=False),
+    "qwen2": _GGUFArchitecture("Qwen2ForCausalLM", rope_rows_permuted=False, has_qkv_bias=True),
+}
+
+
+class _Metadata:
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+        self.arch = gguf.metadata.get("general.architecture")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.gguf.metadata.get(key, default)
+
+    def required(self, key: str) -> Any:
+        if key not in self.gguf.metadata:
+            raise ModelFormatError(f"{self.gguf.path}: metadata key {key!r} is missing")
+        return self.gguf.metadata[key]
+
+    def model(self, name: str, default: Any = ...) -> Any:
+        key = f"{self.arch}.{name}"
+        return self.required(key) if default is ... else self.get(key, default)
+
+
+def _architecture(gguf: GGUFFile) -> _GGUFArchitecture:
+    arch = gguf.metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
+        )
+    return _ARCHITECTURES[arch]
+
+
+def hf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """The Hugging Face config.json contents this GGUF's metadata describes."""
+    arch = _architecture(gguf)
+    if "rope_freqs.weight" in gguf.tensors:
+        raise UnsupportedModelError(
+            f"{gguf.path}: tensor 'rope_freqs.weight' (llama3-style RoPE scaling baked into frequency factors) "
+            "is not supported in GGUF import; convert the original Hugging Face folder instead"
+        )
+    meta = _Metadata(gguf)
+    hidden = meta.model("embedding_length")
+    heads = meta.model("attention.head_count")
+    head_dim = meta.model("attention.key_length", None)
+    if meta.model("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{gguf.path}: attention key and value lengths differ")
+    vocab_size = meta.model("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", ()))
+    config: dict[str, Any] = {
+        "architectures": [arch.hf_architecture],
+        "model_type": meta.arch,
+        "vocab_size": vocab_size or None,
+        "hidden_size": hidden,
+        "intermediate_size": meta.model("feed_forward_length"),
+        "num_hidden_layers": meta.model("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.model("attention.head_count_kv", heads),
+        "head_dim": head_dim,  # absent: hidden_size / num_attention_heads
+        "rms_norm_eps": meta.model("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.model("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta.model("context_length"),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling = meta.model("rope.scaling.type", "none")
+    if scaling != "none":
+        # ModelConfig refuses the types we do not implement, with their name.
+        config["rope_scaling"] = {"rope_type": scaling, "factor": meta.model("rope.scaling.factor", None)}
+    return config
+
+
+# --- tensor names and layout -------------------------------------------------------------------------------
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None if it has no counterpart."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
+    if match and match[2] in _LAYER_TENSORS:
+        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+    return None
+
+
+def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("output.weight")
+    for layer in range(config.num_hidden_layers):
+        names += [f"blk.{layer}.{part}.weight" for part in _LAYER_TENSORS]
+        if arch.has_qkv_bias:
+            names += [f"blk.{layer}.attn_{part}.bias" for part in "qkv"]
+    return names
+
+
+def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: within each head it interleaves the two rotary halves
+    (row 2j+i holds HF row i*head_dim/2 + j). Rows may be bytes or blocks; they are only moved."""
+    per_head = rows.shape[0] // n_heads
+    return rows.reshape(n_heads, per_head // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+_ITEM_BYTES = {"F32": 4, "F16": 2, "U8": 1}
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One output tensor: where it comes from and how it is stored."""
+
+    name: str
+    source: GGUFTensor
+    dtype: str  # safetensors dtype: "F32", "F16" or "U8"
+    shape: tuple[int, ...]
+    kept_format: str | None  # the ggml block format of a "keep" tensor stored as raw bytes
+    rope_heads: int  # undo the Q/K row permutation over this many heads (0: rows stay)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _ITEM_BYTES[self.dtype]
+
+
+def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights: str) -> list[_Planned]:
+    for name in _expected_tensors(config, arch):
+        if name not in gguf.tensors:
+            raise ModelFormatError(f"{gguf.path}: tensor {name!r} is missing")
+    rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    plan = []
+    for tensor in gguf.tensors.values():
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            raise UnsupportedModelError(f"{gguf.path}: tensor {tensor.name!r} has no Hugging Face counterpart")
+        match = _LAYER_TENSOR_NAME.fullmatch(tensor.name)
+        if match and int(match[1]) >= config.num_hidden_layers:
+            raise ModelFormatError(
+                f"{gguf.path}: tensor {tensor.name!r} is beyond block_count = {config.num_hidden_layers}"
+            )
+        heads = rope_heads.get(match[2], 0) if match and arch.rope_rows_permuted else 0
+        if heads and tensor.shape[0] != heads * config.head_dim:
+            raise ModelFormatError(
+                f"{gguf.path}: tensor {tensor.name!r} has {tensor.shape[0]} rows, expected "
+                f"{heads} heads x head_dim {config.head_dim}"
+            )
+        plan.append(_plan_tensor(name, tensor, weights, heads))
+    return plan
+
+
+def _plan_tensor(name: str, tensor: GGUFTensor, weights: str, rope_heads: int) -> _Planned:
+    kind = tensor.ggml_type
+    if weights == "keep" and kind in KEPT_BLOCK_FORMATS and len(tensor.shape) == 2:
+        return _Planned(name, tensor, "U8", tensor.rows.shape, KEPT_BLOCK_FORMATS[kind], rope_heads)
+    if weights == "keep" and kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        dtype = "F32" if kind == GGMLQuantizationType.F32 else "F16"
+    else:
+        dtype = "F32" if weights == "f32" else "F16"
+    return _Planned(name, tensor, dtype, tensor.shape, None, rope_heads)
+
+
+def _materialise(item: _Planned, gguf_path: Path) -> np.ndarray:
+    """The stored array for one planned tensor, Q/K rows restored to Hugging Face order."""
+    source = item.source
+    rows = source.rows
+    if item.rope_heads:
+        rows = unpermute_rope_rows(rows, item.rope_heads)
+    if item.kept_format:
+        return rows
+    try:
+        values = dequantize(np.ascontiguousarray(rows), source.ggml_type)
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"{gguf_path}: tensor {source.name!r} uses {source.ggml_type.name}, which cannot be dequantised "
+            f"(kept as blocks: {', '.join(KEPT_BLOCK_FORMATS.values())})"
+        ) from None
+    values = values.reshape(source.shape)
+    if item.dtype == "F32":
+        return values.astype(np.float32, copy=False)
+    half = values.astype(np.float16)
+    if not np.isfinite(half).all() and np.isfinite(values).all():
+        raise UnsupportedModelError(
+            f"{gguf_path}: tensor {source.name!r} has values beyond the float16 range; convert with weights='f32'"
+        )
+    return half
+
+
+# --- safetensors writing ------------------------------------------------------------------------------------
+
+
+def _write_safetensors(
+    path: Path, plan: list[_Planned], produce: Callable[[_Planned], np.ndarray], on_tensor: Callable[[int], None]
+) -> None:
+    """Stream tensors into a safetensors file one at a time, so at most one dequantised tensor is in memory."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for item in plan:
+        header[item.name] = {
+            "dtype": item.dtype,
+            "shape": list(item.shape),
+            "data_offsets": [offset, offset + item.nbytes],
+        }
+        offset += item.nbytes
+    metadata = {"format": "pt"}
+    kept = {
+        item.name: {"format": item.kept_format, "shape": list(item.source.shape)} for item in plan if item.kept_format
+    }
+    if kept:
+        metadata[QUANT_METADATA_KEY] = json.dumps(kept, sort_keys=True)
+    header["__metadata__"] = metadata
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for item in plan:
+            array = np.ascontiguousarray(produce(item))
+            if array.nbytes != item.nbytes:
+                raise AssertionError(f"{item.name}: produced {array.nbytes} bytes, planned {item.nbytes}")
+            out.write(memoryview(array).cast("B"))
+            on_tensor(item.nbytes)
+
+
+# --- tokenizer from metadata --------------------------------------------------------------------------------
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# How the text splitting that llama.cpp names in `tokenizer.ggml.pre` is spelled for the tokenizers package.
+# A missing or unknown name is refused rather than guessed: a wrong split tokenises silently differently.
+_PRE_TOKENIZER_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+_GPT2_PRE_TOKENIZERS = ("gpt-2",)
+_DIGIT_SPLITTING_PRE_TOKENIZERS = ("smollm",)  # GPT-2's regex after splitting every digit on its own
+
+
+def _pre_tokenizer(kind: str, path: Path):
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind in _GPT2_PRE_TOKENIZERS:
+        return byte_level
+    if kind in _DIGIT_SPLITTING_PRE_TOKENIZERS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if kind in _PRE_TOKENIZER_SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PRE_TOKENIZER_SPLITS[kind]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    known = ", ".join(sorted((*_GPT2_PRE_TOKENIZERS, *_DIGIT_SPLITTING_PRE_TOKENIZERS, *_PRE_TOKENIZER_SPLITS)))
+    stated = "is missing" if kind is None else f"= {kind!r} is not supported"
+    raise UnsupportedModelError(f"{path}: tokenizer.ggml.pre {stated} (supported: {known})")
+
+
+def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
+    """`(tokenizer.json text, tokenizer_config.json contents)` for the byte-level BPE vocabulary in the metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    meta = _Metadata(gguf)
+    model = meta.required("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise UnsupportedModelError(
+            f"{gguf.path}: tokenizer.ggml.model = {model!r} is not supported (only 'gpt2', byte-level BPE)"
+        )
+    tokens = meta.required("tokenizer.ggml.tokens")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        duplicate = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+        raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.tokens lists {duplicate!r} more than once")
+    merges = []
+    for index, merge in enumerate(meta.required("tokenizer.ggml.merges")):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.merges[{index}] = {merge!r} is not a pair")
+        merges.append((pair[0], pair[1]))
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"), gguf.path)
+    tokenizer.decoder = decoders.ByteLevel()
+    token_types = meta.get("tokenizer.ggml.token_type", [0] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ModelFormatError(
+            f"{gguf.path}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+        )
+    typed = list(zip(tokens, token_types, strict=True))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        if index is None:
+            return None
+        if not 0 <= index < len(tokens):
+            raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.{key} = {index} is outside the vocabulary")
+        return tokens[index]
+
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        single = " ".join([*([f"{bos}:0"] if add_bos else []), "$A:0", *([f"{eos}:0"] if add_eos else [])])
+        special = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": meta.model("context_length", None),
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return tokenizer.to_str(), config
+
+
+# --- conversion ---------------------------------------------------------------------------------------------
+
+
+def _json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}, indent=2, ensure_ascii=False) + "\n")
+
+
+def source_identity(gguf_path: Path) -> dict[str, Any]:
+    """What identifies a GGUF file for caching: its name, size and modification time."""
+    stat = gguf_path.stat()
+    return {"source": gguf_path.name, "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, weights: str = "f16", *, progress: bool = True) -> Path:
+    """Convert a GGUF file into a Hugging Face style folder at `out_dir`, which must not exist yet.
+
+    The folder appears complete or not at all: it is written under a temporary name beside `out_dir` and
+    renamed at the end. A progress bar on stderr counts output bytes unless `progress` is False.
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists")
+    started = time.perf_counter()
+    gguf = read_gguf(gguf_path)
+    arch = _architecture(gguf)
+    config_data = hf_config(gguf)
+    config_data["torch_dtype"] = {"f32": "float32", "f16": "float16"}.get(weights)
+    config = ModelConfig.from_dict(config_data, source=f"{gguf_path} (metadata)")
+    rotary_dims = gguf.metadata.get(f"{gguf.metadata['general.architecture']}.rope.dimension_count", config.head_dim)
+    if rotary_dims != config.head_dim:
+        raise UnsupportedModelError(
+            f"{gguf_path}: rotary embedding on {rotary_dims} of {config.head_dim} head dimensions is not supported"
+        )
+    plan = _plan(gguf, config, arch, weights)
+    tokenizer_json, tokenizer_config = tokenizer_files(gguf)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        _json(staging / "config.json", config_data)
+        _json(
+            staging / "generation_config.json",
+            {"bos_token_id": config.bos_token_id, "eos_token_id": config_data["eos_token_id"]},
+        )
+        (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        _json(staging / "tokenizer_config.json", tokenizer_config)
+        total = sum(item.nbytes for item in plan)
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"{gguf_path.name} -> {weights}",
+            file=sys.stderr,
+            disable=not progress,
+        ) as bar:
+            _write_safetensors(
+                staging / "model.safetensors", plan, lambda item: _materialise(item, gguf_path), bar.update
+            )
+        marker = {"format": CONVERSION_FORMAT, "weights": weights, **source_identity(gguf_path)}
+        marker["seconds"] = round(time.perf_counter() - started, 3)
+        _json(staging / CONVERSION_MARKER, marker)
+        try:
+            os.rename(staging, out_dir)
+        except OSError:
+            if out_dir.exists():  # another process finished the same conversion first
+                raise FileExistsError(f"{out_dir} appeared while converting") from None
+            raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,228 @@
+"""ModelConfig: what a config.json must say, what it may leave out, and what we refuse."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from doppler_py.errors import ModelFormatError, UnsupportedModelError
+from doppler_py.model.config import ModelConfig
+
+SOURCE = "test-config.json"
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+
+def config(**changes):
+    data = {**SMOLLM2, **changes}
+    return ModelConfig.from_dict({k: v for k, v in data.items() if v is not None}, source=SOURCE)
+
+
+def test_smollm2_config_reads_every_field():
+    cfg = config()
+    assert (cfg.architecture, cfg.model_type) == ("LlamaForCausalLM", "llama")
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (49152, 576, 1536, 30)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.rope_scaling) == (1e-5, 100000.0, None)
+    assert cfg.max_position_embeddings == 8192
+    assert cfg.tie_word_embeddings and not cfg.attention_bias and not cfg.attention_out_bias
+    assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.torch_dtype) == (1, (2,), "bfloat16")
+
+
+def test_omitted_fields_take_transformers_defaults():
+    cfg = config(
+        num_key_value_heads=None,
+        rms_norm_eps=None,
+        rope_theta=None,
+        max_position_embeddings=None,
+        tie_word_embeddings=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        torch_dtype=None,
+    )
+    assert cfg.num_key_value_heads == cfg.num_attention_heads
+    assert cfg.head_dim == 576 // 9
+    assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.max_position_embeddings) == (1e-6, 10000.0, 2048)
+    assert not cfg.tie_word_embeddings
+    assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.torch_dtype) == (None, (), None)
+
+
+def test_architecture_can_come_from_model_type_alone():
+    assert config(architectures=None, model_type="qwen2").architecture == "Qwen2ForCausalLM"
+
+
+def test_qwen2_has_qkv_biases_without_saying_so():
+    cfg = config(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    assert cfg.attention_bias and not cfg.attention_out_bias
+    assert cfg.max_position_embeddings == 8192
+
+
+def test_llama_attention_bias_covers_the_output_projection():
+    cfg = config(attention_bias=True)
+    assert cfg.attention_bias and cfg.attention_out_bias
+
+
+def test_mistral_without_a_sliding_window_is_supported():
+    cfg = config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    assert cfg.model_type == "mistral"
+
+
+def test_explicit_head_dim_need_not_divide_hidden():
+    cfg = config(hidden_size=5120, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    assert cfg.head_dim == 128
+
+
+def test_eos_may_be_a_list():
+    assert config(eos_token_id=[2, 0]).eos_token_ids == (2, 0)
+
+
+def test_transformers5_rope_parameters_are_read():
+    cfg = config(rope_theta=None, rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
+    assert (cfg.rope_theta, cfg.rope_scaling) == (5e5, None)
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+def test_llama3_rope_scaling_is_kept_with_its_parameters(spelling):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = config(**{spelling: scaling})
+    assert cfg.rope_scaling == scaling
+
+
+def test_linear_rope_scaling_with_the_old_type_key():
+    assert config(rope_scaling={"type": "linear", "factor": 2.0}).rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
+def test_unknown_rope_scaling_is_unsupported(kind):
+    with pytest.raises(UnsupportedModelError, match=kind):
+        config(rope_scaling={"rope_type": kind, "factor": 4.0})
+
+
+def test_rope_scaling_without_its_parameters_is_a_format_error():
+    with pytest.raises(ModelFormatError, match=r"config.json.*rope_scaling\.low_freq_factor"):
+        config(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+        {"architectures": None, "model_type": "gemma"},
+        {"hidden_act": "gelu"},
+        {"mlp_bias": True},
+        {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 4096,
+        },
+        {"layer_types": ["full_attention", "sliding_attention"]},
+    ],
+    ids=["architecture", "model_type", "activation", "mlp_bias", "mistral_window", "qwen2_window", "layer_types"],
+)
+def test_unsupported_models_are_refused(changes):
+    with pytest.raises(UnsupportedModelError, match=re.escape(SOURCE)):
+        config(**changes)
+
+
+def test_a_window_that_is_switched_off_or_spans_the_context_is_fine():
+    qwen = config(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=4096)
+    mistral = config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8192)
+    assert qwen.model_type == "qwen2" and mistral.model_type == "mistral"
+
+
+@pytest.mark.parametrize(
+    "field", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+)
+def test_missing_required_field_is_named(field):
+    with pytest.raises(ModelFormatError, match=rf"{SOURCE}: required field '{field}' is missing"):
+        config(**{field: None})
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"num_key_value_heads": 4}, "num_key_value_heads"),
+        ({"num_attention_heads": 7, "num_key_value_heads": 7}, "num_attention_heads"),
+        ({"head_dim": 63}, "head_dim"),
+        ({"hidden_size": "576"}, "hidden_size"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"vocab_size": True}, "vocab_size"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+        ({"eos_token_id": 49152}, "eos_token_id"),
+        ({"bos_token_id": [1, 2]}, "bos_token_id"),
+        ({"model_type": "qwen2"}, "model_type"),
+    ],
+)
+def test_inconsistent_values_name_the_file_and_field(changes, field):
+    with pytest.raises(ModelFormatError, match=rf"{SOURCE}: field '{field}'"):
+        config(**changes)
+
+
+def test_from_file_names_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**SMOLLM2, "num_key_value_heads": 2}))
+    with pytest.raises(ModelFormatError, match=re.escape(str(path))):
+        ModelConfig.from_file(path)
+
+
+@pytest.mark.parametrize("content", [None, "{not json", "[1, 2]"], ids=["missing", "malformed", "not_an_object"])
+def test_unreadable_config_file_is_a_format_error(tmp_path, content):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ModelFormatError, match=re.escape(str(path))):
+        ModelConfig.from_file(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["LlamaConfig", "Qwen2Config", "MistralConfig"])
+def test_configs_saved_by_transformers_read_back_the_same(tmp_path, name):
+    transformers = pytest.importorskip("transformers")
+    extra = {"sliding_window": None} if name == "MistralConfig" else {}
+    reference = getattr(transformers, name)(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=5e5,
+        tie_word_embeddings=True,
+        **extra,
+    )
+    reference.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    assert cfg.model_type == reference.model_type
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        assert getattr(cfg, field) == getattr(reference, field), field
+    assert (cfg.num_key_value_heads, cfg.head_dim) == (2, 16)
+    assert cfg.rms_norm_eps == reference.rms_norm_eps
+    assert cfg.rope_theta == 5e5
+    assert cfg.max_position_embeddings == reference.max_position_embeddings
+    assert cfg.tie_word_embeddings
