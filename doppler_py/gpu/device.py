@@ -69,6 +69,7 @@ class Gpu:
     limits: dict[str, int]
     browser_limits: bool
     info: dict = field(default_factory=dict)
+    _sync_buffer: object = field(default=None, repr=False)
 
     @property
     def queue(self):
@@ -106,6 +107,14 @@ class Gpu:
     @property
     def max_binding_bytes(self) -> int:
         return int(self.limits["max-storage-buffer-binding-size"])
+
+    def wait_idle(self) -> None:
+        """Block until every submitted command has finished (a 4-byte readback queued behind them)."""
+        import wgpu
+
+        if self._sync_buffer is None:
+            self._sync_buffer = self.device.create_buffer(size=4, usage=wgpu.BufferUsage.COPY_SRC, label="sync")
+        self.queue.read_buffer(self._sync_buffer, 0, 4)
 
     def check_buffer_size(self, nbytes: int, what: str) -> None:
         """Raise `DeviceLimitError` naming `what` when one buffer of `nbytes` cannot exist on this device."""

@@ -1,0 +1,89 @@
+"""GPU-resident KV cache: preallocated per layer, O(1) truncation, prefix-copying fork.
+
+Layout per layer: keys and values each `[max_seq, n_kv_heads, head_dim]` f32. The cache only tracks a
+length; `truncate(n)` moves it back (rejected draft positions are overwritten by the next write), so
+rolling back a speculative step costs nothing on the GPU.
+"""
+
+from __future__ import annotations
+
+from doppler_py.errors import CapacityError
+from doppler_py.gpu.device import Gpu
+from doppler_py.gpu.tensor import Tensor
+
+
+class KVCache:
+    def __init__(self, gpu: Gpu, num_layers: int, max_seq: int, n_kv_heads: int, head_dim: int, label: str = "kv"):
+        if max_seq < 1:
+            raise CapacityError(f"KV cache needs at least one position, got max_seq={max_seq}")
+        self.gpu = gpu
+        self.max_seq = max_seq
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        shape = (max_seq, n_kv_heads, head_dim)
+        self.keys = [Tensor.empty(gpu, shape, "f32", f"{label}.k{i}") for i in range(num_layers)]
+        self.values = [Tensor.empty(gpu, shape, "f32", f"{label}.v{i}") for i in range(num_layers)]
+        self.length = 0
+        self.closed = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.n_kv_heads * self.head_dim * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_token * self.max_seq
+
+    @property
+    def free(self) -> int:
+        return self.max_seq - self.length
+
+    def check_room(self, start_pos: int, new_tokens: int) -> None:
+        """Raise `CapacityError` unless positions start_pos..start_pos+new_tokens-1 fit."""
+        if start_pos > self.length:
+            raise CapacityError(f"cannot write at position {start_pos}: the cache holds only {self.length} tokens")
+        if start_pos + new_tokens > self.max_seq:
+            raise CapacityError(
+                f"{start_pos + new_tokens} tokens do not fit a KV cache of {self.max_seq} positions "
+                f"({self.max_seq - start_pos} free after position {start_pos}); shorten the prompt or "
+                "max_tokens, or load the model with a larger max_seq"
+            )
+
+    def advance_to(self, length: int) -> None:
+        self.length = length
+
+    def truncate(self, length: int) -> None:
+        """Forget every position ≥ `length` (O(1): only the length changes)."""
+        if not 0 <= length <= self.length:
+            raise CapacityError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
+    def fork(self) -> KVCache:
+        """A second cache starting with this one's prefix (copied on the GPU; later writes are independent)."""
+        other = KVCache(self.gpu, self.num_layers, self.max_seq, self.n_kv_heads, self.head_dim, "kv-fork")
+        if self.length:
+            encoder = self.gpu.device.create_command_encoder()
+            used = self.length * self.n_kv_heads * self.head_dim * 4
+            for src, dst in zip(self.keys + self.values, other.keys + other.values, strict=True):
+                encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, used)
+            self.gpu.queue.submit([encoder.finish()])
+        other.length = self.length
+        return other
+
+    def memory_report(self) -> dict[str, int]:
+        return {
+            "bytes_per_token": self.bytes_per_token,
+            "total_bytes": self.nbytes,
+            "max_seq": self.max_seq,
+            "used_tokens": self.length,
+        }
+
+    def close(self) -> None:
+        if not self.closed:
+            for t in self.keys + self.values:
+                t.destroy()
+            self.closed = True

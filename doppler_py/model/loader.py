@@ -1,0 +1,180 @@
+"""HF-style model folder → weights on the GPU, in the precision the caller asks for.
+
+Tensors are read one at a time from memory-mapped safetensors and uploaded straight away, so host memory
+holds at most one tensor (plus one fused pair) beyond the page cache. Q/K/V projections and gate/up
+projections are fused along the output dimension so a layer runs one matmul for each pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from doppler_py.errors import ModelFormatError
+from doppler_py.gpu.device import Gpu
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.gpu.weights import Weight, dequantize_blocks
+from doppler_py.model.config import ModelConfig
+from doppler_py.model.safetensors_file import TensorInfo, index_folder, load_array
+
+WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1", "keep")
+BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor
+    qkv: Weight  # [q; k; v] rows: (n_heads + 2 n_kv_heads) * head_dim
+    qkv_bias: Tensor | None
+    o: Weight
+    o_bias: Tensor | None
+    mlp_norm: Tensor
+    gate_up: Weight  # [gate; up] rows: 2 * intermediate_size
+    down: Weight
+
+
+@dataclass
+class ModelWeights:
+    config: ModelConfig
+    embed: Weight
+    layers: list[LayerWeights]
+    norm: Tensor
+    lm_head: Weight  # the embedding's Weight when tied
+    precision: str
+
+    @property
+    def nbytes(self) -> int:
+        seen: dict[int, int] = {}
+        for w in [
+            self.embed,
+            self.lm_head,
+            *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+        ]:
+            seen[id(w)] = w.nbytes
+        small = [self.norm] + [
+            t
+            for layer in self.layers
+            for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias, layer.o_bias)
+            if t is not None
+        ]
+        return sum(seen.values()) + sum(t.nbytes for t in small)
+
+    def destroy(self) -> None:
+        for w in {id(w): w for w in [self.embed, self.lm_head]}.values():
+            w.destroy()
+        for layer in self.layers:
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                w.destroy()
+            for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias, layer.o_bias):
+                if t is not None:
+                    t.destroy()
+        self.norm.destroy()
+
+
+class _Reader:
+    """Looks up tensors by HF name and checks their shapes against the config."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.tensors = index_folder(folder)
+
+    def info(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.folder}: missing tensor {name} (expected shape {list(shape)})")
+        if info.logical_shape != shape:
+            raise ModelFormatError(
+                f"{info.file}: tensor {name} has shape {list(info.logical_shape)}, expected {list(shape)}"
+            )
+        return info
+
+    def dense(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A tensor as float32 (dequantised when stored as GGUF blocks)."""
+        info = self.info(name, shape)
+        if info.quant:
+            return dequantize_blocks(load_array(info), info.quant["format"], shape, name=name)
+        return np.asarray(load_array(info), dtype=np.float32)
+
+
+def _matrix(gpu: Gpu, reader: _Reader, names: list[str], shapes: list[tuple[int, int]], precision: str) -> Weight:
+    """Upload one weight matrix made of `names` stacked along the output dimension."""
+    infos = [reader.info(n, s) for n, s in zip(names, shapes, strict=True)]
+    label = names[0] if len(names) == 1 else "+".join(names)
+    n_rows = sum(s[0] for s in shapes)
+    k = shapes[0][1]
+    formats = {i.quant["format"] if i.quant else None for i in infos}
+    stored = formats.pop() if len(formats) == 1 else None
+    target = stored if precision == "keep" and stored in BLOCK_FORMATS else precision
+    if target == "keep":
+        target = "f16" if all(i.dtype in ("F16", "BF16") for i in infos) else "f32"
+    if stored is not None and stored == target:
+        raw = np.concatenate([load_array(i) for i in infos]) if len(infos) > 1 else load_array(infos[0])
+        return Weight.from_gguf_blocks(gpu, raw, target, (n_rows, k), name=label)
+    dense = [reader.dense(n, s) for n, s in zip(names, shapes, strict=True)]
+    matrix = np.concatenate(dense) if len(dense) > 1 else dense[0]
+    return Weight.from_numpy(gpu, matrix, target, name=label)
+
+
+def _vector(gpu: Gpu, reader: _Reader, name: str, size: int) -> Tensor:
+    return Tensor.from_numpy(gpu, reader.dense(name, (size,)), "f32", label=name)
+
+
+def load_weights(
+    folder: str | Path,
+    gpu: Gpu,
+    precision: str = "f32",
+    config: ModelConfig | None = None,
+    num_layers: int | None = None,
+) -> ModelWeights:
+    """Read `folder` (config.json + safetensors) and upload its weights in `precision`.
+
+    precision: "f32", "f16", "q8_0", "q4_0", "q4_1" (quantise on load), or "keep" (GGUF blocks stay as
+    they are; dense tensors keep their float width). `num_layers` loads only the first layers (drafting
+    by layer skip uses the full model instead; this is for tests and truncated drafts).
+    """
+    if precision not in WEIGHT_FORMATS:
+        raise ModelFormatError(f"unknown weight precision {precision!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    folder = Path(folder)
+    config = config or ModelConfig.from_file(folder / "config.json")
+    reader = _Reader(folder)
+    h, hd = config.hidden_size, config.head_dim
+    q_rows, kv_rows, ffn = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    embed = _matrix(gpu, reader, ["model.embed_tokens.weight"], [(config.vocab_size, h)], precision)
+    layers = []
+    for i in range(num_layers if num_layers is not None else config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        bias = None
+        if config.attention_bias:
+            bias_parts = [
+                reader.dense(p + f"self_attn.{x}_proj.bias", (n,))
+                for x, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+            ]
+            bias = Tensor.from_numpy(gpu, np.concatenate(bias_parts), "f32", label=p + "qkv_bias")
+        layers.append(
+            LayerWeights(
+                attn_norm=_vector(gpu, reader, p + "input_layernorm.weight", h),
+                qkv=_matrix(
+                    gpu,
+                    reader,
+                    [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+                    [(q_rows, h), (kv_rows, h), (kv_rows, h)],
+                    precision,
+                ),
+                qkv_bias=bias,
+                o=_matrix(gpu, reader, [p + "self_attn.o_proj.weight"], [(h, q_rows)], precision),
+                o_bias=_vector(gpu, reader, p + "self_attn.o_proj.bias", h) if config.attention_out_bias else None,
+                mlp_norm=_vector(gpu, reader, p + "post_attention_layernorm.weight", h),
+                gate_up=_matrix(
+                    gpu, reader, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(ffn, h), (ffn, h)], precision
+                ),
+                down=_matrix(gpu, reader, [p + "mlp.down_proj.weight"], [(h, ffn)], precision),
+            )
+        )
+    norm = _vector(gpu, reader, "model.norm.weight", h)
+    if config.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = _matrix(gpu, reader, ["lm_head.weight"], [(config.vocab_size, h)], precision)
+    return ModelWeights(config, embed, layers, norm, lm_head, precision)

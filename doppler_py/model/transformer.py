@@ -1,0 +1,274 @@
+"""The LLaMA-family forward pass on the GPU, recorded into one command encoder per call.
+
+    ids ─ embedding ─▶ x ─┬─ for each layer ────────────────────────────────────────────────┐
+                          │ xn = rmsnorm(x)            qkv = xn·Wqkv (+b)                    │
+                          │ rope(q); cache[pos] = rope(k), v        a = attention(q, cache)  │
+                          │ x += a·Wo                  xn = rmsnorm(x)                       │
+                          │ gu = xn·[Wg;Wu]            h = silu(g)·u       x += h·Wd         │
+                          └──────────────────────────────────────────────────────────────────┘
+    x ─ rmsnorm ─ LM head ─▶ logits ─ sampler ─▶ token ids   (only ids come back to the host)
+
+Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·hd; KV = n_kv_heads·hd):
+    x, xn [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]   act [T, F]
+    logits [L, V] with L = 1 ("last") or T ("all", T ≤ max_logit_rows)
+
+All buffers and bind groups are created once here; a forward only sets uniforms (rows, positions) and
+records dispatches. Ops bound to a KV cache (cache write, attention) are built once per cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from doppler_py.errors import CapacityError, GenerationOptionError
+from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.kv_cache import KVCache
+from doppler_py.model.loader import ModelWeights
+from doppler_py.ops.attention import Attention
+from doppler_py.ops.elementwise import SwiGLU
+from doppler_py.ops.embedding import Embedding
+from doppler_py.ops.linear import Linear
+from doppler_py.ops.norms import RMSNorm
+from doppler_py.ops.rope import RoPE, rope_table
+from doppler_py.ops.sampling import Sampler
+
+LOGITS_MODES = ("last", "all", "none")
+
+
+@dataclass
+class _LayerOps:
+    attn_norm: RMSNorm
+    qkv: Linear
+    o: Linear
+    mlp_norm: RMSNorm
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass
+class _CacheOps:
+    rope: list[RoPE]  # rotates q in place, writes rotated k and v into the layer's cache
+    attention: list[Attention]
+
+
+class Transformer:
+    """A loaded model ready to run forward passes over any number of new tokens."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        registry: KernelRegistry,
+        *,
+        max_rows: int = 64,
+        max_logit_rows: int = 32,
+        max_positions: int | None = None,
+    ):
+        cfg = weights.config
+        self.config = cfg
+        self.weights = weights
+        self.registry = registry
+        self.gpu = registry.gpu
+        self.max_rows = max_rows
+        self.max_logit_rows = min(max_logit_rows, max_rows)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        gpu, h, hd = self.gpu, cfg.hidden_size, cfg.head_dim
+        self.q_size = cfg.num_attention_heads * hd
+        self.kv_size = cfg.num_key_value_heads * hd
+        ffn, vocab = cfg.intermediate_size, cfg.vocab_size
+
+        self.ids = Tensor.empty(gpu, max_rows, "u32", "ids")
+        self.x = Tensor.empty(gpu, (max_rows, h), "f32", "x")
+        self.xn = Tensor.empty(gpu, (max_rows, h), "f32", "xn")
+        self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size), "f32", "qkv")
+        self.attn = Tensor.empty(gpu, (max_rows, self.q_size), "f32", "attn")
+        self.gate_up = Tensor.empty(gpu, (max_rows, 2 * ffn), "f32", "gate_up")
+        self.act = Tensor.empty(gpu, (max_rows, ffn), "f32", "act")
+        self.x_last = Tensor.empty(gpu, (1, h), "f32", "x_last")
+        self.xn_head = Tensor.empty(gpu, (self.max_logit_rows, h), "f32", "xn_head")
+        self.logits = Tensor.empty(gpu, (self.max_logit_rows, vocab), "f32", "logits")
+        self.randoms = Tensor.empty(gpu, self.max_logit_rows, "f32", "randoms")
+        self.token_ids = Tensor.empty(gpu, self.max_logit_rows, "u32", "token_ids")
+
+        self.rope_table = Tensor.from_numpy(
+            gpu, rope_table(hd, self.max_positions, cfg.rope_theta, cfg.rope_scaling), "f32", "rope"
+        )
+        self.embed = Embedding(registry, weights.embed, self.ids, self.x, max_rows=max_rows)
+        self.swiglu = SwiGLU(registry, self.gate_up, self.act, ffn_dim=ffn, max_rows=max_rows)
+        self.layers = [
+            _LayerOps(
+                attn_norm=RMSNorm(
+                    registry, self.x, lw.attn_norm, self.xn, dim=h, eps=cfg.rms_norm_eps, max_rows=max_rows
+                ),
+                qkv=Linear(registry, lw.qkv, self.xn, self.qkv, max_rows=max_rows, bias=lw.qkv_bias),
+                o=Linear(registry, lw.o, self.attn, self.x, max_rows=max_rows, bias=lw.o_bias, accumulate=True),
+                mlp_norm=RMSNorm(
+                    registry, self.x, lw.mlp_norm, self.xn, dim=h, eps=cfg.rms_norm_eps, max_rows=max_rows
+                ),
+                gate_up=Linear(registry, lw.gate_up, self.xn, self.gate_up, max_rows=max_rows),
+                down=Linear(registry, lw.down, self.act, self.x, max_rows=max_rows, accumulate=True),
+            )
+            for lw in weights.layers
+        ]
+        # Final norm + LM head over all rows ("all") or over the last row copied into x_last ("last").
+        self.final_norm_all = RMSNorm(
+            registry, self.x, weights.norm, self.xn_head, dim=h, eps=cfg.rms_norm_eps, max_rows=self.max_logit_rows
+        )
+        self.final_norm_last = RMSNorm(
+            registry, self.x_last, weights.norm, self.xn_head, dim=h, eps=cfg.rms_norm_eps, max_rows=1
+        )
+        self.lm_head = Linear(registry, weights.lm_head, self.xn_head, self.logits, max_rows=self.max_logit_rows)
+        self.sampler = Sampler(
+            registry, self.logits, self.randoms, self.token_ids, vocab=vocab, max_rows=self.max_logit_rows
+        )
+        self._cache_ops: dict[int, tuple[KVCache, _CacheOps]] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    # -- KV caches -------------------------------------------------------------------------------------
+    def new_cache(self, max_seq: int | None = None) -> KVCache:
+        cfg = self.config
+        max_seq = min(max_seq or self.max_positions, self.max_positions)
+        return KVCache(self.gpu, self.num_layers, max_seq, cfg.num_key_value_heads, cfg.head_dim)
+
+    def _ops_for(self, cache: KVCache) -> _CacheOps:
+        entry = self._cache_ops.get(id(cache))
+        if entry is None or entry[0] is not cache:
+            cfg, reg = self.config, self.registry
+            shape = dict(
+                n_heads=cfg.num_attention_heads,
+                n_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                max_seq=cache.max_seq,
+                max_rows=self.max_rows,
+            )
+            layers = list(zip(cache.keys, cache.values, strict=True))
+            ops = _CacheOps(
+                rope=[RoPE(reg, self.qkv, self.rope_table, k, v, **shape) for k, v in layers],
+                attention=[
+                    Attention(reg, self.qkv, k, v, self.attn, q_row_stride=self.qkv.shape[1], **shape)
+                    for k, v in layers
+                ],
+            )
+            entry = (cache, ops)
+            self._cache_ops[id(cache)] = entry
+        return entry[1]
+
+    def release_cache(self, cache: KVCache) -> None:
+        """Drop the ops bound to `cache` and free its GPU memory."""
+        self._cache_ops.pop(id(cache), None)
+        for t in cache.keys + cache.values:
+            self.registry.forget_buffer(t.buffer)
+        cache.close()
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def check_ids(self, ids: Sequence[int]) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            raise GenerationOptionError("no input tokens: the prompt is empty")
+        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+        if bad.size:
+            raise GenerationOptionError(
+                f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        return arr.astype(np.uint32)
+
+    def record_forward(
+        self,
+        rec: Recorder,
+        rows: int,
+        cache: KVCache,
+        start_pos: int,
+        *,
+        logits: str = "last",
+        num_layers: int | None = None,
+    ) -> None:
+        """Record one forward over `rows` tokens whose ids are already in `self.ids`.
+
+        Writes K/V for positions start_pos..start_pos+rows-1 into `cache` and, unless logits == "none",
+        the logits of the last row (or of all rows) into `self.logits`. `num_layers` runs only the first
+        layers (layer-skip drafting) before the final norm and head.
+        """
+        if not 1 <= rows <= self.max_rows:
+            raise CapacityError(f"a forward takes 1..{self.max_rows} tokens, got {rows}")
+        if logits == "all" and rows > self.max_logit_rows:
+            raise CapacityError(f"logits for {rows} rows requested; at most {self.max_logit_rows} per forward")
+        cache.check_room(start_pos, rows)
+        cache_ops = self._ops_for(cache)
+        self.embed.record(rec, rows=rows)
+        for i, layer in enumerate(self.layers[:num_layers]):
+            layer.attn_norm.record(rec, rows=rows)
+            layer.qkv.record(rec, rows=rows)
+            cache_ops.rope[i].record(rec, rows=rows, start_pos=start_pos)
+            cache_ops.attention[i].record(rec, rows=rows, start_pos=start_pos)
+            layer.o.record(rec, rows=rows)
+            layer.mlp_norm.record(rec, rows=rows)
+            layer.gate_up.record(rec, rows=rows)
+            self.swiglu.record(rec, rows=rows)
+            layer.down.record(rec, rows=rows)
+        cache.advance_to(max(cache.length, start_pos + rows))
+        if logits == "all":
+            self.final_norm_all.record(rec, rows=rows)
+            self.lm_head.record(rec, rows=rows)
+        elif logits == "last":
+            row_bytes = self.config.hidden_size * 4
+            rec.copy(
+                self.x.view((1, self.config.hidden_size), offset_bytes=0),
+                self.x_last,
+                row_bytes,
+                src_offset=(rows - 1) * row_bytes,
+            )
+            self.final_norm_last.record(rec, rows=1)
+            self.lm_head.record(rec, rows=1)
+
+    def forward(
+        self,
+        ids: Sequence[int],
+        cache: KVCache,
+        start_pos: int | None = None,
+        *,
+        logits: str = "last",
+        num_layers: int | None = None,
+    ) -> np.ndarray | None:
+        """Run the model over `ids` at `start_pos` (default: the cache length) and return logits on the host.
+
+        Prompts longer than `max_rows` are processed in chunks. Returns [V] for "last", [T, V] for "all",
+        None for "none". Use `record_forward` to keep logits on the GPU.
+        """
+        if logits not in LOGITS_MODES:
+            raise GenerationOptionError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
+        arr = self.check_ids(ids)
+        pos = cache.length if start_pos is None else start_pos
+        outputs = []
+        chunk = self.max_logit_rows if logits == "all" else self.max_rows
+        for begin in range(0, arr.size, chunk):
+            part = arr[begin : begin + chunk]
+            is_last = begin + chunk >= arr.size
+            mode = logits if (logits == "all" or is_last) else "none"
+            self.ids.view((part.size,)).write(part)
+            rec = self.registry.recorder()
+            self.record_forward(rec, part.size, cache, pos + begin, logits=mode, num_layers=num_layers)
+            rec.submit()
+            if mode != "none":
+                outputs.append(self.read_logits(part.size if mode == "all" else 1))
+        if logits == "none":
+            return None
+        return np.concatenate(outputs) if logits == "all" else outputs[-1][0]
+
+    def read_logits(self, rows: int) -> np.ndarray:
+        vocab = self.config.vocab_size
+        raw = self.gpu.queue.read_buffer(self.logits.buffer, 0, rows * vocab * 4)
+        return np.frombuffer(raw, dtype=np.float32).reshape(rows, vocab).copy()
+
+    def read_token_ids(self, rows: int) -> list[int]:
+        raw = self.gpu.queue.read_buffer(self.token_ids.buffer, 0, rows * 4)
+        return np.frombuffer(raw, dtype=np.uint32).tolist()
+
+    def close(self) -> None:
+        for cache, _ in list(self._cache_ops.values()):
+            self.release_cache(cache)

@@ -1,0 +1,142 @@
+"""How many tokens to draft next, and when not to speculate at all.
+
+Draft length follows HF's heuristic: +2 after a step whose drafts were all accepted, −1 after a rejection.
+On top of that a cost model decides whether speculation pays: with per-token acceptance α and k drafts, a
+step yields E = (1 − α^(k+1)) / (1 − α) tokens for k·c_draft + c_verify(k+1) seconds, against c_verify(1)
+per token for plain decoding. All costs are MEASURED on the running device (on a CPU adapter verifying k+1
+tokens costs far more than one; on a GPU nearly the same), so the same policy speculates aggressively on a
+GPU and cautiously on lavapipe. When no k predicts a speedup, speculation pauses for a number of plain
+steps that doubles each time a probe confirms it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from doppler_py.errors import GenerationOptionError
+
+_EMA = 0.2  # weight of the newest measurement
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens per step when each draft is accepted independently with probability alpha (incl. the bonus)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostModel:
+    """Measured seconds: verify forwards by number of rows, and drafting per token."""
+
+    verify: dict[int, float] = field(default_factory=dict)
+    draft_per_token: float | None = None
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        old = self.verify.get(rows)
+        self.verify[rows] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            per = seconds / tokens
+            old = self.draft_per_token
+            self.draft_per_token = per if old is None else (1 - _EMA) * old + _EMA * per
+
+    def verify_cost(self, rows: int) -> float | None:
+        """Measured cost for `rows`, else interpolated/extrapolated linearly from the measured points."""
+        if rows in self.verify:
+            return self.verify[rows]
+        points = sorted(self.verify.items())
+        if not points:
+            return None
+        if len(points) == 1:
+            return points[0][1] * rows / points[0][0] if rows > points[0][0] else points[0][1]
+        lower = [p for p in points if p[0] < rows] or points[:1]
+        upper = [p for p in points if p[0] > rows] or points[-1:]
+        (r0, c0), (r1, c1) = (lower[-1], upper[0]) if lower[-1] != upper[0] else (points[-2], points[-1])
+        return max(c0, c0 + (c1 - c0) * (rows - r0) / (r1 - r0))
+
+    def speedup(self, alpha: float, k: int) -> float | None:
+        plain, verify = self.verify_cost(1), self.verify_cost(k + 1)
+        if plain is None or verify is None:
+            return None
+        step = k * (self.draft_per_token or 0.0) + verify
+        return expected_tokens(alpha, k) * plain / step
+
+
+@dataclass
+class DraftLengthPolicy:
+    k: int = 4
+    adaptive: bool = True
+    k_min: int = 1
+    k_max: int = 8
+    costs: CostModel = field(default_factory=CostModel)
+    alpha: float = 0.5  # running estimate of per-token acceptance
+    pause_steps: int = 0  # plain steps left before speculation is probed again
+    next_pause: int = 4
+    max_pause: int = 64
+    # Timing-based pauses make the step structure depend on the machine's speed; a seeded sampled run must
+    # not (the same seed must give the same tokens), so the engine turns them off there.
+    cost_aware: bool = True
+    k_limit: int = 16  # the engine's buffer capacity: no k beyond it
+
+    def __post_init__(self) -> None:
+        self.initial_k = self.k
+        for name in ("k", "k_min", "k_max"):
+            value = getattr(self, name)
+            if not 1 <= value <= self.k_limit:
+                raise GenerationOptionError(f"{name} must be in 1..{self.k_limit}, got {value}")
+        if not self.k_min <= self.k <= self.k_max:
+            raise GenerationOptionError(f"need k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+
+    def configure(self, k: int | None) -> None:
+        """A user's draft length: pinned (the engine also stops adapting it), or None for the defaults."""
+        if k is None:
+            self.initial_k, self.k_max = 4, min(8, self.k_limit)
+            return
+        if not 1 <= k <= self.k_limit:
+            raise GenerationOptionError(f"k (draft length) must be in 1..{self.k_limit}, got {k}")
+        self.initial_k, self.k_max = k, max(k, self.k_max)
+
+    def reset(self, *, adaptive: bool, cost_aware: bool) -> None:
+        """Start of a generation: the first k, a neutral acceptance prior and no pause; costs are kept."""
+        self.k, self.alpha, self.pause_steps, self.next_pause = self.initial_k, 0.5, 0, 4
+        self.adaptive, self.cost_aware = adaptive, cost_aware
+
+    def next_k(self, remaining: int) -> int:
+        """Drafts for the next step; 0 = take a plain step. Never drafts past the token budget."""
+        if remaining <= 1:
+            return 0
+        if self.pause_steps > 0:
+            self.pause_steps -= 1
+            return 0
+        return min(self.k, remaining - 1)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Update after a speculative step."""
+        if drafted == 0:
+            return
+        # Geometric MLE of α from this step: accepted successes before one failure (none if all accepted).
+        failures = 0 if accepted == drafted else 1
+        sample = accepted / (accepted + failures) if accepted + failures else 0.0
+        self.alpha = (1 - _EMA) * self.alpha + _EMA * sample
+        if not self.adaptive:
+            return
+        self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k_min, self.k - 1)
+        if not self.cost_aware:
+            return
+        best = self.best_speedup()
+        if best is not None and best < 1.0:
+            self.pause_steps = self.next_pause
+            self.next_pause = min(self.max_pause, self.next_pause * 2)
+        elif best is not None:
+            self.next_pause = 4
+
+    def best_speedup(self) -> float | None:
+        estimates = [s for k in range(self.k_min, self.k_max + 1) if (s := self.costs.speedup(self.alpha, k))]
+        return max(estimates) if estimates else None
+
+    def should_speculate(self) -> bool:
+        """The `auto` decision: speculate unless measured costs and acceptance predict a slowdown."""
+        best = self.best_speedup()
+        return best is None or best >= 1.0

@@ -1,0 +1,85 @@
+"""Counters and timings of one speculative generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """What happened during one generation. Times are host wall-clock seconds."""
+
+    drafter: str = ""
+    steps: int = 0  # speculative steps (draft + one batched verification)
+    plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # [i] = steps that drafted a token at position i
+    accepted_at: list[int] = field(default_factory=list)  # [i] = steps whose draft token i was accepted
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    plain_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    k_history: list[int] = field(default_factory=list)
+    stopped_by: str = "max_tokens"  # "max_tokens" or "eos"
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.k_history.append(drafted)
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            if i < accepted:
+                self.accepted_at[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a speculative step produced on average (accepted drafts + the verifier's own token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+    @property
+    def decode_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "drafter": self.drafter,
+            "steps": self.steps,
+            "plain_steps": self.plain_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "generated": self.generated,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_per_step": round(self.mean_accepted_per_step, 3),
+            "tokens_per_step": round(self.tokens_per_step, 3),
+            "acceptance_by_position": [round(x, 3) for x in self.acceptance_by_position],
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "plain_s": round(self.plain_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "total_s": round(self.total_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "stopped_by": self.stopped_by,
+        }

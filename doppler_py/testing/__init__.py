@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: tiny random models in the HF folder format (no download)."""

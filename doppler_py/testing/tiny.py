@@ -1,0 +1,150 @@
+"""Tiny random LLaMA-family models written as HF folders (config.json + model.safetensors), numpy only.
+
+HF transformers loads these folders as they are, so the same files drive our engine and the reference.
+Weights are drawn with a larger spread than HF's init (std 0.02 would make every logit nearly equal and
+greedy decoding a coin toss between near-ties).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "llama"  # "llama", "mistral" or "qwen2"
+    vocab_size: int = 96
+    hidden_size: int = 64
+    intermediate_size: int = 160
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 256
+    rms_norm_eps: float = 1e-5
+    weight_std: float = 0.15
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+_ARCH = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+
+
+def config_dict(spec: TinySpec) -> dict:
+    architecture, model_type = _ARCH[spec.arch]
+    cfg = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    if spec.arch == "llama":
+        cfg["attention_bias"] = False
+        cfg["mlp_bias"] = False
+    if spec.arch == "mistral":
+        cfg["sliding_window"] = None
+    if spec.arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(spec.seed)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * spec.weight_std).astype(np.float32)
+
+    def norm(size: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    h, hd, ffn = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+    tensors = {"model.embed_tokens.weight": mat(spec.vocab_size, h), "model.norm.weight": norm(h)}
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "input_layernorm.weight": norm(h),
+                p + "post_attention_layernorm.weight": norm(h),
+                p + "self_attn.q_proj.weight": mat(q, h),
+                p + "self_attn.k_proj.weight": mat(kv, h),
+                p + "self_attn.v_proj.weight": mat(kv, h),
+                p + "self_attn.o_proj.weight": mat(h, q),
+                p + "mlp.gate_proj.weight": mat(ffn, h),
+                p + "mlp.up_proj.weight": mat(ffn, h),
+                p + "mlp.down_proj.weight": mat(h, ffn),
+            }
+        )
+        if spec.arch == "qwen2":
+            for name, size in (("q", q), ("k", kv), ("v", kv)):
+                tensors[p + f"self_attn.{name}_proj.bias"] = (rng.standard_normal(size) * 0.1).astype(np.float32)
+    if not spec.tie_word_embeddings:
+        tensors["lm_head.weight"] = mat(spec.vocab_size, h)
+    return tensors
+
+
+def write_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write a random model for `spec` into `folder` and return the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config_dict(spec), indent=2))
+    save_file(random_weights(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+TINY_SPECS: dict[str, TinySpec] = {
+    "llama-tied-gqa": TinySpec(arch="llama", tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2),
+    "llama-untied-mha": TinySpec(
+        arch="llama", tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=4, seed=1
+    ),
+    "qwen2-bias-gqa": TinySpec(
+        arch="qwen2",
+        tie_word_embeddings=False,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=128,
+        intermediate_size=224,
+        seed=2,
+    ),
+    "mistral-llama3-rope": TinySpec(
+        arch="llama",
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        seed=3,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}

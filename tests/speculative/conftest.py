@@ -1,0 +1,53 @@
+"""Tiny models for speculative-decoding tests (written with numpy; no download)."""
+
+from __future__ import annotations
+
+import pytest
+
+from doppler_py.model.loader import load_weights
+from doppler_py.model.transformer import Transformer
+from doppler_py.testing.tiny import TinySpec, write_tiny_model
+
+TARGET = TinySpec(
+    vocab_size=48,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    weight_std=0.25,
+    seed=11,
+)
+# A weaker draft with the same vocabulary (fewer layers, other weights) and one that differs only by padding.
+DRAFT = TinySpec(
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    weight_std=0.25,
+    seed=12,
+)
+PADDED_DRAFT = TinySpec(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    weight_std=0.25,
+    seed=13,
+)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory, registry):
+    """name -> Transformer for "target", "draft", "padded_draft", loaded once per session."""
+    loaded = {}
+    for name, spec in (("target", TARGET), ("draft", DRAFT), ("padded_draft", PADDED_DRAFT)):
+        folder = write_tiny_model(tmp_path_factory.mktemp(name), spec)
+        loaded[name] = Transformer(load_weights(folder, registry.gpu, "f32"), registry, max_rows=32, max_positions=256)
+    yield loaded
+    for model in loaded.values():
+        model.close()

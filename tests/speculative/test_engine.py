@@ -1,0 +1,148 @@
+"""The GPU speculative engine on tiny models: exactness (greedy and sampled), reproducibility, bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
+from doppler_py.model.generate import generate
+from doppler_py.sampling import SamplingParams, filtered_probs
+from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.stats import SpecStats
+
+GREEDY = SamplingParams(temperature=0.0)
+# A prompt with repeats, so prompt lookup finds matches and some drafts are accepted.
+PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 5, 9, 1, 30, 3, 17]
+
+
+def drafter_for(name, models):
+    return {
+        "prompt-lookup": lambda: PromptLookupDrafter(),
+        "layer-skip": lambda: LayerSkipDrafter(models["target"], 2),
+        "draft-model": lambda: DraftModelDrafter(models["draft"], 48),
+        "self-draft": lambda: DraftModelDrafter(models["target"], 48),
+        "padded-draft": lambda: DraftModelDrafter(models["padded_draft"], 48),
+    }[name]()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(models):
+    return generate(models["target"], PROMPT, 40, GREEDY).tokens
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "layer-skip", "draft-model", "padded-draft"])
+def test_greedy_speculative_equals_plain_greedy(models, plain_greedy, drafter, k):
+    engine = SpeculativeEngine(models["target"], drafter_for(drafter, models), k=k, k_max=8)
+    result = engine.generate(PROMPT, 40, GREEDY, pin_k=True)
+    engine.close()
+    assert result.tokens == plain_greedy
+    assert result.stats.steps + result.stats.plain_steps > 0
+    assert all(d <= k for d in result.stats.k_history)
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted(models, plain_greedy):
+    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models), k=4, k_max=4)
+    result = engine.generate(PROMPT, 40, GREEDY, pin_k=True)
+    engine.close()
+    assert result.tokens == plain_greedy
+    assert result.stats.accepted == result.stats.drafted > 0
+    assert result.stats.tokens_per_step == pytest.approx(5.0, abs=0.5)
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model", "layer-skip"])
+def test_same_seed_gives_the_same_tokens_and_another_seed_differs(models, drafter):
+    engine = SpeculativeEngine(models["target"], drafter_for(drafter, models), k=3)
+    runs = [engine.generate(PROMPT, 30, SamplingParams(temperature=1.0, top_k=20, seed=s)).tokens for s in (7, 7, 8)]
+    engine.close()
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_adaptive_draft_length_grows_after_full_acceptance_and_shrinks_after_rejection(models):
+    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models), k=2, k_max=8)
+    result = engine.generate(PROMPT, 30, GREEDY)
+    assert result.stats.k_history[:3] == [2, 4, 6]
+    engine.policy.k = 6
+    engine.policy.observe(drafted=6, accepted=1)
+    assert engine.policy.k == 5
+    engine.close()
+
+
+def test_stop_token_ends_generation_after_it(models, plain_greedy):
+    stop = plain_greedy[10]
+    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models), k=4)
+    result = engine.generate(PROMPT, 40, GREEDY, stop_ids=[stop])
+    engine.close()
+    assert result.tokens == plain_greedy[: plain_greedy.index(stop) + 1]
+    assert result.stopped_by == "eos"
+
+
+def test_cancelled_stream_releases_its_caches(models, registry):
+    engine = SpeculativeEngine(models["target"], drafter_for("draft-model", models), k=3)
+    before = len(models["target"]._cache_ops), len(models["draft"]._cache_ops)
+    stats_iter = engine.iter_generate(PROMPT, 40, GREEDY, stats=SpecStats())
+    next(stats_iter)
+    stats_iter.close()
+    assert (len(models["target"]._cache_ops), len(models["draft"]._cache_ops)) == before
+    engine.close()
+
+
+def test_a_draft_with_another_vocabulary_is_refused(models):
+    with pytest.raises(VocabularyMismatchError, match="vocabulary"):
+        DraftModelDrafter(models["draft"], 48 + 5000)
+
+
+def test_layer_skip_depth_is_validated(models):
+    with pytest.raises(GenerationOptionError, match="layers"):
+        LayerSkipDrafter(models["target"], 4)
+
+
+def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
+    lookup = PromptLookupDrafter(max_ngram=3)
+    assert lookup.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert lookup.propose([5, 6, 7], 2) == []
+    assert lookup.propose([4, 4], 3) == [4]
+
+
+def test_two_token_joint_distribution_matches_the_target(models):
+    """Chi-square of speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target."""
+    target = models["target"]
+    prompt = [3, 17, 5]
+    params = SamplingParams(temperature=1.5, top_k=6)
+    cache = target.new_cache(16)
+    p1 = filtered_probs(target.forward(prompt, cache, 0), params)
+    joint = np.zeros((48, 48))
+    for t1 in np.flatnonzero(p1):
+        cache.truncate(len(prompt))
+        joint[t1] = p1[t1] * filtered_probs(target.forward([int(t1)], cache), params)
+    target.release_cache(cache)
+
+    engine = SpeculativeEngine(target, drafter_for("draft-model", models), k=2, k_max=2)
+    counts = np.zeros_like(joint)
+    trials = 800
+    for seed in range(trials):
+        t1, t2 = engine.generate(prompt, 2, SamplingParams(temperature=1.5, top_k=6, seed=seed), pin_k=True).tokens
+        counts[t1, t2] += 1
+    engine.close()
+    support = joint > 0
+    assert counts[~support].sum() == 0, "a token outside the top-k set was produced"
+    expected = joint[support] * trials
+    # Pool rare cells so every expected count is >= 5 (the chi-square approximation's usual requirement).
+    order = np.argsort(expected)
+    observed, exp = counts[support][order], expected[order]
+    pooled_obs, pooled_exp, acc_o, acc_e = [], [], 0.0, 0.0
+    for o, e in zip(observed, exp, strict=True):
+        acc_o, acc_e = acc_o + o, acc_e + e
+        if acc_e >= 5:
+            pooled_obs.append(acc_o)
+            pooled_exp.append(acc_e)
+            acc_o = acc_e = 0.0
+    pooled_obs[-1] += acc_o
+    pooled_exp[-1] += acc_e
+    chi2 = float(np.sum((np.array(pooled_obs) - np.array(pooled_exp)) ** 2 / np.array(pooled_exp)))
+    dof = len(pooled_obs) - 1
+    # The 99.9% quantile of chi-square is below dof + 3.1*sqrt(2 dof) + 10 for these dof (Wilson-Hilferty bound).
+    assert chi2 < dof + 3.1 * np.sqrt(2 * dof) + 10, (chi2, dof)
