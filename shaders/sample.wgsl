@@ -1,49 +1,89 @@
-// sample: one token id per row of logits: the argmax (temperature 0), or a draw from the temperature-scaled
-// distribution restricted to an exact top-k and then a top-p set, by inverse CDF with a host-drawn uniform u.
-// The contract (NaN, ties, infinities, rounding) is the docstring of doppler_py/sampling.py, whose numpy
-// functions are the reference this kernel is tested against.
-// Bindings: 0 params (uniform Params), 1 logits (read, [rows, vocab] f32), 2 randoms (read, [rows] f32 in
-//   [0, 1]), 3 out_ids (read_write, [rows] u32; always a valid id in [0, vocab), whatever the inputs).
+// sample: token choice from rows of logits. Two kernel families share one definition of the filtered
+// distribution (temperature, exact top-k, top-p), whose contract and numpy reference are in
+// doppler_py/sampling.py:
+// * `main`, the sampler: one token id per row — the argmax (temperature 0), or a draw from the filtered
+//   distribution by inverse CDF with a host-drawn uniform u.
+// * `spec_draft_filter`, `spec_rows`, `spec_finalize`: the verification of a speculative step (exact
+//   speculative sampling: accept draft d_i iff u_i * q_i(d_i) < p_i(d_i), then a draw from max(0, p_n - q_n) or
+//   the bonus draw from p_k); doppler_py/speculative/reference.py is its numpy reference and states the
+//   contract, doppler_py/ops/speculative.py records it.
+//
+// Bindings (each entry point binds only the ones it uses):
+//   0 params (uniform Params)                              all
+//   1 logits (read, [rows, vocab] f32)                     main; spec_rows (target rows 0..k);
+//                                                          spec_draft_filter (the draft's rows 0..k-1)
+//   2 randoms (read, f32 in [0, 1])                        main ([rows]); spec_rows ([2k+1]: k+i accepts d_i,
+//                                                          2k is the final draw; 0..k-1 belong to drafting)
+//   3 out_ids (read_write, [rows] u32)                     main; always a valid id in [0, vocab)
+//   4 draft_logits (read, [k, vocab] f32)                  spec_rows (unread in one-hot mode and when greedy)
+//   5 draft_states (read_write, [k] RowState)              spec_draft_filter writes, spec_rows reads
+//   6 tokens (read, [k+1] u32; tokens[1+i] = d_i)          spec_rows, spec_finalize
+//   7 row_results (read_write, [3 (k+1)] u32)              spec_rows writes, spec_finalize reads
+//   8 result (read_write, [k+3] u32)                       spec_finalize: n, final token, status, d_0..d_{k-1}
+// The file declares 8 storage buffers, so even a layout of all of them fits the WebGPU default limit.
 // Params: vocab (1 <= vocab < 2^24); temperature (<= 0 = greedy); top_k (0 or >= vocab = off);
-//   top_p (>= 1 = off).
-// Dispatch: (rows, 1, 1) workgroups of 256, one workgroup per row.
+//   top_p (>= 1 = off); k (draft tokens, speculative entries only); onehot (1: the draft is deterministic,
+//   q_i = one-hot at d_i, so draft_logits are not read).
+// Dispatch: main (rows, 1, 1); speculative step: spec_draft_filter (k, 1, 1) only when temperature > 0 and
+//   onehot = 0, then spec_rows (k + 1, 1, 1), then spec_finalize (1, 1, 1). One workgroup of 256 per row
+//   (spec_finalize: a single invocation).
 // Method: logits are compared through an order-preserving u32 key of their bits, so a threshold is found
 // exactly by bisection over the 32 key bits: top-k counts the tokens at or above a candidate key, top-p sums
 // their weights (32 passes each over the row, invocation j reading tokens j, j + 256, ...). The steps that
 // need token-index order (breaking top-k ties, the CDF) give each invocation one contiguous chunk of the row
-// and prefix-sum the chunk totals.
+// and prefix-sum the chunk totals. A speculative row i < k computes its accept decision AND the token it
+// would emit if it were the first rejection (the residual draw), so rows run in parallel and spec_finalize
+// only picks n, the first rejected row (k if none), and that row's token.
 
 struct Params {
   vocab: u32,
   temperature: f32,
   top_k: u32,
   top_p: f32,
+  k: u32,
+  onehot: u32,
+}
+
+// What the filtered distribution of one row is, found by `filter_row`.
+struct RowState {
+  max_key: u32,  // key of the row maximum
+  argmax: u32,  // lowest index holding it: the greedy answer, and every fallback's
+  max_scaled: f32,  // the maximum / temperature
+  // Top-k keeps key > topk_key, and key == topk_key up to index topk_last; zeros keep everything.
+  topk_key: u32,
+  topk_last: u32,
+  min_key: u32,  // top-p keeps key >= min_key
+  total: f32,  // the kept weight (set by `with_total`; the sampler does not need it)
+  nonfinite: u32,  // 1 if the row holds NaN or +inf
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read> randoms: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out_ids: array<u32>;
+@group(0) @binding(4) var<storage, read> draft_logits: array<f32>;
+@group(0) @binding(5) var<storage, read_write> draft_states: array<RowState>;
+@group(0) @binding(6) var<storage, read> tokens: array<u32>;
+@group(0) @binding(7) var<storage, read_write> row_results: array<u32>;
+@group(0) @binding(8) var<storage, read_write> result: array<u32>;
 
 const WG: u32 = 256u;
 // The key of -inf, which NaN shares. Every logit's key is >= this, so key 0 is below every token.
 const NEG_INF_KEY: u32 = 0x007fffffu;
 const POS_INF_BITS: u32 = 0x7f800000u;
+// Status bits of a speculative step (doppler_py/ops/speculative.py names them).
+const STATUS_TARGET_NONFINITE: u32 = 1u;
+const STATUS_DRAFT_NONFINITE: u32 = 2u;
+const STATUS_DRAFT_TOKEN_OUT_OF_RANGE: u32 = 4u;
+const ROW_RESULT_WORDS: u32 = 3u;  // accepted, token, status
 
 var<workgroup> partial: array<f32, 256>;  // workgroup_sum's tree
 var<workgroup> bounds: array<f32, 257>;  // workgroup_prefix's result
 var<workgroup> count: atomic<u32>;
 var<workgroup> row_max_key: atomic<u32>;
-var<workgroup> chosen: atomic<u32>;  // the argmax first, then the sampled token
+var<workgroup> row_nonfinite: atomic<u32>;
+var<workgroup> chosen: atomic<u32>;  // the argmax first, then a sampled token
 var<workgroup> last_tie: atomic<u32>;
-
-// Per-invocation copies of the row's state, so the helpers below need few arguments.
-var<private> row_base: u32;
-var<private> max_key: u32;
-var<private> max_scaled: f32;
-// Top-k keeps key > topk_key, and key == topk_key up to index topk_last; the defaults keep everything.
-var<private> topk_key: u32;
-var<private> topk_last: u32;
 
 // a < b as reals iff order_key(a) < order_key(b); NaN gets the key of -inf and -0 the key of +0.
 fn order_key(x: f32) -> u32 {
@@ -64,32 +104,36 @@ fn key_value(key: u32) -> f32 {
   return bitcast<f32>(~key);
 }
 
+fn is_nan_or_pos_inf(x: f32) -> bool {
+  let bits = bitcast<u32>(x);
+  return (bits & 0x7fffffffu) > POS_INF_BITS || bits == POS_INF_BITS;
+}
+
 // exp(s - max s) with s = x / temperature; the row's top tokens weigh exactly 1 (also when they are +inf or
 // when the whole row is -inf), so no inf - inf is ever formed.
-fn weight(x: f32, key: u32) -> f32 {
+fn weight(x: f32, key: u32, s: RowState) -> f32 {
   if (key == NEG_INF_KEY) {
-    return select(0.0, 1.0, max_key == NEG_INF_KEY);
+    return select(0.0, 1.0, s.max_key == NEG_INF_KEY);
   }
-  let s = x / params.temperature;
-  if (bitcast<u32>(s) == bitcast<u32>(max_scaled)) {
+  let scaled = x / params.temperature;
+  if (bitcast<u32>(scaled) == bitcast<u32>(s.max_scaled)) {
     return 1.0;
   }
-  if (bitcast<u32>(max_scaled) == POS_INF_BITS) {
+  if (bitcast<u32>(s.max_scaled) == POS_INF_BITS) {
     return 0.0;
   }
   // The clamp keeps an overflowed difference away from exp(-inf); exp underflows to 0 long before -126.
-  return exp(max(s - max_scaled, -126.0));
+  return exp(max(scaled - s.max_scaled, -126.0));
 }
 
-// Weight of token i if top-k keeps it and its key is >= min_key, else 0.
-fn kept_weight(i: u32, min_key: u32) -> f32 {
-  let x = logits[row_base + i];
+// Weight of token i (logit x) if top-k keeps it and its key is >= min_key, else 0.
+fn kept_weight(x: f32, i: u32, s: RowState, min_key: u32) -> f32 {
   let key = order_key(x);
-  let in_top_k = key > topk_key || (key == topk_key && i <= topk_last);
+  let in_top_k = key > s.topk_key || (key == s.topk_key && i <= s.topk_last);
   if (!in_top_k || key < min_key) {
     return 0.0;
   }
-  return weight(x, key);
+  return weight(x, key, s);
 }
 
 // Sum of `value` over the workgroup by a fixed tree: equal inputs give equal sums, and since rounding is
@@ -134,47 +178,103 @@ fn workgroup_prefix(lid: u32, value: f32) {
   workgroupBarrier();
 }
 
-fn count_at_or_above(lid: u32, min_key: u32) -> u32 {
+// Invocation lid's contiguous chunk [x, y) of the row, for the passes that need token-index order.
+fn chunk_range(lid: u32) -> vec2<u32> {
+  let chunk = (params.vocab + WG - 1u) / WG;
+  let start = min(lid * chunk, params.vocab);
+  return vec2<u32>(start, min(start + chunk, params.vocab));
+}
+
+// The chunk holding goal in [bounds[lid], bounds[lid + 1]); when rounding puts goal at the total, the last
+// chunk with any mass. At most one invocation owns the goal.
+fn owns_goal(lid: u32, goal: f32) -> bool {
+  let start = bounds[lid];
+  let end = bounds[lid + 1u];
+  return start <= goal && (goal < end || (start < end && end == bounds[WG]));
+}
+
+// -- one row of `logits`, starting at `base` ---------------------------------------------------------------
+
+// The row maximum, the lowest index holding it, and whether the row holds NaN or +inf.
+fn scan_row(lid: u32, base: u32) -> RowState {
+  var best_key = 0u;
+  var best_index = 0u;
+  var nonfinite = 0u;
+  for (var i = lid; i < params.vocab; i = i + WG) {
+    let x = logits[base + i];
+    let key = order_key(x);
+    if (key > best_key) {
+      best_key = key;
+      best_index = i;
+    }
+    nonfinite = nonfinite | select(0u, 1u, is_nan_or_pos_inf(x));
+  }
+  if (lid == 0u) {
+    atomicStore(&row_max_key, 0u);
+    atomicStore(&row_nonfinite, 0u);
+    atomicStore(&chosen, params.vocab - 1u);
+  }
+  workgroupBarrier();
+  atomicMax(&row_max_key, best_key);
+  atomicOr(&row_nonfinite, nonfinite);
+  workgroupBarrier();
+  var s: RowState;  // zero: top-k and top-p keep everything
+  s.max_key = atomicLoad(&row_max_key);
+  s.nonfinite = atomicLoad(&row_nonfinite);
+  if (best_key == s.max_key) {
+    atomicMin(&chosen, best_index);
+  }
+  workgroupBarrier();
+  s.argmax = atomicLoad(&chosen);
+  workgroupBarrier();
+  return s;
+}
+
+fn count_at_or_above(lid: u32, base: u32, min_key: u32) -> u32 {
   var n = 0u;
   for (var i = lid; i < params.vocab; i = i + WG) {
-    n = n + select(0u, 1u, order_key(logits[row_base + i]) >= min_key);
+    n = n + select(0u, 1u, order_key(logits[base + i]) >= min_key);
   }
   return workgroup_count(lid, n);
 }
 
-fn mass_at_or_above(lid: u32, min_key: u32) -> f32 {
+fn mass_at_or_above(lid: u32, base: u32, s: RowState, min_key: u32) -> f32 {
   var mass = 0.0;
   for (var i = lid; i < params.vocab; i = i + WG) {
-    mass = mass + kept_weight(i, min_key);
+    mass = mass + kept_weight(logits[base + i], i, s, min_key);
   }
   return workgroup_sum(lid, mass);
 }
 
 // Restricts to exactly k tokens: finds the k-th largest key, then which tied tokens fill the last slots.
-fn select_top_k(lid: u32, k: u32, chunk_start: u32, chunk_end: u32) {
+fn select_top_k(lid: u32, base: u32, state: RowState, k: u32) -> RowState {
   // The largest key t with at least k tokens >= t is the k-th largest logit's key.
   var t = 0u;
   for (var bit = 0u; bit < 32u; bit = bit + 1u) {
     let candidate = t | (0x80000000u >> bit);
-    let n = count_at_or_above(lid, candidate);
+    let n = count_at_or_above(lid, base, candidate);
     if (n >= k) {
       t = candidate;
     }
   }
+  let chunk = chunk_range(lid);
   var above = 0u;
   var ties = 0u;
-  for (var i = chunk_start; i < chunk_end; i = i + 1u) {
-    let key = order_key(logits[row_base + i]);
+  for (var i = chunk.x; i < chunk.y; i = i + 1u) {
+    let key = order_key(logits[base + i]);
     above = above + select(0u, 1u, key > t);
     ties = ties + select(0u, 1u, key == t);
+  }
+  if (lid == 0u) {
+    atomicStore(&last_tie, params.vocab - 1u);
   }
   let slots = k - workgroup_count(lid, above);  // >= 1 tied tokens still to keep, lowest index first
   workgroup_prefix(lid, f32(ties));  // counts below 2^24 are exact in f32
   let ties_before = u32(bounds[lid]);
   if (ties_before < slots && slots <= ties_before + ties) {
     var seen = ties_before;
-    for (var i = chunk_start; i < chunk_end; i = i + 1u) {
-      if (order_key(logits[row_base + i]) == t) {
+    for (var i = chunk.x; i < chunk.y; i = i + 1u) {
+      if (order_key(logits[base + i]) == t) {
         seen = seen + 1u;
         if (seen == slots) {
           atomicStore(&last_tie, i);
@@ -184,17 +284,20 @@ fn select_top_k(lid: u32, k: u32, chunk_start: u32, chunk_end: u32) {
     }
   }
   workgroupBarrier();
-  topk_key = t;
-  topk_last = atomicLoad(&last_tie);
+  var s = state;
+  s.topk_key = t;
+  s.topk_last = atomicLoad(&last_tie);
+  workgroupBarrier();
+  return s;
 }
 
 // The smallest key v such that the top-k tokens >= v hold at least top_p of the top-k mass.
-fn top_p_min_key(lid: u32) -> u32 {
-  let needed = params.top_p * mass_at_or_above(lid, 0u);
+fn top_p_min_key(lid: u32, base: u32, s: RowState) -> u32 {
+  let needed = params.top_p * mass_at_or_above(lid, base, s, 0u);
   var t = 0u;
   for (var bit = 0u; bit < 32u; bit = bit + 1u) {
     let candidate = t | (0x80000000u >> bit);
-    let mass = mass_at_or_above(lid, candidate);
+    let mass = mass_at_or_above(lid, base, s, candidate);
     if (mass >= needed) {
       t = candidate;
     }
@@ -202,23 +305,44 @@ fn top_p_min_key(lid: u32) -> u32 {
   return t;
 }
 
+// The row's filtered distribution: argmax only when greedy, else temperature, top-k and top-p.
+fn filter_row(lid: u32, base: u32) -> RowState {
+  var s = scan_row(lid, base);
+  if (params.temperature > 0.0) {
+    s.max_scaled = key_value(s.max_key) / params.temperature;
+    if (params.top_k > 0u && params.top_k < params.vocab) {
+      s = select_top_k(lid, base, s, params.top_k);
+    }
+    if (params.top_p < 1.0) {
+      s.min_key = top_p_min_key(lid, base, s);
+    }
+  }
+  return s;
+}
+
+fn with_total(lid: u32, base: u32, state: RowState) -> RowState {
+  var s = state;
+  s.total = mass_at_or_above(lid, base, s, s.min_key);
+  return s;
+}
+
 // Inverse CDF over the kept tokens in index order: the first token whose running mass exceeds u * total.
-fn pick(lid: u32, row: u32, min_key: u32, chunk_start: u32, chunk_end: u32) {
+fn pick(lid: u32, base: u32, s: RowState, u: f32) -> u32 {
+  let chunk = chunk_range(lid);
   var mass = 0.0;
-  for (var i = chunk_start; i < chunk_end; i = i + 1u) {
-    mass = mass + kept_weight(i, min_key);
+  for (var i = chunk.x; i < chunk.y; i = i + 1u) {
+    mass = mass + kept_weight(logits[base + i], i, s, s.min_key);
+  }
+  if (lid == 0u) {
+    atomicStore(&chosen, s.argmax);
   }
   workgroup_prefix(lid, mass);
-  let start = bounds[lid];
-  let end = bounds[lid + 1u];
-  let total = bounds[WG];
-  let goal = randoms[row] * total;
-  // The chunk holding goal; when rounding puts goal at the total, the last chunk with any mass.
-  if (start <= goal && (goal < end || (start < end && end == total))) {
-    var running = start;
-    var token = chunk_start;
-    for (var i = chunk_start; i < chunk_end; i = i + 1u) {
-      let w = kept_weight(i, min_key);
+  let goal = u * bounds[WG];
+  if (owns_goal(lid, goal)) {
+    var running = bounds[lid];
+    var token = chunk.x;
+    for (var i = chunk.x; i < chunk.y; i = i + 1u) {
+      let w = kept_weight(logits[base + i], i, s, s.min_key);
       if (w > 0.0) {
         running = running + w;
         token = i;
@@ -229,56 +353,144 @@ fn pick(lid: u32, row: u32, min_key: u32, chunk_start: u32, chunk_end: u32) {
     }
     atomicStore(&chosen, token);
   }
+  workgroupBarrier();
+  let token = atomicLoad(&chosen);
+  workgroupBarrier();
+  return token;
 }
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-  let vocab = params.vocab;
   let row = wid.x;
-  row_base = row * vocab;
-
-  // Row maximum and the lowest index holding it: the greedy answer, and every fallback's.
-  var best_key = 0u;
-  var best_index = 0u;
-  for (var i = lid; i < vocab; i = i + WG) {
-    let key = order_key(logits[row_base + i]);
-    if (key > best_key) {
-      best_key = key;
-      best_index = i;
-    }
-  }
-  if (lid == 0u) {
-    atomicStore(&row_max_key, 0u);
-    atomicStore(&chosen, vocab - 1u);
-    atomicStore(&last_tie, vocab - 1u);
-  }
-  workgroupBarrier();
-  atomicMax(&row_max_key, best_key);
-  workgroupBarrier();
-  max_key = atomicLoad(&row_max_key);
-  if (best_key == max_key) {
-    atomicMin(&chosen, best_index);
-  }
-  workgroupBarrier();
-
+  let base = row * params.vocab;
+  let s = filter_row(lid, base);
+  var token = s.argmax;
   if (params.temperature > 0.0) {
-    max_scaled = key_value(max_key) / params.temperature;
-    let chunk = (vocab + WG - 1u) / WG;
-    let chunk_start = min(lid * chunk, vocab);
-    let chunk_end = min(chunk_start + chunk, vocab);
-    topk_key = 0u;
-    topk_last = 0u;
-    if (params.top_k > 0u && params.top_k < vocab) {
-      select_top_k(lid, params.top_k, chunk_start, chunk_end);
-    }
-    var min_key = 0u;
-    if (params.top_p < 1.0) {
-      min_key = top_p_min_key(lid);
-    }
-    pick(lid, row, min_key, chunk_start, chunk_end);
-    workgroupBarrier();
+    token = pick(lid, base, s, randoms[row]);
   }
   if (lid == 0u) {
-    out_ids[row] = atomicLoad(&chosen);
+    out_ids[row] = token;
+  }
+}
+
+// -- speculative verification -------------------------------------------------------------------------------
+
+// q_i for every draft row i, with its total, so spec_rows can read the draft's distribution beside the target's.
+@compute @workgroup_size(256)
+fn spec_draft_filter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let base = wid.x * params.vocab;
+  let s = with_total(lid, base, filter_row(lid, base));
+  if (lid == 0u) {
+    draft_states[wid.x] = s;
+  }
+}
+
+// The residual max(0, p(i) - q(i)) of token i; in one-hot mode q is one-hot at d, so it is p without d.
+fn residual_weight(i: u32, row: u32, p: RowState, q: RowState, d: u32) -> f32 {
+  let p_i = kept_weight(logits[row * params.vocab + i], i, p, p.min_key) / p.total;
+  if (params.onehot != 0u) {
+    return select(p_i, 0.0, i == d);
+  }
+  let q_i = kept_weight(draft_logits[row * params.vocab + i], i, q, q.min_key) / q.total;
+  return max(p_i - q_i, 0.0);
+}
+
+// A draw from normalise(max(0, p - q)) by inverse CDF with u; from p when rounding left the residual empty.
+fn residual_pick(lid: u32, row: u32, p: RowState, q: RowState, d: u32, u: f32) -> u32 {
+  let chunk = chunk_range(lid);
+  var mass = 0.0;
+  for (var i = chunk.x; i < chunk.y; i = i + 1u) {
+    mass = mass + residual_weight(i, row, p, q, d);
+  }
+  if (lid == 0u) {
+    atomicStore(&chosen, p.argmax);
+  }
+  workgroup_prefix(lid, mass);
+  let goal = u * bounds[WG];
+  if (bounds[WG] > 0.0 && owns_goal(lid, goal)) {
+    var running = bounds[lid];
+    var token = chunk.x;
+    for (var i = chunk.x; i < chunk.y; i = i + 1u) {
+      let w = residual_weight(i, row, p, q, d);
+      if (w > 0.0) {
+        running = running + w;
+        token = i;
+        if (running > goal) {
+          break;
+        }
+      }
+    }
+    atomicStore(&chosen, token);
+  }
+  // The uniform load lets the fallback's barriers sit under a branch that Tint can prove uniform.
+  let residual_mass = workgroupUniformLoad(&bounds[WG]);
+  let token = atomicLoad(&chosen);
+  workgroupBarrier();
+  if (residual_mass > 0.0) {
+    return token;
+  }
+  return pick(lid, row * params.vocab, p, u);
+}
+
+// Row i < k: whether d_i is accepted, and the token emitted if row i is the first rejection. Row k: the bonus.
+@compute @workgroup_size(256)
+fn spec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let k = params.k;
+  let row = wid.x;
+  let base = row * params.vocab;
+  let u_final = randoms[2u * k];
+  let p = filter_row(lid, base);
+  var status = select(0u, STATUS_TARGET_NONFINITE, p.nonfinite != 0u);
+  var accepted = 0u;
+  var token = p.argmax;
+  if (row == k) {
+    if (params.temperature > 0.0) {
+      token = pick(lid, base, p, u_final);
+    }
+  } else {
+    let d = tokens[1u + row];
+    let valid = d < params.vocab;
+    status = status | select(STATUS_DRAFT_TOKEN_OUT_OF_RANGE, 0u, valid);
+    let safe_d = min(d, params.vocab - 1u);  // never index past the row
+    if (params.temperature > 0.0) {
+      let p_full = with_total(lid, base, p);
+      var q = p_full;  // not read in one-hot mode
+      var q_d = 1.0;
+      if (params.onehot == 0u) {
+        q = draft_states[row];  // no barrier depends on q, so a read_write binding is fine
+        q_d = select(0.0, kept_weight(draft_logits[base + safe_d], safe_d, q, q.min_key) / q.total, valid);
+        status = status | select(0u, STATUS_DRAFT_NONFINITE, q.nonfinite != 0u);
+      }
+      let p_d = select(0.0, kept_weight(logits[base + safe_d], safe_d, p_full, p_full.min_key) / p_full.total, valid);
+      accepted = select(0u, 1u, randoms[k + row] * q_d < p_d);
+      token = residual_pick(lid, row, p_full, q, d, u_final);
+    } else {
+      accepted = select(0u, 1u, valid && d == p.argmax);
+    }
+  }
+  if (lid == 0u) {
+    row_results[ROW_RESULT_WORDS * row] = accepted;
+    row_results[ROW_RESULT_WORDS * row + 1u] = token;
+    row_results[ROW_RESULT_WORDS * row + 2u] = status;
+  }
+}
+
+// n = the first rejected row (k if none), its token, the status of all rows, and a copy of the drafts.
+@compute @workgroup_size(1)
+fn spec_finalize() {
+  let k = params.k;
+  var n = k;
+  var status = 0u;
+  for (var i = 0u; i <= k; i = i + 1u) {
+    status = status | row_results[ROW_RESULT_WORDS * i + 2u];
+    if (i < n && row_results[ROW_RESULT_WORDS * i] == 0u) {
+      n = i;
+    }
+  }
+  result[0] = n;
+  result[1] = row_results[ROW_RESULT_WORDS * n + 1u];
+  result[2] = status;
+  for (var i = 0u; i < k; i = i + 1u) {
+    result[3u + i] = tokens[1u + i];
   }
 }
