@@ -6,6 +6,7 @@ storage buffers or workgroup memory than Chrome allows fails here too.
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
@@ -21,8 +22,14 @@ def gpu():
 
 
 @pytest.fixture(scope="session")
-def registry(gpu):
-    return KernelRegistry(gpu)
+def registry(gpu, request):
+    registry = KernelRegistry(gpu)
+    if os.environ.get("DOPPLER_DAWN_REPLAY", "") not in ("", "0"):
+        # Every submit is also replayed under Dawn (SwiftShader) and compared with wgpu: tests/parity/dawn.
+        from parity.dawn.trace import install_replay
+
+        install_replay(registry, request.config)
+    return registry
 
 
 @pytest.fixture
