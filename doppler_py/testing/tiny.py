@@ -1,6 +1,8 @@
 """Tiny random LLaMA-family models written as HF folders (config.json + model.safetensors), numpy only.
 
 HF transformers loads these folders as they are, so the same files drive our engine and the reference.
+A character-level tokenizer (tokenizer.json + tokenizer_config.json with a ChatML template) is written too
+when the vocabulary has room for it, so the CLI and the server can run on these models end to end.
 Weights are drawn with a larger spread than HF's init (std 0.02 would make every logit nearly equal and
 greedy decoding a coin toss between near-ties).
 """
@@ -18,7 +20,7 @@ from safetensors.numpy import save_file
 @dataclass(frozen=True)
 class TinySpec:
     arch: str = "llama"  # "llama", "mistral" or "qwen2"
-    vocab_size: int = 96
+    vocab_size: int = 128  # room for the character tokenizer (99 tokens)
     hidden_size: int = 64
     intermediate_size: int = 160
     num_hidden_layers: int = 2
@@ -110,12 +112,64 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     return tensors
 
 
+# Ids 0..2 as in SmolLM2, so config.json's bos (1) and eos (2) ids name <|im_start|> and <|im_end|>.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PRINTABLE_CHARSET = "".join(chr(c) for c in range(0x20, 0x7F)) + "\n"
+SMALL_CHARSET = "abcdefghijklmnopqrstuvwxyz .,!?\n"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tokenizer_charset(vocab_size: int) -> str | None:
+    """The largest charset whose tokenizer fits `vocab_size` ids, or None when none fits."""
+    for charset in (PRINTABLE_CHARSET, SMALL_CHARSET):
+        if len(SPECIAL_TOKENS) + len(charset) <= vocab_size:
+            return charset
+    return None
+
+
+def character_tokenizer(charset: str):
+    """A `tokenizers.Tokenizer` with one token per character of `charset` after the special tokens.
+
+    A BPE model without merges splits text into characters; characters outside the charset are dropped.
+    The Fuse decoder joins tokens back without the spaces a plain decode would put between them.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *charset])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tokenizer
+
+
+def write_tokenizer(folder: Path, charset: str) -> None:
+    character_tokenizer(charset).save(str(folder / "tokenizer.json"))
+    config = {
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 def write_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a random model for `spec` into `folder` and return the folder."""
+    """Write a random model for `spec` into `folder` and return the folder.
+
+    The tokenizer files are written when a charset fits the vocabulary (printable ASCII from 99 ids,
+    lowercase letters and basic punctuation from 35).
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config_dict(spec), indent=2))
     save_file(random_weights(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    charset = tokenizer_charset(spec.vocab_size)
+    if charset is not None:
+        write_tokenizer(folder, charset)
     return folder
 
 

@@ -1,0 +1,574 @@
+"""An OpenAI-compatible HTTP server over one `Engine` (Starlette app, served by uvicorn).
+
+    doppler-py serve --model smollm2-135m-instruct --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both with
+`"stream": true` for server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET /health.
+Every response carries `usage` and a `doppler` object with the speculation figures of the generation.
+
+Extra request fields: `top_k`, `seed`, `speculative` ("auto", "prompt-lookup", "draft-model", "layer-skip",
+"none") and `k` (pinned draft length). Options a request leaves out take the server's defaults (the `serve`
+command's flags). Features that would silently change results (n > 1, stop sequences, logprobs, penalties,
+tools) are refused with 400 rather than ignored.
+
+The engine is not thread safe, so every generation runs on ONE worker thread, one at a time; requests wait
+in a bounded queue and a full queue answers 429. A client that disconnects (mid-stream or while queued)
+cancels its generation, which closes the engine's stream iterator and so frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from doppler_py.api import SPECULATIVE_MODES, Engine, GenerationResult
+from doppler_py.errors import (
+    CapacityError,
+    DopplerError,
+    GenerationOptionError,
+    UnsupportedModelError,
+    VocabularyMismatchError,
+)
+from doppler_py.model.catalog import KNOWN_MODELS
+from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
+from doppler_py.sampling import SamplingParams
+
+# Engine errors caused by what the request asked for; any other DopplerError is the server's fault.
+_CLIENT_ERRORS = (GenerationOptionError, CapacityError, UnsupportedModelError, VocabularyMismatchError)
+_INT32_MAX = 2**31 - 1
+# Request fields that would change the output if honoured, with the values that mean "not used".
+_UNSUPPORTED_UNLESS = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "stop": ("", []),
+    "suffix": ("",),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    queue_size: int = 8  # requests that may wait while one generates; one more gets 429
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    model_id: str | None = None  # the name clients use; default: derived from the engine's model
+    # Engine.stream options for requests that leave them out (max_tokens, temperature, speculative, ...).
+    defaults: dict[str, Any] = field(default_factory=lambda: {"max_tokens": 256, "speculative": "auto"})
+
+
+class RequestError(Exception):
+    """A request the server refuses, answered with an OpenAI-style error body."""
+
+    def __init__(
+        self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None, code=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(_error_body(self.message, self.kind, self.param, self.code), self.status, headers)
+
+
+def _error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _engine_error(exc: Exception) -> RequestError:
+    if isinstance(exc, _CLIENT_ERRORS):
+        return RequestError(400, str(exc), code=type(exc).__name__)
+    if isinstance(exc, DopplerError):
+        return RequestError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code=type(exc).__name__)
+    return RequestError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+
+def default_model_id(name: str) -> str:
+    """A known model's name, else the folder's name or the .gguf file's stem."""
+    if name in KNOWN_MODELS:
+        return name
+    path = Path(name)
+    return (path.stem if path.suffix.lower() == ".gguf" else path.name) or name
+
+
+# --- request parsing ---------------------------------------------------------------------------------------------
+def _describe(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    """body[name] when present and of one of `kinds` (JSON true/false never counts as a number); None if absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise RequestError(400, f"'{name}' must be {what}, got {_describe(value)}", param=name)
+    return value
+
+
+def _int_field(body: dict, name: str, low: int, high: int) -> int | None:
+    value = _field(body, name, (int,), "an integer")
+    if value is not None and not low <= value <= high:
+        raise RequestError(400, f"'{name}' must be in {low}..{high}, got {value}", param=name)
+    return value
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str | list[dict]
+    chat: bool
+    options: dict[str, Any]  # keyword arguments of Engine.stream
+    stream: bool
+    include_usage: bool
+
+
+def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+    for name, unused in _UNSUPPORTED_UNLESS.items():
+        if body.get(name) is not None and not any(body[name] == value for value in unused):
+            raise RequestError(400, f"'{name}' is not supported by this server", param=name)
+    max_tokens = _int_field(body, "max_completion_tokens", 1, _INT32_MAX) if chat else None
+    if max_tokens is None:
+        max_tokens = _int_field(body, "max_tokens", 1, _INT32_MAX)
+    speculative = _field(body, "speculative", (str,), "a string")
+    if speculative is not None and speculative not in (*SPECULATIVE_MODES, "none"):
+        raise RequestError(
+            400, f"'speculative' must be one of {', '.join((*SPECULATIVE_MODES, 'none'))}", param="speculative"
+        )
+    given = {
+        "max_tokens": max_tokens,
+        "temperature": _field(body, "temperature", (int, float), "a number"),
+        "top_p": _field(body, "top_p", (int, float), "a number"),
+        "top_k": _int_field(body, "top_k", 0, _INT32_MAX),
+        "seed": _field(body, "seed", (int,), "an integer"),
+        "speculative": speculative,
+        "k": _int_field(body, "k", 1, MAX_DRAFT_TOKENS),
+    }
+    options = dict(defaults) | {name: value for name, value in given.items() if value is not None}
+    sampling = {name: options[name] for name in ("temperature", "top_k", "top_p", "seed") if name in options}
+    try:
+        SamplingParams(**sampling)  # the engine's own checks, before the request waits for the GPU
+    except GenerationOptionError as exc:
+        raise RequestError(400, str(exc)) from None
+    return options
+
+
+def _message(index: int, message: Any) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise RequestError(400, f"{where} must be an object with 'role' and 'content'", param=where)
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        raise RequestError(400, f"{where}.role must be a non-empty string", param=f"{where}.role")
+    if isinstance(content, list):  # content parts: only text can be rendered by a text model
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(400, f"{where}.content: only text parts are supported", param=f"{where}.content")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise RequestError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def parse_request(body: dict, defaults: dict[str, Any], *, chat: bool) -> GenerationRequest:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "'messages' must be a non-empty list of messages", param="messages")
+        prompt: str | list[dict] = [_message(i, m) for i, m in enumerate(messages)]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(
+                400, "'prompt' must be a non-empty string (token-id prompts are not supported)", param="prompt"
+            )
+    stream = _field(body, "stream", (bool,), "true or false") or False
+    stream_options = _field(body, "stream_options", (dict,), "an object") or {}
+    include_usage = _field(stream_options, "include_usage", (bool,), "true or false") or False
+    return GenerationRequest(prompt, chat, _options(body, defaults, chat=chat), stream, include_usage)
+
+
+# --- the GPU worker ----------------------------------------------------------------------------------------------
+Event = tuple[str, Any]  # ("piece", str) | ("done", GenerationResult) | ("error", Exception)
+
+
+class Job:
+    """One generation: run on the GPU worker thread, its events delivered to the event loop's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: GenerationRequest):
+        self.loop = loop
+        self.request = request
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancel_requested = threading.Event()
+        self.started = False  # set by the worker thread
+        self.outcome = "queued"
+
+    @property
+    def wanted(self) -> bool:
+        """Running, or waiting for a client that is still there (an abandoned job is skipped at once)."""
+        return self.started or not self.cancel_requested.is_set()
+
+    def cancel(self) -> None:
+        self.cancel_requested.set()
+
+    def _emit(self, event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: the server is shutting down
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def run(self, engine: Engine) -> None:
+        """Worker thread: generate, stopping early (closing the engine's stream) once cancelled."""
+        self.started = True
+        if self.cancel_requested.is_set():
+            self.outcome = "cancelled"
+            return
+        try:
+            self.outcome = self._generate(engine)
+        except Exception as exc:  # reported to the client; the worker goes on with the next job
+            self.outcome = "refused" if isinstance(exc, _CLIENT_ERRORS) else "failed"
+            self._emit(("error", exc))
+
+    def _generate(self, engine: Engine) -> str:
+        request = self.request
+        with contextlib.closing(engine.stream(request.prompt, chat=request.chat, **request.options)) as pieces:
+            for piece in pieces:
+                if self.cancel_requested.is_set():
+                    return "cancelled"
+                self._emit(("piece", piece))
+        self._emit(("done", engine.last_result))
+        return "completed"
+
+    async def result(self) -> GenerationResult:
+        while True:
+            kind, value = await self.events.get()
+            if kind == "done":
+                return value
+            if kind == "error":
+                raise value
+
+
+class GenerationQueue:
+    """Runs jobs one at a time on one worker thread; admits a job while fewer than 1 + queue_size others are
+    running or waiting (jobs whose clients left are not counted: the worker skips them)."""
+
+    def __init__(self, engine: Engine, queue_size: int):
+        if queue_size < 0:
+            raise ValueError(f"queue_size must be >= 0, got {queue_size}")
+        self.engine = engine
+        self.queue_size = queue_size
+        self.jobs: set[Job] = set()  # admitted and not finished; touched on the event loop thread only
+        self.counts: Counter[str] = Counter()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="doppler-gpu")
+
+    def submit(self, request: GenerationRequest) -> Job:
+        if sum(job.wanted for job in self.jobs) > self.queue_size:
+            self.counts["rejected"] += 1
+            raise RequestError(
+                429,
+                f"the server is busy (1 generation running, {self.queue_size} waiting); retry later",
+                kind="rate_limit_error",
+                code="queue_full",
+            )
+        loop = asyncio.get_running_loop()
+        job = Job(loop, request)
+        self.jobs.add(job)
+        future = loop.run_in_executor(self._executor, job.run, self.engine)
+        future.add_done_callback(lambda _: self._finished(job))
+        return job
+
+    def _finished(self, job: Job) -> None:
+        self.jobs.discard(job)
+        self.counts[job.outcome] += 1
+
+    def status(self) -> dict[str, int]:
+        return {
+            "running": sum(job.started for job in self.jobs),
+            "waiting": sum(not job.started and job.wanted for job in self.jobs),
+            "queue_size": self.queue_size,
+            **{name: self.counts[name] for name in ("completed", "cancelled", "refused", "failed", "rejected")},
+        }
+
+    def shutdown(self) -> None:
+        for job in list(self.jobs):
+            job.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=False)
+
+
+# --- response formats --------------------------------------------------------------------------------------------
+def usage(result: GenerationResult) -> dict[str, int]:
+    completion = len(result.tokens)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+    }
+
+
+def doppler_stats(result: GenerationResult) -> dict[str, Any]:
+    """The extension object: what speculation did and what it saved."""
+    return {
+        "speculative": result.speculative,
+        "drafted": result.drafted,
+        "accepted": result.accepted,
+        "acceptance_rate": round(result.acceptance_rate, 4),
+        "mean_accepted_per_step": round(result.mean_accepted_per_step, 3),
+        "tokens_per_s": round(result.tokens_per_s, 2),
+        "elapsed_s": round(result.elapsed_s, 4),
+        "time_saved_s": None if result.time_saved_s is None else round(result.time_saved_s, 4),
+    }
+
+
+class _Format:
+    """OpenAI's response and chunk objects for one request."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices} | extra
+
+    def _choice(self, text: str | None, finish_reason: str | None, *, streaming: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if streaming:
+            delta = {"content": text} if text is not None else {}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+    def response(self, result: GenerationResult) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        choice = self._choice(result.text, result.finish_reason, streaming=False)
+        return self._object(kind, [choice], usage=usage(result), doppler=doppler_stats(result))
+
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def opening_chunks(self) -> list[dict]:
+        if not self.chat:
+            return []
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._object(self._chunk_kind, [choice])]
+
+    def piece_chunk(self, text: str) -> dict:
+        return self._object(self._chunk_kind, [self._choice(text, None, streaming=True)])
+
+    def closing_chunks(self, result: GenerationResult, include_usage: bool) -> list[dict]:
+        figures = {"usage": usage(result), "doppler": doppler_stats(result)}
+        chunks = [self._object(self._chunk_kind, [self._choice(None, result.finish_reason, streaming=True)], **figures)]
+        if include_usage:  # what OpenAI clients asking for usage expect: a last chunk with no choices
+            chunks.append(self._object(self._chunk_kind, [], **figures))
+        return chunks
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+# --- HTTP ---------------------------------------------------------------------------------------------------------
+_DISCONNECTED = object()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """The result of `work`, or _DISCONNECTED when the client goes away first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else _DISCONNECTED
+
+
+class OpenAIServer:
+    """The routes over one engine; `app` is the Starlette application."""
+
+    def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
+        self.engine = engine
+        self.config = config
+        self.model_id = config.model_id or default_model_id(engine.name)
+        self.created = int(time.time())
+        self.queue = GenerationQueue(engine, config.queue_size)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            exception_handlers={
+                RequestError: self._request_error,
+                HTTPException: self._http_error,
+                Exception: self._internal_error,
+            },
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, self.queue.shutdown)
+
+    @staticmethod
+    async def _request_error(_request: Request, exc: RequestError) -> Response:
+        return exc.response()
+
+    @staticmethod
+    async def _http_error(_request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(_error_body(str(exc.detail), kind), exc.status_code, getattr(exc, "headers", None))
+
+    @staticmethod
+    async def _internal_error(_request: Request, exc: Exception) -> Response:
+        return _engine_error(exc).response()
+
+    # -- routes ------------------------------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "doppler-py"}
+
+    async def list_models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, _request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.model_id, **self.queue.status()})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    # -- generation --------------------------------------------------------------------------------------------
+    def _check_model(self, model: Any) -> None:
+        if model is not None and model not in (self.model_id, self.engine.name):
+            raise RequestError(
+                404,
+                f"model {_describe(model)} is not served here; this server serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
+        too_large = RequestError(413, f"request body larger than {limit:,} bytes", code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise RequestError(400, f"invalid Content-Length header {declared!r}")
+            if int(declared) > limit:
+                raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        try:
+            data = json.loads(bytes(body))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        return data
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        body = await self._read_json(request)
+        self._check_model(_field(body, "model", (str,), "a string"))
+        parsed = parse_request(body, self.config.defaults, chat=chat)
+        job = self.queue.submit(parsed)
+        form = _Format(chat, self.model_id)
+        if not parsed.stream:
+            try:
+                result = await _unless_disconnected(request, job.result())
+            except Exception as exc:
+                raise _engine_error(exc) from None
+            if result is _DISCONNECTED:
+                job.cancel()
+                return Response(status_code=499)  # nobody is listening any more
+            return JSONResponse(form.response(result))
+        # Wait for the first event so a request the engine refuses still gets a 4xx status, not a broken stream.
+        first = await _unless_disconnected(request, job.events.get())
+        if first is _DISCONNECTED:
+            job.cancel()
+            return Response(status_code=499)
+        if first[0] == "error":
+            raise _engine_error(first[1])
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(
+            self._events(job, first, form, parsed.include_usage), media_type="text/event-stream", headers=headers
+        )
+
+    async def _events(self, job: Job, event: Event, form: _Format, include_usage: bool) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client disconnects; `finally` then stops the generation.
+        try:
+            for chunk in form.opening_chunks():
+                yield _sse(chunk)
+            while True:
+                kind, value = event
+                if kind == "piece":
+                    yield _sse(form.piece_chunk(value))
+                elif kind == "done":
+                    for chunk in form.closing_chunks(value, include_usage):
+                        yield _sse(chunk)
+                    break
+                else:
+                    error = _engine_error(value)
+                    yield _sse(_error_body(error.message, error.kind, code=error.code))
+                    break
+                event = await job.events.get()
+            yield _sse("[DONE]")
+        finally:
+            job.cancel()
+
+
+def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> Starlette:
+    return OpenAIServer(engine, config).app
+
+
+def serve(engine: Engine, config: ServerConfig = ServerConfig(), *, log_level: str = "info") -> None:
+    """Serve `engine` until interrupted (Ctrl-C)."""
+    import uvicorn
+
+    server = OpenAIServer(engine, config)
+    print(f"doppler-py: serving {server.model_id!r} at http://{config.host}:{config.port}/v1", flush=True)
+    uvicorn.run(server.app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,50 @@
+"""Greedy speculative decoding on SmolLM2-135M equals plain greedy decoding, for every drafter and k in 1..8."""
+
+from __future__ import annotations
+
+import pytest
+
+from doppler_py.api import load
+from doppler_py.model.catalog import DEFAULT_MODEL
+from doppler_py.model.transformer import Transformer
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative.engine import SpeculativeEngine
+
+pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
+
+NEW_TOKENS = 24
+PROMPT = [
+    {
+        "role": "user",
+        "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the dog sat on the log.",
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    with load(DEFAULT_MODEL, weights="q4_1", progress=False, max_seq=256) as engine:
+        target = engine.model
+        # The draft model: a second, independent copy (own weights, own KV cache) of the same network.
+        draft = Transformer(type(target.weights)(**vars(target.weights)), target.registry, max_positions=256)
+        ids = engine.encode_prompt(PROMPT)
+        plain = engine.generate(PROMPT, max_tokens=NEW_TOKENS, speculative=None).tokens
+        yield target, draft, ids, plain
+        draft.close()
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "layer-skip", "draft-model"])
+def test_greedy_speculative_equals_plain_greedy_on_smollm2(setup, drafter, k):
+    target, draft, ids, plain = setup
+    make = {
+        "prompt-lookup": PromptLookupDrafter,
+        "layer-skip": lambda: LayerSkipDrafter(target, 10),
+        "draft-model": lambda: DraftModelDrafter(draft, target.config.vocab_size),
+    }[drafter]
+    engine = SpeculativeEngine(target, make(), k=k, k_max=8)
+    result = engine.generate(ids, NEW_TOKENS, SamplingParams(), stop_ids=(2,), pin_k=True)
+    engine.close()
+    assert result.tokens == plain[: len(result.tokens)]
+    assert len(result.tokens) == len(plain)

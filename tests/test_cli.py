@@ -1,0 +1,243 @@
+"""The `doppler-py` command line, driven in subprocesses as a user would, on tiny random models.
+
+Loading a model compiles every pipeline (seconds on a software adapter), so the commands that load one run
+concurrently in a module fixture and the tests read their results. The model cache is a temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from tokenizers.pre_tokenizers import ByteLevel
+
+from doppler_py import cli
+from doppler_py.testing.tiny import write_tiny_model
+
+STATS_LINE = re.compile(
+    r"^\[(?P<tokens>\d+) tokens \(prompt (?P<prompt>\d+)\), [\d.]+ tok/s"
+    r"( \| (?P<method>[a-z-]+): \d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
+    r"( \| (saved|lost) [\d.]+ s vs plain decoding)?|, no speculation)\]$"
+)
+PROMPT = "Tell me about the sea."
+CHAT_INPUT = "Hello there\nAnd again\n/reset\nHello there\n/exit\nnever read\n"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    return os.environ | {"DOPPLER_CACHE": str(tmp_path_factory.mktemp("cache")), "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(args: list[str], env: dict[str, str], stdin: str | None = None, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "doppler_py.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, env) -> dict[str, subprocess.CompletedProcess]:
+    """name -> finished CLI run; the runs that load a model or a device go side by side."""
+    model = str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
+    common = ["--model", model, "--max-tokens", "24", "--no-progress"]
+    commands = {
+        "generate": (["generate", PROMPT, *common], None),
+        "generate_json": (["generate", PROMPT, *common, "--json"], None),
+        "chat": (["chat", *common, "--max-tokens", "8"], CHAT_INPUT),
+        "info": (["info"], None),
+        "info_json": (["info", "--json"], None),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "doppler_py.cli", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name, (args, _) in commands.items()
+    }
+    done = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(commands[name][1], timeout=600)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
+def ok(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert run.returncode == 0, f"exit {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr}"
+    assert "Traceback" not in run.stderr, run.stderr
+    return run
+
+
+def stats_lines(stderr: str) -> list[re.Match]:
+    return [m for line in stderr.splitlines() if (m := STATS_LINE.match(line))]
+
+
+# --- generate ----------------------------------------------------------------------------------------------------
+def test_generate_streams_the_text_then_ends_with_one_stats_line(runs):
+    run = ok(runs["generate"])
+    assert run.stdout.strip(), "no text on stdout"
+    (stats,) = stats_lines(run.stderr)
+    assert run.stderr.rstrip("\n").splitlines()[-1] == stats.group(0), "the stats line must come last"
+    assert int(stats["tokens"]) <= 24 and stats["method"] == "prompt-lookup"  # what "auto" picks with no draft
+
+
+def test_generate_json_is_one_object_with_the_text_and_the_result_record(runs):
+    record = json.loads(ok(runs["generate_json"]).stdout)
+    for key in ("text", "prompt_tokens", "completion_tokens", "finish_reason", "speculative", "drafted", "accepted"):
+        assert key in record, key
+    assert record["speculative"] == "prompt-lookup" and record["finish_reason"] in ("stop", "length")
+    assert 0 < record["completion_tokens"] <= 24 and record["accepted"] <= record["drafted"]
+    assert 0.0 <= record["acceptance_rate"] <= 1.0 and record["tokens_per_s"] > 0
+
+
+def test_streamed_text_is_the_generated_text(runs):
+    # Greedy, same prompt and options: the streamed pieces must join to exactly the record's text.
+    text = json.loads(runs["generate_json"].stdout)["text"]
+    assert runs["generate"].stdout == (text if text.endswith("\n") or not text else text + "\n")
+    stats = stats_lines(runs["generate"].stderr)[0]
+    assert int(stats["prompt"]) == json.loads(runs["generate_json"].stdout)["prompt_tokens"]
+
+
+# --- chat ----------------------------------------------------------------------------------------------------------
+def test_chat_keeps_history_resets_and_stops_at_exit(runs):
+    run = ok(runs["chat"])
+    turns = stats_lines(run.stderr)
+    assert len(turns) == 3, run.stderr  # "/exit" ends the session: the line after it is never answered
+    assert "(conversation reset)" in run.stderr
+    first, second, after_reset = (int(t["prompt"]) for t in turns)
+    # The second prompt holds the first exchange; after /reset the conversation starts from scratch.
+    assert second > first + int(turns[0]["tokens"])
+    assert after_reset == first
+
+
+# --- info ------------------------------------------------------------------------------------------------------------
+def test_info_names_adapter_limits_kernels_and_precisions(runs):
+    info = json.loads(ok(runs["info_json"]).stdout)
+    assert info["adapter"] and info["backend"] and info["limits"]["max-storage-buffers-per-shader-stage"] >= 8
+    shaders = {p.stem for p in cli.REPO_ROOT.joinpath("shaders").glob("*.wgsl")}
+    assert set(info["kernels"]) == shaders and all(info["kernels"].values())
+    assert {"f32", "f16", "q4_1"} <= set(info["weight_precisions"])
+    text = ok(runs["info"]).stdout
+    assert info["adapter"] in text and "matmul.wgsl" in text and "q4_1" in text
+
+
+# --- convert and models ------------------------------------------------------------------------------------------
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = SPECIALS + sorted(ByteLevel.alphabet()) + ["he"]
+
+
+def write_tiny_gguf(path: Path, rng: np.random.Generator) -> Path:
+    """A one-layer LLaMA GGUF with a byte-level BPE vocabulary, f32 tensors (rows need no un-permuting to load)."""
+    hidden, ffn, vocab = 32, 48, len(TOKENS)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (vocab - len(SPECIALS)))
+    writer.add_token_merges(["h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    shapes = {
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (hidden // 2, hidden),
+        "blk.0.attn_v.weight": (hidden // 2, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_convert_writes_a_model_folder_with_a_progress_bar(tmp_path, env, rng):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", rng)
+    run = ok(run_cli(["convert", str(source), "--out", str(tmp_path / "out"), "--weights", "f32"], env))
+    folder = Path(run.stdout.strip())
+    assert folder == tmp_path / "out"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).is_file(), name
+    assert "tiny.gguf -> f32" in run.stderr  # the progress bar's label
+
+
+def test_models_lists_the_known_model_and_converted_ones_with_sizes(tmp_path, env, rng):
+    source = write_tiny_gguf(tmp_path / "mini.gguf", rng)
+    cached = Path(ok(run_cli(["convert", str(source), "--weights", "f16", "--no-progress"], env)).stdout.strip())
+    assert cached.parent == Path(env["DOPPLER_CACHE"]) / "models"
+    listing = ok(run_cli(["models"], env)).stdout.splitlines()
+    assert listing[0].split()[:3] == ["NAME", "WEIGHTS", "SIZE"]
+    assert any(line.startswith("smollm2-135m-instruct") for line in listing)
+    (row,) = [line for line in listing if line.startswith("mini-")]
+    assert " f16 " in row and re.search(r"\d+\.\d MiB", row) and str(cached) in row
+
+
+# --- errors -----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "hi", "--model", "/no/such/model"], "ModelFormatError: /no/such/model"),
+        (["generate", "hi", "--temperature", "-1"], "GenerationOptionError: temperature"),
+        (["generate", "hi", "--top-p", "0"], "GenerationOptionError: top_p"),
+        (["convert", "/no/such/file.gguf", "--out", "/tmp/never"], "/no/such/file.gguf"),
+    ],
+    ids=["unknown-model", "negative-temperature", "zero-top-p", "missing-gguf"],
+)
+def test_bad_input_exits_2_with_one_line_and_no_traceback(env, args, message):
+    run = run_cli(args, env)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("doppler-py: ") and message in lines[0], run.stderr
+
+
+def test_a_file_that_is_not_gguf_is_refused_with_exit_2(tmp_path, env):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    run = run_cli(["convert", str(fake), "--out", str(tmp_path / "out"), "--no-progress"], env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("doppler-py: ModelFormatError:") and not (tmp_path / "out").exists()
+
+
+def test_bench_says_clearly_when_a_benchmark_is_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "REPO_ROOT", tmp_path)  # a checkout without tools/
+    assert cli.find_bench("speculative") is None
+    assert cli.main(["bench", "speculative"]) == 1
+    assert "tools/bench_speculative.py" in capsys.readouterr().err

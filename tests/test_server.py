@@ -1,0 +1,304 @@
+"""The OpenAI-compatible server, served by uvicorn on a free loopback port and driven with real HTTP clients.
+
+One tiny model is loaded for the module. It is wrapped in `GatedEngine`, which passes everything through to
+the real engine but lets a test hold generations at a gate, so a busy GPU worker (and so a full queue) is
+reproducible instead of a race.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from doppler_py.api import load
+from doppler_py.server import OpenAIServer, ServerConfig
+from doppler_py.testing.tiny import write_tiny_model
+
+MAX_BODY = 16_384
+STORY = [{"role": "user", "content": "Tell me a story."}]  # greedy: no end-of-sequence for > 1,500 tokens
+
+
+class GatedEngine:
+    """The real engine; while `gate` is clear, a generation waits on the worker thread before it starts."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def stream(self, *args, **kwargs):
+        assert self.gate.wait(timeout=60), "a test left the gate closed"
+        return self._engine.stream(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    folder = write_tiny_model(tmp_path_factory.mktemp("tiny-chat"))
+    with load(folder, weights="f32", progress=False) as engine:
+        yield GatedEngine(engine)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    config = ServerConfig(queue_size=1, max_body_bytes=MAX_BODY, defaults={"max_tokens": 12, "speculative": "auto"})
+    app = OpenAIServer(engine, config).app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server, timeout=60) as client:
+        yield client
+
+
+def wait_for(client: httpx.Client, condition, timeout: float = 30) -> dict:
+    """Poll /health until `condition(status)` holds; return that status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.get("/health").json()
+        if condition(status):
+            return status
+        assert time.monotonic() < deadline, f"timed out waiting; last status {status}"
+        time.sleep(0.02)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of a server-sent event stream, JSON-decoded except the final [DONE]."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def check_figures(body: dict) -> None:
+    usage, stats = body["usage"], body["doppler"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 12
+    assert stats["speculative"] == "prompt-lookup" and 0 <= stats["accepted"] <= stats["drafted"]
+    assert 0 <= stats["acceptance_rate"] <= 1 and stats["tokens_per_s"] > 0
+    for key in ("mean_accepted_per_step", "time_saved_s", "elapsed_s"):
+        assert key in stats
+
+
+# --- the happy paths -------------------------------------------------------------------------------------------
+def test_models_lists_the_served_model(client):
+    listing = client.get("/v1/models").json()
+    assert listing["object"] == "list" and [m["id"] for m in listing["data"]] == ["tiny-chat0"]
+    assert client.get("/v1/models/tiny-chat0").json()["id"] == "tiny-chat0"
+    assert client.get("/v1/models/gpt-4").status_code == 404
+
+
+def test_completion_returns_text_usage_and_speculation_figures(client):
+    response = client.post("/v1/completions", json={"model": "tiny-chat0", "prompt": "Once upon", "max_tokens": 10})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny-chat0"
+    (choice,) = body["choices"]
+    assert isinstance(choice["text"], str) and choice["finish_reason"] in ("stop", "length")
+    check_figures(body)
+    assert body["usage"]["prompt_tokens"] == len("Once upon")  # no chat template: one token per character
+
+
+def test_chat_completion_renders_the_chat_template(client, engine):
+    response = client.post("/v1/chat/completions", json={"messages": STORY, "max_tokens": 8})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    check_figures(body)
+    assert body["usage"]["prompt_tokens"] == len(engine.encode_prompt(STORY))
+
+
+def test_streamed_chat_sends_role_pieces_finish_usage_then_done(client):
+    request = {"messages": STORY, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=request) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    *_, finish, usage_only = chunks
+    assert finish["choices"][0]["finish_reason"] in ("stop", "length")
+    assert usage_only["choices"] == [] and usage_only["usage"] == finish["usage"]
+    check_figures(finish)
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    # Greedy: the same request without streaming gives the same text.
+    whole = client.post("/v1/chat/completions", json={"messages": STORY, "max_tokens": 10}).json()
+    assert streamed == whole["choices"][0]["message"]["content"]
+
+
+def test_streamed_completion_joins_to_the_whole_completion(client):
+    request = {"prompt": "The sea", "max_tokens": 12, "temperature": 0}
+    with client.stream("POST", "/v1/completions", json=request | {"stream": True}) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert streamed == client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+
+
+def test_the_openai_client_library_works_against_the_server(server):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in api.models.list()] == ["tiny-chat0"]
+    reply = api.chat.completions.create(model="tiny-chat0", messages=STORY, max_tokens=6)
+    assert reply.usage.completion_tokens <= 6 and reply.choices[0].message.role == "assistant"
+    pieces = [
+        chunk.choices[0].delta.content or ""
+        for chunk in api.chat.completions.create(model="tiny-chat0", messages=STORY, max_tokens=6, stream=True)
+        if chunk.choices
+    ]
+    assert "".join(pieces) == reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.chat.completions.create(model="tiny-chat0", messages=STORY, temperature=-0.5)
+
+
+# --- bad requests ----------------------------------------------------------------------------------------------
+CHAT = "/v1/chat/completions"
+DONE = "/v1/completions"
+BAD_REQUESTS = {
+    "malformed-json": (DONE, b'{"prompt": "hi",', 400, "not valid JSON"),
+    "not-utf8": (DONE, b"\xff\xfe\x00", 400, "not valid JSON"),
+    "deeply-nested": (DONE, b"[" * 5000 + b"]" * 5000, 400, "not valid JSON"),
+    "array-body": (DONE, b'["hi"]', 400, "JSON object"),
+    "prompt-missing": (DONE, {"max_tokens": 3}, 400, "'prompt'"),
+    "prompt-empty": (DONE, {"prompt": ""}, 400, "'prompt'"),
+    "prompt-token-ids": (DONE, {"prompt": [1, 2, 3]}, 400, "token-id"),
+    "messages-empty": (CHAT, {"messages": []}, 400, "'messages'"),
+    "messages-not-a-list": (CHAT, {"messages": "hi"}, 400, "'messages'"),
+    "message-without-content": (CHAT, {"messages": [{"role": "user"}]}, 400, "content"),
+    "message-image-part": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "text parts",
+    ),
+    "temperature-negative": (DONE, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    "temperature-string": (DONE, {"prompt": "hi", "temperature": "hot"}, 400, "'temperature' must be a number"),
+    "temperature-nan": (DONE, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    "top-p-zero": (DONE, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    "top-p-above-one": (DONE, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    "top-k-negative": (DONE, {"prompt": "hi", "top_k": -1}, 400, "top_k"),
+    "max-tokens-zero": (DONE, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "max-tokens-float": (DONE, {"prompt": "hi", "max_tokens": 2.5}, 400, "'max_tokens' must be an integer"),
+    "max-tokens-bool": (DONE, {"prompt": "hi", "max_tokens": True}, 400, "'max_tokens' must be an integer"),
+    "max-tokens-beyond-context": (DONE, {"prompt": "hi", "max_tokens": 100_000}, 400, "context"),
+    "k-zero": (DONE, {"prompt": "hi", "k": 0}, 400, "'k'"),
+    "k-huge": (DONE, {"prompt": "hi", "k": 1000}, 400, "'k'"),
+    "speculative-unknown": (DONE, {"prompt": "hi", "speculative": "magic"}, 400, "speculative"),
+    "draft-model-without-draft": (DONE, {"prompt": "hi", "speculative": "draft-model"}, 400, "draft"),
+    "stream-not-bool": (DONE, {"prompt": "hi", "stream": "yes"}, 400, "'stream'"),
+    "n-above-one": (DONE, {"prompt": "hi", "n": 2}, 400, "'n' is not supported"),
+    "stop-sequences": (CHAT, {"messages": STORY, "stop": ["\n"]}, 400, "'stop' is not supported"),
+    "unknown-model": (CHAT, {"model": "gpt-4", "messages": STORY}, 404, "gpt-4"),
+    "model-not-a-string": (CHAT, {"model": 7, "messages": STORY}, 400, "'model'"),
+    "oversize-body": (DONE, {"prompt": "x" * (MAX_BODY + 1)}, 413, "larger than"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_requests_get_a_4xx_with_an_openai_error_body(client, case):
+    path, body, status, message = case
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = client.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+
+
+def test_oversize_body_without_content_length_gets_413(client):
+    chunks = iter([b'{"prompt": "', b"x" * MAX_BODY, b'"}'])  # a generator body is sent chunked
+    response = client.post(DONE, content=chunks)
+    assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods_get_json_errors(client):
+    assert client.get("/v1/nothing").status_code == 404
+    response = client.get(DONE)
+    assert response.status_code == 405 and "error" in response.json()
+
+
+def test_the_server_keeps_serving_after_bad_requests(client):
+    for body in (b"{", b"[]", b'{"prompt": 5}'):
+        assert client.post(DONE, content=body).status_code == 400
+    assert client.post(DONE, json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+    assert client.get("/health").json()["failed"] == 0  # no engine failure in any test so far
+
+
+# --- queueing and cancellation -------------------------------------------------------------------------------------
+def test_a_full_queue_answers_429_and_the_waiting_requests_still_complete(client, engine, server):
+    # queue_size=1: one generation on the worker plus one waiting fill the server.
+    engine.gate.clear()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            request = {"prompt": "queued", "max_tokens": 4}
+            first = pool.submit(httpx.post, f"{server}{DONE}", json=request, timeout=60)
+            wait_for(client, lambda s: s["running"] == 1)
+            second = pool.submit(httpx.post, f"{server}{DONE}", json=request, timeout=60)
+            wait_for(client, lambda s: s["waiting"] == 1)
+            rejected = httpx.post(f"{server}{DONE}", json=request, timeout=10)
+            assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
+            assert rejected.json()["error"]["type"] == "rate_limit_error"
+            engine.gate.set()
+            assert first.result().status_code == 200 and second.result().status_code == 200
+    finally:
+        engine.gate.set()
+    assert client.get("/health").json()["rejected"] >= 1
+
+
+def test_a_request_abandoned_while_waiting_never_runs(client, engine, server):
+    engine.gate.clear()
+    try:
+        before = client.get("/health").json()["cancelled"]
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, f"{server}{DONE}", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+            wait_for(client, lambda s: s["running"] == 1)
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up while its request waits
+                httpx.post(f"{server}{DONE}", json={"prompt": "b", "max_tokens": 2}, timeout=1.0)
+            wait_for(client, lambda s: s["waiting"] == 0)  # the server noticed
+            engine.gate.set()
+            assert running.result().status_code == 200
+        status = wait_for(client, lambda s: s["running"] == 0)
+        assert status["cancelled"] == before + 1
+    finally:
+        engine.gate.set()
+
+
+def test_disconnecting_mid_stream_cancels_the_generation_and_the_next_request_works(client, server):
+    before = client.get("/health").json()
+    request = {"messages": STORY, "max_tokens": 2000, "stream": True}
+    with httpx.Client(base_url=server, timeout=60) as leaving, leaving.stream("POST", CHAT, json=request) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
+        assert len(received) >= 2
+    # The client has closed the connection: the generation stops long before its 2,000 tokens.
+    status = wait_for(client, lambda s: s["running"] == 0, timeout=20)
+    assert status["cancelled"] == before["cancelled"] + 1
+    assert status["completed"] == before["completed"]
+    response = client.post(CHAT, json={"messages": STORY, "max_tokens": 5})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
