@@ -258,29 +258,10 @@ class DawnReplay:
         if plan.kernels:
             self._numbers(plan.kernels[-1]).dawn_ms += result.ms
         failures = []
-        for region in plan.written:
-            tensor = region.tensor
-            dtype = DTYPES[tensor.dtype]
-            wgpu_bytes = registry.gpu.queue.read_buffer(tensor.buffer, tensor.offset, tensor.binding_size)
-            start = region.offset
-            dawn_bytes = result.buffers[region.extent.key][start : start + tensor.binding_size]
-            expected = np.frombuffer(wgpu_bytes, dtype=dtype, count=tensor.numel)
-            actual = np.frombuffer(dawn_bytes, dtype=dtype, count=tensor.numel)
-            # A region several kernels wrote gets the loosest of their tolerances; a copy destination may hold
-            # any kernel's output, so it gets the loosest of the submit's.
-            writers = region.writers or plan.kernels
-            tolerance = _loosest(tolerance_for(k) for k in writers)
-            difference = compare(tensor.dtype, expected, actual, tolerance)
-            writer = region.writers[-1] if region.writers else None
-            label = kernel_label(writer) if writer else "copy"
-            self._record(writer, difference, tolerance)
-            if not difference.ok:
-                i = difference.worst
-                failures.append(
-                    f"{label}: buffer {region.what!r} ({tensor.dtype}{list(tensor.shape)}) max |dawn - wgpu| = "
-                    f"{difference.max_abs:.3e} > allowed {difference.limit:.3e}; "
-                    f"worst at flat index {i}: wgpu {expected[i]!r}, dawn {actual[i]!r}"
-                )
+        for region in compare_written(registry, plan, result.buffers):
+            self._record(region.writer, region.difference, region.tolerance)
+            if not region.difference.ok:
+                failures.append(region.describe())
         self.wall_s += time.perf_counter() - started
         if failures:
             adapter = self.worker.adapters["vulkan"].description
@@ -327,6 +308,51 @@ class DawnReplay:
                 )
         for reason, count in sorted(self.skipped.items()):
             write(f"submits not replayed ×{count}: {reason}")
+
+
+@dataclass(frozen=True)
+class RegionDifference:
+    """One written region of a replayed submit: who wrote it, and how far the other driver's bytes are from wgpu's."""
+
+    region: _Written
+    writer: Kernel | None  # the last kernel that wrote it; None for a region only copies wrote
+    tolerance: Tolerance
+    difference: Difference
+    expected: np.ndarray  # wgpu's values
+    actual: np.ndarray  # the other driver's values
+
+    @property
+    def label(self) -> str:
+        return kernel_label(self.writer) if self.writer else "copy"
+
+    def describe(self, other: str = "dawn") -> str:
+        tensor, i = self.region.tensor, self.difference.worst
+        return (
+            f"{self.label}: buffer {self.region.what!r} ({tensor.dtype}{list(tensor.shape)}) max |{other} - wgpu| = "
+            f"{self.difference.max_abs:.3e} > allowed {self.difference.limit:.3e}; "
+            f"worst at flat index {i}: wgpu {self.expected[i]!r}, {other} {self.actual[i]!r}"
+        )
+
+
+def compare_written(registry: KernelRegistry, plan: ReplayPlan, buffers: dict[str, bytes]) -> list[RegionDifference]:
+    """Compare every region `plan`'s dispatches wrote, as wgpu left it, with `buffers` (the job's "read" buffers
+    as another WebGPU implementation returned them: the Dawn worker, or a browser page)."""
+    regions = []
+    for region in plan.written:
+        tensor = region.tensor
+        dtype = DTYPES[tensor.dtype]
+        wgpu_bytes = registry.gpu.queue.read_buffer(tensor.buffer, tensor.offset, tensor.binding_size)
+        start = region.offset
+        other_bytes = buffers[region.extent.key][start : start + tensor.binding_size]
+        expected = np.frombuffer(wgpu_bytes, dtype=dtype, count=tensor.numel)
+        actual = np.frombuffer(other_bytes, dtype=dtype, count=tensor.numel)
+        # A region several kernels wrote gets the loosest of their tolerances; a copy destination may hold
+        # any kernel's output, so it gets the loosest of the submit's.
+        tolerance = _loosest(tolerance_for(k) for k in (region.writers or plan.kernels))
+        difference = compare(tensor.dtype, expected, actual, tolerance)
+        writer = region.writers[-1] if region.writers else None
+        regions.append(RegionDifference(region, writer, tolerance, difference, expected, actual))
+    return regions
 
 
 @dataclass
