@@ -15,15 +15,21 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
+from doppler_py.errors import DopplerError, GenerationOptionError, VocabularyMismatchError
 from doppler_py.gpu.device import Gpu, default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
 from doppler_py.model.catalog import DEFAULT_MODEL, resolve_model
+from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
-from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.drafters import (
+    DraftModelDrafter,
+    LayerSkipDrafter,
+    PromptLookupDrafter,
+    check_vocabularies,
+)
+from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
@@ -58,8 +64,16 @@ class Engine:
     """A loaded model (and optional draft model) with its tokenizer, ready to generate."""
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, *, name: str, weights: str, draft: Transformer | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        name: str,
+        weights: str,
+        draft: Transformer | None = None,
+        owns_registry: bool = False,
     ):
+        """`owns_registry`: the models' kernel registry was made for this engine and is closed with it."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -67,6 +81,7 @@ class Engine:
         self.draft = draft
         self._spec: dict[str, SpeculativeEngine] = {}
         self.last_result: GenerationResult | None = None
+        self.owns_registry = owns_registry
         self.closed = False
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -82,6 +97,9 @@ class Engine:
             return
         for spec in self._spec.values():
             spec.close()
+        if self.owns_registry:
+            # First, while its cache still lists every bound buffer (ops' own scratch and placeholders too).
+            self.model.registry.close()
         for model in (self.model, self.draft):
             if model is not None:
                 model.close()
@@ -156,17 +174,13 @@ class Engine:
 
         Closing the iterator early cancels the generation and frees its KV caches.
         """
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise GenerationOptionError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if self.closed:
+            raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
+        check_max_tokens(max_tokens)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode_prompt(prompt, chat)
         self.model.check_ids(ids)
-        limit = self.model.max_positions
-        if len(ids) + max_tokens > limit:
-            raise GenerationOptionError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit} "
-                f"tokens; at most {max(0, limit - len(ids))} new tokens fit"
-            )
+        check_fits(len(ids), max_tokens, self.model.max_positions)
         mode = self._resolve_mode(speculative)
         engine = self.speculative_engine(mode)
         engine.policy.configure(k)
@@ -195,7 +209,12 @@ class Engine:
         self, tokens: list[int], ids: list[int], stats: SpecStats, mode: str, engine: SpeculativeEngine, elapsed: float
     ) -> GenerationResult:
         plain_cost = engine.policy.costs.verify_cost(1)
-        saved = plain_cost * len(tokens) - stats.decode_s if plain_cost is not None and mode != "none" else None
+        if plain_cost is None or mode == "none":
+            saved = None
+        elif stats.drafted == 0:  # every step was a plain one: nothing to compare, only timing noise
+            saved = 0.0
+        else:
+            saved = plain_cost * len(tokens) - stats.decode_s
         finish = "stop" if stats.stopped_by == "eos" else "length"
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(
@@ -217,7 +236,7 @@ class Engine:
 
 def load(
     model: str | Path = DEFAULT_MODEL,
-    weights: str = "f32",
+    weights: str = "keep",
     *,
     draft: str | Path | None = None,
     draft_weights: str | None = None,
@@ -228,25 +247,45 @@ def load(
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
-    weights: "f32", "f16", "q8_0", "q4_0", "q4_1" or "keep" (GGUF block formats stay as they are).
+    weights: "keep" (default: as stored; the default model is Q4_1 with a Q8_0 embedding), "f32", "f16",
+    "q8_0", "q4_0" or "q4_1" (dense tensors quantised on load; block-quantised ones keep their blocks).
     draft: an optional smaller model with the same vocabulary for speculative="draft-model".
     """
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     gpu = gpu or default_gpu(browser_limits)
-    registry = KernelRegistry(gpu)
     # GGUF sources are converted keeping their blocks, so every precision is derived from the exact values.
     folder = resolve_model(model, "keep", progress=progress)
-    target = Transformer(load_weights(folder, gpu, weights), registry, max_positions=max_seq)
     tokenizer = Tokenizer.from_dir(folder)
-    draft_model = None
+    draft_folder = None
     if draft is not None:
+        # Everything that can refuse the draft is checked before any weights reach the GPU.
         draft_folder = resolve_model(draft, "keep", progress=progress)
         check_same_tokenizer(Tokenizer.from_dir(draft_folder), tokenizer, draft_folder)
-        draft_model = Transformer(
-            load_weights(draft_folder, gpu, draft_weights or weights), registry, max_positions=max_seq
+        check_vocabularies(
+            ModelConfig.from_file(draft_folder / "config.json").vocab_size,
+            ModelConfig.from_file(folder / "config.json").vocab_size,
         )
-    return Engine(target, tokenizer, name=str(model), weights=weights, draft=draft_model)
+    registry = KernelRegistry(gpu)
+    models: list[Transformer] = []
+    try:
+        for source, precision in ((folder, weights), (draft_folder, draft_weights or weights)):
+            if source is not None:
+                loaded = load_weights(source, gpu, precision)
+                try:
+                    models.append(Transformer(loaded, registry, max_positions=max_seq))
+                except BaseException:
+                    loaded.destroy()
+                    raise
+    except BaseException:
+        # A failed load (bad draft file, a buffer beyond the device's limits, ...) leaves nothing on the GPU.
+        for loaded_model in models:
+            loaded_model.close()
+            loaded_model.weights.destroy()
+        registry.close()
+        raise
+    target, draft_model = models[0], (models[1] if len(models) > 1 else None)
+    return Engine(target, tokenizer, name=str(model), weights=weights, draft=draft_model, owns_registry=True)
 
 
 def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_folder: Path) -> None:

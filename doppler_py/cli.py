@@ -36,7 +36,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"known model name, HF folder or .gguf file (default {DEFAULT_MODEL})"
     )
-    group.add_argument("--weights", default="f32", choices=WEIGHT_FORMATS, help="GPU weight precision (default f32)")
+    group.add_argument(
+        "--weights",
+        default="keep",
+        choices=WEIGHT_FORMATS,
+        help="GPU weight precision (default keep: as stored, e.g. the default model's Q4_1 blocks)",
+    )
     group.add_argument("--draft", help="draft model (name, folder or .gguf) for --speculative draft-model")
     group.add_argument("--draft-weights", choices=WEIGHT_FORMATS, help="draft weight precision (default: --weights)")
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
@@ -112,6 +117,12 @@ def _stream_to_stdout(pieces: Iterable[str]) -> None:
 
 
 # --- commands --------------------------------------------------------------------------------------------------
+DEFAULT_PROMPT = (
+    "Repeat this passage exactly: The river bends twice before the old mill, where herons wait in the reeds "
+    "and the water slows to a mirror under the willows."
+)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     with _load(args) as engine:
         chat = not args.raw and engine.tokenizer.chat_template is not None
@@ -295,7 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     generate = sub.add_parser("generate", help="generate text for one prompt, streamed, then a stats line")
-    generate.add_argument("prompt")
+    generate.add_argument(
+        "prompt",
+        nargs="?",
+        default=DEFAULT_PROMPT,
+        help="the prompt (default: a short passage to repeat, where speculation shines)",
+    )
     generate.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as text")
     generate.add_argument("--json", action="store_true", help="print one JSON object: text and result record")
     _add_model_options(generate)

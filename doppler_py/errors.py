@@ -8,7 +8,22 @@ from __future__ import annotations
 
 
 class DopplerError(Exception):
-    """Base class of every error doppler-py raises on purpose."""
+    """Base class of every error doppler-py raises on purpose.
+
+    A class may carry `advice`, what to do about every error of its kind; it is appended to the message.
+    A raise site whose message already says what to do passes its own `advice` ("" for none).
+    """
+
+    advice: str = ""
+
+    def __init__(self, message: str = "", *, advice: str | None = None):
+        super().__init__(message)
+        if advice is not None:
+            self.advice = advice
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        return f"{message}; {self.advice}" if self.advice else message
 
 
 # --- adapter and device -------------------------------------------------------------------------------
@@ -23,6 +38,8 @@ class NoAdapterError(DeviceError):
 class DeviceLimitError(DeviceError):
     """A buffer, binding or dispatch exceeds the device's limits."""
 
+    advice = "split the tensor or use a smaller weight format or model (or a device with higher limits)"
+
 
 class DeviceLostError(DeviceError):
     """The device was lost (driver reset, out of memory); results in flight are gone."""
@@ -36,9 +53,16 @@ class ShaderError(DeviceError):
 class ModelFormatError(DopplerError):
     """A model file is malformed: missing or truncated file, missing tensor, wrong shape or dtype."""
 
+    advice = "the files are damaged, incomplete or not in the expected format: download or convert the model again"
+
 
 class UnsupportedModelError(DopplerError):
     """The model uses an architecture, dtype or quantisation type this engine does not implement."""
+
+    advice = (
+        "doppler-py runs LLaMA-family models (LLaMA, SmolLM, Mistral, Qwen2) with f32/f16/bf16 weights or "
+        "Q4_0/Q4_1/Q8_0 blocks: use such a model, or convert this one to a supported format"
+    )
 
 
 class VocabularyMismatchError(DopplerError):
@@ -56,3 +80,9 @@ class GenerationOptionError(DopplerError, ValueError):
 
 class NumericalError(DopplerError):
     """NaN or infinite values appeared where a probability distribution was expected."""
+
+
+class InternalError(DopplerError):
+    """An engine invariant broke (e.g. a KV cache out of step with the committed tokens): a bug, not bad input."""
+
+    advice = "this is a bug in doppler-py: please report it with the model, prompt and options that caused it"

@@ -28,6 +28,7 @@ rounding of its target (`top_p * W` or `u * total`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
@@ -62,6 +63,10 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, Real) or not (0.0 < p <= 1.0):
             raise GenerationOptionError(f"top_p must be a number in (0, 1] (1 = keep every token), got {p!r}")
+        s = self.seed
+        finite = isinstance(s, Integral) or (isinstance(s, Real) and math.isfinite(s))
+        if s is not None and (isinstance(s, bool) or not finite):
+            raise GenerationOptionError(f"seed must be an integer, or None for an unseeded run, got {s!r}")
 
     @property
     def greedy(self) -> bool:

@@ -135,7 +135,8 @@ class Tokenizer:
         if self.chat_template is None:
             raise UnsupportedModelError(
                 f"{self.source}: the model has no chat template (tokenizer_config.json 'chat_template' or "
-                "chat_template.jinja); encode a plain prompt instead"
+                "chat_template.jinja)",
+                advice="encode a plain prompt instead",
             )
         variables = {key: value for key, value in self.special_tokens.items() if value is not None}
         variables |= extra

@@ -1,5 +1,5 @@
 // matmul: out[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]) for t < rows, with W in f32, f16, q4_0, q4_1 or q8_0,
-// dequantised in registers. ACCUMULATE adds the result into out (folds a residual add into the projection).
+// dequantised in registers. `accumulate` adds the result into out (folds a residual add into the projection).
 // One invocation owns COLS consecutive weight rows and ROWS consecutive x rows, so every weight it loads is
 // used for all ROWS rows (T=1 decode: ROWS=1; speculative verification: ROWS up to 8, more via grid y).
 //
@@ -8,12 +8,13 @@
 //   1 x       (read)        f32 [rows, k] as vec4
 //   2 weights (read)        one part of W (rows n_offset .. n_offset + n), layout by FORMAT, see below
 //   3 scales  (read)        packed f16 block scales (block formats; a 4-byte dummy otherwise)
-//   4 bias    (read)        f32 [n_total] (a 4-byte dummy unless HAS_BIAS)
+//   4 bias    (read)        f32 [n_total] (a 4-byte dummy unless has_bias)
 //   5 out     (read_write)  f32 [rows, n_total]
 // Params: rows (valid x rows), k (multiple of 32), n (weight rows in this part), n_offset (output column of
-//   the part's first row), n_total (row length of out and bias).
-// Overrides: FORMAT (0 f32, 1 f16, 2 q4_0, 3 q4_1, 4 q8_0), ROWS (1..8), COLS (4 or 8), WORKGROUP_SIZE,
-//   HAS_BIAS, ACCUMULATE.
+//   the part's first row), n_total (row length of out and bias), has_bias (0/1: add bias), accumulate (0/1:
+//   out += result). The two flags are uniforms, not overrides: they cost nothing at run time and would
+//   otherwise triple the pipelines to compile (0.2-0.7 s each on lavapipe).
+// Overrides: FORMAT (0 f32, 1 f16, 2 q4_0, 3 q4_1, 4 q8_0), ROWS (1..8), COLS (4 or 8), WORKGROUP_SIZE.
 // Weight layouts, per block b of 32 weights along k; blocks are ordered by (group of 8 rows, block column,
 // row in group): b = ((row / 8) * k / 32 + block) * 8 + row % 8, so an invocation's 8 rows are contiguous.
 //   f32   weights[b * 8 + i] = W[row, 32 block + 4 i .. + 3] (bit patterns of the f32 values)
@@ -27,8 +28,8 @@
 //                   any subgroup size >= 4, fastest from 8). (ceil(n / (COLS * WORKGROUP_SIZE)), ceil(rows / ROWS), 1)
 //                   workgroups of WORKGROUP_SIZE.
 //   main            the same without subgroups: every invocation loads x itself. Same dispatch.
-//   gemm_tiled      prefill GEMM through 12 KiB of workgroup memory (see below; uses FORMAT, HAS_BIAS,
-//                   ACCUMULATE only). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
+//   gemm_tiled      prefill GEMM through 12 KiB of workgroup memory (see below; uses only the FORMAT
+//                   override). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
 
 enable subgroups;
 
@@ -38,6 +39,8 @@ struct Params {
   n: u32,
   n_offset: u32,
   n_total: u32,
+  has_bias: u32,
+  accumulate: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -57,8 +60,6 @@ override FORMAT: u32 = F32;
 override ROWS: u32 = 1u;
 override COLS: u32 = 8u;
 override WORKGROUP_SIZE: u32 = 64u;
-override HAS_BIAS: bool = false;
-override ACCUMULATE: bool = false;
 
 const MAX_ROWS: u32 = 8u;
 
@@ -256,10 +257,10 @@ fn store_one(t: u32, col: u32, value: f32) {
     let n = params.n_offset + col;
     let i = t * params.n_total + n;
     var v = value;
-    if (HAS_BIAS) {
+    if (params.has_bias != 0u) {
       v += bias[n];
     }
-    if (ACCUMULATE) {
+    if (params.accumulate != 0u) {
       v += out[i];
     }
     out[i] = v;

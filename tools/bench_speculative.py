@@ -32,9 +32,10 @@ PROMPTS = {
     "code": [
         {
             "role": "user",
-            "content": "Rename the variable `x` to `total` in this function and return the whole function:\n\n"
-            "def summarize(values):\n    x = 0\n    for v in values:\n        if v > 0:\n            x += v\n"
-            "    count = len(values)\n    mean = x / count if count else 0\n    return {'total': x, 'mean': mean}\n",
+            "content": "Here is a Python function:\n\ndef summarize(values):\n    x = 0\n    for v in values:\n"
+            "        if v > 0:\n            x += v\n    count = len(values)\n    mean = x / count if count else 0\n"
+            "    return {'total': x, 'mean': mean}\n\nRewrite the function with the variable x renamed to total. "
+            "Reply with the code only.",
         }
     ],
     "summarise": [

@@ -11,6 +11,8 @@ Environment variables:
   DOPPLER_BACKEND         force a backend: vulkan, metal, d3d12, gl
   DOPPLER_ADAPTER         substring of the adapter name/description to pick (case-insensitive)
   DOPPLER_BROWSER_LIMITS  "1" makes `default_gpu()` use browser limits
+  DOPPLER_DISABLE_FEATURES  comma-separated optional features not to request (e.g. "subgroup,shader-f16"),
+                          to run the fallback paths a device without them takes
 """
 
 from __future__ import annotations
@@ -116,14 +118,14 @@ class Gpu:
             self._sync_buffer = self.device.create_buffer(size=4, usage=wgpu.BufferUsage.COPY_SRC, label="sync")
         self.queue.read_buffer(self._sync_buffer, 0, 4)
 
-    def check_buffer_size(self, nbytes: int, what: str) -> None:
+    def check_buffer_size(self, nbytes: int, what: str, advice: str | None = None) -> None:
         """Raise `DeviceLimitError` naming `what` when one buffer of `nbytes` cannot exist on this device."""
         limit = int(self.limits["max-buffer-size"])
         if nbytes > limit:
             raise DeviceLimitError(
                 f"{what} needs a {nbytes:,}-byte buffer but this device allows at most {limit:,} bytes "
-                f"per buffer ({self.name}, {'browser' if self.browser_limits else 'native'} limits); "
-                "split the tensor or use a smaller weight format"
+                f"per buffer ({self.name}, {'browser' if self.browser_limits else 'native'} limits)",
+                advice=advice,
             )
 
     def summary(self) -> dict:
@@ -186,10 +188,18 @@ def _requested_limits(adapter, browser_limits: bool) -> dict[str, int]:
     return {k: v for k, v in limits.items() if k in offered}
 
 
-def create_gpu(*, browser_limits: bool = False, backend: str | None = None, adapter_name: str | None = None) -> Gpu:
+def create_gpu(
+    *,
+    browser_limits: bool = False,
+    backend: str | None = None,
+    adapter_name: str | None = None,
+    disable_features: tuple[str, ...] | None = None,
+) -> Gpu:
     """Create a device on the selected adapter with the optional features it has and explicit limits."""
     adapter = select_adapter(backend, adapter_name)
-    features = [f for f in OPTIONAL_FEATURES if f in adapter.features]
+    if disable_features is None:
+        disable_features = tuple(f.strip() for f in os.environ.get("DOPPLER_DISABLE_FEATURES", "").split(",") if f)
+    features = [f for f in OPTIONAL_FEATURES if f in adapter.features and f not in disable_features]
     limits = _requested_limits(adapter, browser_limits)
     device = adapter.request_device_sync(label="doppler-py", required_features=features, required_limits=limits)
     granted = {k: int(device.limits[k]) for k in limits}

@@ -97,19 +97,67 @@ _FN_RE = re.compile(r"\bfn\s+(\w+)\s*\(")
 _IDENT_RE = re.compile(r"\b[A-Za-z_]\w*\b")
 
 
-def _function_bodies(text: str) -> dict[str, str]:
-    """Each WGSL function's name → its body text (brace-matched from the first `{` after the name)."""
-    bodies = {}
+_ATTRIBUTES_BEFORE_RE = re.compile(r"(?:@\w+\s*(?:\([^)]*\))?\s*)*$")
+
+
+def _blank_comments(source: str) -> str:
+    """Comments replaced by spaces of the same length, so positions still match the source."""
+    return _COMMENT_RE.sub(lambda m: " " * len(m.group(0)), source)
+
+
+def _function_spans(text: str) -> dict[str, tuple[int, int, int]]:
+    """Each WGSL function's name → (start incl. attributes, body start, end), brace-matched."""
+    spans = {}
     for m in _FN_RE.finditer(text):
-        start = text.index("{", m.end())
-        depth, i = 0, start
+        body = text.index("{", m.end())
+        depth, i = 0, body
         while True:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
             if depth == 0:
                 break
-        bodies[m.group(1)] = text[start:i]
-    return bodies
+        start = _ATTRIBUTES_BEFORE_RE.search(text, 0, m.start()).start()
+        spans[m.group(1)] = (start, body, i)
+    return spans
+
+
+def _function_bodies(text: str) -> dict[str, str]:
+    """Each WGSL function's name → its body text."""
+    return {name: text[body:end] for name, (_, body, end) in _function_spans(text).items()}
+
+
+def _reachable(bodies: dict[str, str], entry: str) -> tuple[set[str], set[str]]:
+    """Functions reachable from `entry` and every identifier their bodies use."""
+    seen, todo, used = set(), [entry], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        idents = set(_IDENT_RE.findall(bodies[name]))
+        used |= idents
+        todo.extend(idents & bodies.keys())
+    return seen, used
+
+
+def prune_to_entry(source: str, entry: str) -> str:
+    """The source with only `entry` and the functions it calls, without `enable subgroups;`.
+
+    For devices without subgroups: a file's subgroup entry point would make the whole module fail to compile
+    there, so each non-subgroup entry point is compiled from its own pruned module.
+    """
+    text = _blank_comments(source)
+    spans = _function_spans(text)
+    if entry not in spans:
+        raise ShaderError(f"entry point {entry!r} not found (functions: {sorted(spans)})")
+    keep, _ = _reachable(_function_bodies(text), entry)
+    pieces, last = [], 0
+    for name, (start, _, end) in sorted(spans.items(), key=lambda item: item[1][0]):
+        if name not in keep:
+            pieces.append(source[last:start])
+            last = end
+    pieces.append(source[last:])
+    return source_for_naga("".join(pieces))
 
 
 def entry_bindings(source: str, entry: str, bindings: list[Binding]) -> list[Binding]:
@@ -121,15 +169,7 @@ def entry_bindings(source: str, entry: str, bindings: list[Binding]) -> list[Bin
     bodies = _function_bodies(_COMMENT_RE.sub("", source))
     if entry not in bodies:
         raise ShaderError(f"entry point {entry!r} not found (functions: {sorted(bodies)})")
-    seen, todo, used = set(), [entry], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        idents = set(_IDENT_RE.findall(bodies[name]))
-        used |= idents
-        todo.extend(idents & bodies.keys())
+    _, used = _reachable(bodies, entry)
     return [b for b in bindings if b.name in used]
 
 
@@ -235,20 +275,24 @@ class KernelRegistry:
         self._kernels: dict[tuple, Kernel] = {}
         self._bind_groups: dict[tuple, object] = {}
         self._arenas: list[_UniformArena] = []
+        self._free_slots: list[UniformSlot] = []  # slots of released ops, reused before the arenas grow
 
     # -- compilation ---------------------------------------------------------------------------------
     def source(self, name: str) -> str:
         return read_shader(name, self.shader_dir)
 
-    def _module(self, name: str):
-        if name not in self._modules:
+    def _module(self, name: str, entry: str):
+        # Without subgroups each entry point gets a module pruned to what it calls (see prune_to_entry).
+        key = name if self.gpu.has_subgroups else f"{name}.{entry}"
+        if key not in self._modules:
             source = self.source(name)
+            code = source_for_naga(source) if self.gpu.has_subgroups else prune_to_entry(source, entry)
             try:
-                module = self.gpu.device.create_shader_module(code=source_for_naga(source), label=name)
+                module = self.gpu.device.create_shader_module(code=code, label=key)
             except Exception as exc:  # wgpu raises its own error types with the compiler's message
-                raise ShaderError(f"shader {name}.wgsl failed to compile: {exc}") from exc
-            self._modules[name] = (module, source)
-        return self._modules[name]
+                raise ShaderError(f"shader {name}.wgsl ({entry}) failed to compile: {exc}") from exc
+            self._modules[key] = (module, source)
+        return self._modules[key]
 
     def kernel(self, name: str, entry: str = "main", **constants: float | int | bool) -> Kernel:
         key = (name, entry, tuple(sorted(constants.items())))
@@ -256,7 +300,7 @@ class KernelRegistry:
             return self._kernels[key]
         import wgpu
 
-        module, source = self._module(name)
+        module, source = self._module(name, entry)
         bindings = entry_bindings(source, entry, parse_bindings(source))
         self._check_limits(name, bindings)
         entries = [
@@ -288,6 +332,13 @@ class KernelRegistry:
 
     # -- uniforms and bind groups --------------------------------------------------------------------
     def uniform_slot(self, layout: UniformLayout) -> UniformSlot:
+        for i, free in enumerate(self._free_slots):
+            if free.layout.size >= layout.size:
+                del self._free_slots[i]
+                # Zeroed like a fresh arena, so no field keeps a value of the op that held the slot before.
+                free.arena.host[free.offset : free.offset + free.layout.size] = 0
+                free.arena.dirty = True
+                return UniformSlot(free.arena, free.offset, layout)
         for arena in reversed(self._arenas[-1:]):
             offset = arena.allocate(layout.size)
             if offset is not None:
@@ -337,10 +388,39 @@ class KernelRegistry:
         if tensor.binding_size > self.gpu.max_binding_bytes:
             raise DeviceLimitError(
                 f"{kernel!r}: binding {name} is {tensor.binding_size:,} bytes, above the device's "
-                f"max storage binding of {self.gpu.max_binding_bytes:,} bytes; split the tensor"
+                f"max storage binding of {self.gpu.max_binding_bytes:,} bytes",
+                advice="split the tensor",
             )
         if tensor.offset % int(self.gpu.limits.get("min-storage-buffer-offset-alignment", 256)):
             raise DeviceLimitError(f"{kernel!r}: binding {name} has unaligned offset {tensor.offset}")
+
+    def release_slot(self, slot: UniformSlot) -> None:
+        """Take back the slot of an op that is gone (e.g. one bound to a released KV cache) for reuse.
+
+        Ops bound per generation would otherwise grow the arenas without end in a long-running process.
+        """
+        self._free_slots.append(slot)
+
+    def release_tensors(self, *tensors: Tensor) -> None:
+        """Forget the bind groups of tensors this registry's ops owned, then destroy their buffers."""
+        for tensor in tensors:
+            self.forget_buffer(tensor.buffer)
+            tensor.destroy()
+
+    def close(self) -> None:
+        """Destroy every buffer bound through this registry and its uniform arenas, and drop every cached
+        module, pipeline and bind group: for an owner whose models and ops all live and end with the registry
+        (an engine). This also frees what ops allocate for themselves, like scratch and placeholder buffers."""
+        for _, buffers in self._bind_groups.values():
+            for buffer in buffers:
+                buffer.destroy()
+        for arena in self._arenas:
+            arena.buffer.destroy()
+        self._arenas.clear()
+        self._free_slots.clear()
+        self._bind_groups.clear()
+        self._kernels.clear()
+        self._modules.clear()
 
     def forget_buffer(self, buffer) -> None:
         """Drop cached bind groups that reference `buffer` (call before destroying it)."""

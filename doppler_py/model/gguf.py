@@ -15,6 +15,7 @@ supplies the type table and the dequantisers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,8 @@ def _tensor(
     except ValueError:
         raise UnsupportedModelError(f"{path}: tensor {name!r} has unknown ggml type id {type_id}") from None
     block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if 0 in dims:
+        raise ModelFormatError(f"{path}: tensor {name!r} has a zero dimension ({dims})")
     if dims[0] % block_size:
         raise ModelFormatError(
             f"{path}: tensor {name!r} ({ggml_type.name}) has a row of {dims[0]} values, "
@@ -185,7 +188,7 @@ def _tensor(
         )
     if offset % align:
         raise ModelFormatError(f"{path}: tensor {name!r} starts at offset {offset}, not aligned to {align}")
-    nbytes = int(np.prod(dims, dtype=np.int64)) // block_size * block_bytes
+    nbytes = math.prod(dims) // block_size * block_bytes  # Python ints: corrupt dimensions must not wrap
     begin = data_start + offset
     if begin + nbytes > len(data):
         raise ModelFormatError(
@@ -228,10 +231,32 @@ class _Metadata:
         key = f"{self.arch}.{name}"
         return self.required(key) if default is ... else self.get(key, default)
 
+    def checked(self, key: str, expected: str, valid: Callable[[Any], bool], default: Any = ...) -> Any:
+        """The value of `key` (required unless a default is given), refused unless `valid(value)`: a GGUF value
+        carries its own type tag, so a corrupt or hand-made file can give any key any type."""
+        if key not in self.gguf.metadata and default is not ...:
+            return default
+        value = self.required(key)
+        if not valid(value):
+            raise ModelFormatError(f"{self.gguf.path}: metadata {key!r} must be {expected}, got {value!r:.80}")
+        return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _list_of(item: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(item(v) for v in value)
+
 
 def _architecture(gguf: GGUFFile) -> _GGUFArchitecture:
     arch = gguf.metadata.get("general.architecture")
-    if arch not in _ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
         )
@@ -244,7 +269,8 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     if "rope_freqs.weight" in gguf.tensors:
         raise UnsupportedModelError(
             f"{gguf.path}: tensor 'rope_freqs.weight' (llama3-style RoPE scaling baked into frequency factors) "
-            "is not supported in GGUF import; convert the original Hugging Face folder instead"
+            "is not supported in GGUF import",
+            advice="convert the original Hugging Face folder instead",
         )
     meta = _Metadata(gguf)
     hidden = meta.model("embedding_length")
@@ -252,7 +278,8 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     head_dim = meta.model("attention.key_length", None)
     if meta.model("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{gguf.path}: attention key and value lengths differ")
-    vocab_size = meta.model("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", ()))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = meta.model("vocab_size", None) or (len(tokens) if isinstance(tokens, list) else None)
     config: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
         "model_type": meta.arch,
@@ -309,15 +336,16 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
+def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture) -> Iterator[str]:
+    """The tensor names the config calls for, lazily: a corrupt block_count (up to 2^64) must end at the first
+    missing layer, not build billions of names."""
+    yield from ("token_embd.weight", "output_norm.weight")
     if not config.tie_word_embeddings:
-        names.append("output.weight")
+        yield "output.weight"
     for layer in range(config.num_hidden_layers):
-        names += [f"blk.{layer}.{part}.weight" for part in _LAYER_TENSORS]
+        yield from (f"blk.{layer}.{part}.weight" for part in _LAYER_TENSORS)
         if arch.has_qkv_bias:
-            names += [f"blk.{layer}.attn_{part}.bias" for part in "qkv"]
-    return names
+            yield from (f"blk.{layer}.attn_{part}.bias" for part in "qkv")
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -403,7 +431,8 @@ def _materialise(item: _Planned, gguf_path: Path) -> np.ndarray:
     half = values.astype(np.float16)
     if not np.isfinite(half).all() and np.isfinite(values).all():
         raise UnsupportedModelError(
-            f"{gguf_path}: tensor {source.name!r} has values beyond the float16 range; convert with weights='f32'"
+            f"{gguf_path}: tensor {source.name!r} has values beyond the float16 range",
+            advice="convert with weights='f32'",
         )
     return half
 
@@ -497,22 +526,25 @@ def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
         raise UnsupportedModelError(
             f"{gguf.path}: tokenizer.ggml.model = {model!r} is not supported (only 'gpt2', byte-level BPE)"
         )
-    tokens = meta.required("tokenizer.ggml.tokens")
+    tokens = meta.checked("tokenizer.ggml.tokens", "a list of strings", _list_of(_is_str))
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         duplicate = next(t for i, t in enumerate(tokens) if vocab[t] != i)
         raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.tokens lists {duplicate!r} more than once")
     merges = []
-    for index, merge in enumerate(meta.required("tokenizer.ggml.merges")):
+    for index, merge in enumerate(meta.checked("tokenizer.ggml.merges", "a list of strings", _list_of(_is_str))):
         pair = merge.split(" ")
         if len(pair) != 2:
             raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.merges[{index}] = {merge!r} is not a pair")
         merges.append((pair[0], pair[1]))
 
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"), gguf.path)
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as exc:  # the tokenizers package raises plain Exception, e.g. for a merge of unknown tokens
+        raise ModelFormatError(f"{gguf.path}: the BPE vocabulary and merges do not fit together ({exc})") from None
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.checked("tokenizer.ggml.pre", "a string", _is_str, None), gguf.path)
     tokenizer.decoder = decoders.ByteLevel()
-    token_types = meta.get("tokenizer.ggml.token_type", [0] * len(tokens))
+    token_types = meta.checked("tokenizer.ggml.token_type", "a list of integers", _list_of(_is_int), [0] * len(tokens))
     if len(token_types) != len(tokens):
         raise ModelFormatError(
             f"{gguf.path}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
@@ -522,7 +554,7 @@ def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
 
     def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
+        index = meta.checked(f"tokenizer.ggml.{key}", "a token id", _is_int, None)
         if index is None:
             return None
         if not 0 <= index < len(tokens):
@@ -550,7 +582,7 @@ def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": meta.model("context_length", None),
     }
-    template = meta.get("tokenizer.chat_template")
+    template = meta.checked("tokenizer.chat_template", "a string", _is_str, None)
     if template is not None:
         config["chat_template"] = template
     return tokenizer.to_str(), config

@@ -21,6 +21,11 @@ class KVCache:
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         shape = (max_seq, n_kv_heads, head_dim)
+        gpu.check_buffer_size(
+            4 * max_seq * n_kv_heads * head_dim,
+            f"a KV cache of {max_seq} positions ({label}.k0)",
+            advice="load the model with a smaller max_seq",
+        )
         self.keys = [Tensor.empty(gpu, shape, "f32", f"{label}.k{i}") for i in range(num_layers)]
         self.values = [Tensor.empty(gpu, shape, "f32", f"{label}.v{i}") for i in range(num_layers)]
         self.length = 0

@@ -7,20 +7,24 @@ projections are fused along the output dimension so a layer runs one matmul for 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from doppler_py.errors import ModelFormatError
+from doppler_py.errors import ModelFormatError, UnsupportedModelError
 from doppler_py.gpu.device import Gpu
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.gpu.weights import Weight, dequantize_blocks
+from doppler_py.gpu.weights import BLOCK, BLOCK_BYTES, Weight, dequantize_blocks
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.safetensors_file import TensorInfo, index_folder, load_array
 
 WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1", "keep")
 BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
+# Stored dtypes a dense weight may have; anything else (integers, raw bytes without block metadata) is not a
+# weight, and converting it to float would load garbage without a word.
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass
@@ -88,7 +92,35 @@ class _Reader:
             raise ModelFormatError(
                 f"{info.file}: tensor {name} has shape {list(info.logical_shape)}, expected {list(shape)}"
             )
+        if info.quant is None and info.dtype not in FLOAT_DTYPES:
+            raise ModelFormatError(
+                f"{info.file}: tensor {name} has dtype {info.dtype}; weights must be {', '.join(FLOAT_DTYPES)} "
+                "(or GGUF blocks listed in the 'doppler.quant' metadata)"
+            )
+        if info.quant is not None:
+            self._check_blocks(info)
         return info
+
+    @staticmethod
+    def _check_blocks(info: TensorInfo) -> None:
+        """Kept GGUF blocks: a known format, stored as the exact number of bytes its shape needs."""
+        fmt, shape = info.quant["format"], info.logical_shape
+        if fmt not in BLOCK_FORMATS:
+            raise UnsupportedModelError(
+                f"{info.file}: tensor {info.name} is stored in block format {fmt!r} "
+                f"(supported: {', '.join(BLOCK_FORMATS)})"
+            )
+        if len(shape) != 2 or shape[1] % BLOCK:
+            raise ModelFormatError(
+                f"{info.file}: tensor {info.name} is stored as {fmt} blocks but its shape {list(shape)} is not a "
+                f"matrix with rows of a multiple of {BLOCK} values"
+            )
+        expected = shape[0] * (shape[1] // BLOCK) * BLOCK_BYTES[fmt]
+        if info.dtype != "U8" or math.prod(info.shape) != expected:
+            raise ModelFormatError(
+                f"{info.file}: tensor {info.name} ({fmt} blocks of shape {list(info.logical_shape)}) needs "
+                f"{expected} U8 bytes, stored as {info.dtype}{list(info.shape)}"
+            )
 
     def dense(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A tensor as float32 (dequantised when stored as GGUF blocks)."""
@@ -106,7 +138,11 @@ def _matrix(gpu: Gpu, reader: _Reader, names: list[str], shapes: list[tuple[int,
     k = shapes[0][1]
     formats = {i.quant["format"] if i.quant else None for i in infos}
     stored = formats.pop() if len(formats) == 1 else None
-    target = stored if precision == "keep" and stored in BLOCK_FORMATS else precision
+    # Tensors already in a block format keep it under "keep" and under any block precision: re-quantising
+    # one block format into another would add a second rounding error (the default model's Q8_0 embedding
+    # stays Q8_0 when the Q4_1 file is loaded as "q4_1").
+    keeps_blocks = precision == "keep" or precision in BLOCK_FORMATS
+    target = stored if keeps_blocks and stored in BLOCK_FORMATS else precision
     if target == "keep":
         target = "f16" if all(i.dtype in ("F16", "BF16") for i in infos) else "f32"
     if stored is not None and stored == target:
@@ -130,8 +166,9 @@ def load_weights(
 ) -> ModelWeights:
     """Read `folder` (config.json + safetensors) and upload its weights in `precision`.
 
-    precision: "f32", "f16", "q8_0", "q4_0", "q4_1" (quantise on load), or "keep" (GGUF blocks stay as
-    they are; dense tensors keep their float width). `num_layers` loads only the first layers (drafting
+    precision: "f32", "f16", "q8_0", "q4_0", "q4_1" (dense tensors are quantised on load; tensors already in
+    a GGUF block format keep their blocks), or "keep" (GGUF blocks stay as they are; dense tensors keep their
+    float width). `num_layers` loads only the first layers (drafting
     by layer skip uses the full model instead; this is for tests and truncated drafts).
     """
     if precision not in WEIGHT_FORMATS:

@@ -12,6 +12,7 @@ Block-quantised tensors kept from a GGUF are stored as raw ggml block bytes (dty
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,29 +63,60 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ModelFormatError(f"{path}: header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ModelFormatError(f"{path}: '__metadata__' must map names to strings")
     try:
         quant = json.loads(metadata.get("doppler.quant", "{}"))
     except json.JSONDecodeError as exc:
         raise ModelFormatError(f"{path}: metadata 'doppler.quant' is not valid JSON ({exc})") from exc
+    if not isinstance(quant, dict):
+        raise ModelFormatError(f"{path}: metadata 'doppler.quant' must be a JSON object")
     base = 8 + header_len
     tensors = {}
     for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelFormatError(f"{path}: tensor {name}: malformed header entry {entry!r}") from exc
-        if dtype not in _DTYPES:
-            raise UnsupportedModelError(f"{path}: tensor {name}: dtype {dtype} is not supported")
+        dtype, shape, begin, end = _entry(path, name, entry)
         itemsize = 2 if dtype == "BF16" else np.dtype(_DTYPES[dtype]).itemsize
-        if end - begin != itemsize * int(np.prod(shape, dtype=np.int64)):
+        if end - begin != itemsize * math.prod(shape):
             raise ModelFormatError(f"{path}: tensor {name}: {end - begin} bytes do not hold {dtype}{list(shape)}")
         if base + end > size:
             raise ModelFormatError(
                 f"{path}: tensor {name} ends at byte {base + end} but the file has {size} bytes; truncated file"
             )
-        tensors[name] = TensorInfo(name, path, dtype, shape, base + begin, base + end, quant.get(name))
+        info = _quant(path, name, quant.get(name))
+        tensors[name] = TensorInfo(name, path, dtype, shape, base + begin, base + end, info)
     return tensors, metadata
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, every field checked for its type."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise ModelFormatError(f"{path}: tensor {name}: malformed header entry {entry!r:.200}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ModelFormatError(f"{path}: tensor {name}: shape {shape!r:.100} is not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise ModelFormatError(f"{path}: tensor {name}: data_offsets {offsets!r:.100} are not [begin, end]")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise UnsupportedModelError(f"{path}: tensor {name}: dtype {dtype!r:.40} is not supported")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _quant(path: Path, name: str, info: object) -> dict | None:
+    """The checked 'doppler.quant' record of a tensor kept as GGUF blocks, or None."""
+    if info is None:
+        return None
+    fields = info if isinstance(info, dict) else {}
+    fmt, shape = fields.get("format"), fields.get("shape")
+    if not isinstance(fmt, str) or not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ModelFormatError(f"{path}: tensor {name}: 'doppler.quant' entry {info!r:.100} is not a block format")
+    return info
 
 
 def index_folder(folder: Path) -> dict[str, TensorInfo]:

@@ -93,6 +93,11 @@ class Transformer:
         self.randoms = Tensor.empty(gpu, self.max_logit_rows, "f32", "randoms")
         self.token_ids = Tensor.empty(gpu, self.max_logit_rows, "u32", "token_ids")
 
+        gpu.check_buffer_size(
+            self.max_positions * hd * 4,
+            f"the RoPE table for {self.max_positions} positions",
+            advice="load the model with a smaller max_seq",
+        )
         self.rope_table = Tensor.from_numpy(
             gpu, rope_table(hd, self.max_positions, cfg.rope_theta, cfg.rope_scaling), "f32", "rope"
         )
@@ -125,6 +130,7 @@ class Transformer:
             registry, self.logits, self.randoms, self.token_ids, vocab=vocab, max_rows=self.max_logit_rows
         )
         self._cache_ops: dict[int, tuple[KVCache, _CacheOps]] = {}
+        self.closed = False
 
     @property
     def num_layers(self) -> int:
@@ -160,17 +166,27 @@ class Transformer:
         return entry[1]
 
     def release_cache(self, cache: KVCache) -> None:
-        """Drop the ops bound to `cache` and free its GPU memory."""
-        self._cache_ops.pop(id(cache), None)
+        """Free `cache` and everything built for it (ops, their scratch buffers and uniform slots)."""
+        entry = self._cache_ops.pop(id(cache), None)
+        if entry is not None and entry[0] is cache:
+            for op in (*entry[1].rope, *entry[1].attention):
+                op.release(self.registry)
         for t in cache.keys + cache.values:
             self.registry.forget_buffer(t.buffer)
         cache.close()
 
     # -- forward -----------------------------------------------------------------------------------------
     def check_ids(self, ids: Sequence[int]) -> np.ndarray:
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        try:
+            arr = np.asarray(ids).reshape(-1)
+        except ValueError:  # ragged nesting: not a flat sequence of ids
+            arr = np.full(1, None, dtype=object)
         if arr.size == 0:
             raise GenerationOptionError("no input tokens: the prompt is empty")
+        if arr.dtype.kind not in "iu":  # floats would be truncated, huge ints overflow, others are not ids
+            raise GenerationOptionError(
+                f"token ids must be integers below the vocabulary size {self.config.vocab_size}, got {ids!r:.80}"
+            )
         bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
         if bad.size:
             raise GenerationOptionError(
@@ -270,5 +286,13 @@ class Transformer:
         return np.frombuffer(raw, dtype=np.uint32).tolist()
 
     def close(self) -> None:
+        """Free the KV caches and the buffers this model allocated (the weights belong to the caller)."""
         for cache, _ in list(self._cache_ops.values()):
             self.release_cache(cache)
+        if self.closed:
+            return
+        self.registry.release_tensors(
+            self.ids, self.x, self.xn, self.qkv, self.attn, self.gate_up, self.act, self.x_last, self.xn_head,
+            self.logits, self.randoms, self.token_ids, self.rope_table,
+        )  # fmt: skip
+        self.closed = True

@@ -113,6 +113,11 @@ class Attention:
             out=out,
         )
 
+    def release(self, registry: KernelRegistry) -> None:
+        """Free what the op owns (partial-result buffers, uniform slot); the caches and q/out stay."""
+        registry.release_tensors(self.part_acc, self.part_stats)
+        registry.release_slot(self.params)
+
     def plan(self, rows: int, start_pos: int, splits: int | None = None) -> tuple[int, int, int]:
         """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped)."""
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)

@@ -1,20 +1,19 @@
 """Linear layer: out[t, :] (+)= x[t, :] @ W.T (+ bias) for the first `rows` rows (shaders/matmul.wgsl).
 
-Kernel per row count (pipelines and bind groups are made in __init__, for every count up to max_rows or for
-the `row_counts` given; each distinct tile is one pipeline, ~0.2-0.7 s to compile on lavapipe):
+Kernel per row count (each distinct row tile is one pipeline, ~0.2-0.7 s to compile on lavapipe, so a tile's
+pipeline and bind groups are made the first time a call needs it and reused ever after; layers sharing a
+weight format share the pipeline through the registry):
   rows == 1       GEMV: an invocation owns 8 weight rows (one group of the weight layout) and reads each
                   weight once.
-  2 <= rows <= 16 register tiling: an invocation also owns a tile of x rows (exactly `rows` up to 8, tiles of
-                  8 beyond), so a weight loaded once serves every row of the tile.
+  2 <= rows <= 16 register tiling: an invocation also owns a tile of x rows (exactly `rows` up to 8, equal
+                  tiles of at most 8 beyond), so a weight loaded once serves every row of the tile.
   rows > 16       tiled GEMM in workgroup memory on GPUs; on CPU adapters (lavapipe, SwiftShader), where
                   workgroup memory is no faster than a buffer and the register kernel measured 2-4x faster,
-                  the register kernel in tiles of 8 rows. `tiled_gemm=` overrides the choice.
+                  the register kernel in equal tiles of at most 8 rows. `tiled_gemm=` overrides the choice.
 A weight split into parts (larger than one storage binding) is one dispatch per part.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder, workgroups
 from doppler_py.gpu.tensor import Tensor
@@ -31,10 +30,15 @@ REGISTER_TILED_MAX_ROWS = 16
 
 
 def row_tile(rows: int, tiled_gemm: bool) -> int:
-    """x rows per invocation for `rows` rows; 0 means the tiled GEMM."""
+    """x rows per invocation for `rows` rows; 0 means the tiled GEMM.
+
+    Rows beyond one tile are split into equal tiles (9 rows → 2 tiles of 5, not 8 + 8), so little work is
+    spent on masked rows.
+    """
     if rows > REGISTER_TILED_MAX_ROWS and tiled_gemm:
         return 0
-    return min(rows, MAX_TILE_ROWS)
+    tiles = -(-rows // MAX_TILE_ROWS)
+    return -(-rows // tiles)
 
 
 def _check_tensor(name: str, tensor: Tensor, min_elements: int, what: str) -> None:
@@ -50,8 +54,7 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
 
 class Linear:
     """out[t, n] (+)= sum_k x[t, k] * W[n, k] (+ bias[n]) for t < rows, with x f32 [>= max_rows, K] and out
-    f32 [>= max_rows, N] (row-major, row strides K and N). `accumulate=True` adds into out (residual fold).
-    `row_counts` limits the prepared row counts (e.g. (1, 5) for decode and 4-token verification)."""
+    f32 [>= max_rows, N] (row-major, row strides K and N). `accumulate=True` adds into out (residual fold)."""
 
     def __init__(
         self,
@@ -64,7 +67,6 @@ class Linear:
         bias: Tensor | None = None,
         accumulate: bool = False,
         tiled_gemm: bool | None = None,
-        row_counts: Iterable[int] | None = None,
     ):
         n, k = weight.shape
         if max_rows < 1:
@@ -80,42 +82,44 @@ class Linear:
         on_cpu = str(gpu.info.get("adapter_type", "")).lower() == "cpu"
         if tiled_gemm is None:
             tiled_gemm = not on_cpu
-        group = WORKGROUP_SIZE["cpu" if on_cpu else "gpu"]
-        counts = sorted(set(row_counts)) if row_counts is not None else list(range(1, max_rows + 1))
-        if not counts or counts[0] < 1 or counts[-1] > max_rows:
-            raise ValueError(f"Linear: row_counts must lie in [1, max_rows={max_rows}], got {counts}")
+        self.group = WORKGROUP_SIZE["cpu" if on_cpu else "gpu"]
+        self.registry = registry
         self.weight = weight
         self.max_rows = max_rows
         self.tiled_gemm = tiled_gemm
-        flags = {"FORMAT": weight.format_id, "HAS_BIAS": bias is not None, "ACCUMULATE": accumulate}
-        bias = bias if bias is not None else Tensor.empty(gpu, 1, label="no bias")
-        entry = "main_subgroups" if gpu.has_subgroups else "main"
-        # tile -> [(bound, grid x)] per weight part
-        self._variants: dict[int, list[tuple[Bound, int]]] = {}
-        for rows in counts:
-            tile = row_tile(rows, tiled_gemm)
-            if tile in self._variants:
-                continue
+        self.flags = {"FORMAT": weight.format_id}
+        self.switches = {"has_bias": int(bias is not None), "accumulate": int(accumulate)}
+        self.tensors = {"x": x, "out": out, "bias": bias if bias is not None else Tensor.empty(gpu, 1, label="no bias")}
+        self.entry = "main_subgroups" if gpu.has_subgroups else "main"
+        self._variants: dict[int, list[tuple[Bound, int]]] = {}  # row tile -> [(bound, grid x)] per weight part
+
+    def _variant(self, tile: int) -> list[tuple[Bound, int]]:
+        if tile not in self._variants:
+            registry, (n, k) = self.registry, self.weight.shape
             if tile == 0:
-                kernel = registry.kernel(SHADER, "gemm_tiled", **flags)
+                kernel = registry.kernel(SHADER, "gemm_tiled", **self.flags)
             else:
-                kernel = registry.kernel(SHADER, entry, ROWS=tile, COLS=COLS, WORKGROUP_SIZE=group, **flags)
+                kernel = registry.kernel(
+                    SHADER, self.entry, ROWS=tile, COLS=COLS, WORKGROUP_SIZE=self.group, **self.flags
+                )
             bounds = []
-            for part in weight.parts:
-                params = {"rows": 1, "k": k, "n": part.rows, "n_offset": part.row_start, "n_total": n}
-                bound = registry.bind(kernel, params, x=x, weights=part.weights, scales=part.scales, bias=bias, out=out)
-                grid_x = workgroups(part.rows, GEMM_TILE_COLS) if tile == 0 else workgroups(part.rows, COLS * group)
+            for part in self.weight.parts:
+                params = {"rows": 1, "k": k, "n": part.rows, "n_offset": part.row_start, "n_total": n, **self.switches}
+                bound = registry.bind(kernel, params, weights=part.weights, scales=part.scales, **self.tensors)
+                grid_x = (
+                    workgroups(part.rows, GEMM_TILE_COLS) if tile == 0 else workgroups(part.rows, COLS * self.group)
+                )
                 bounds.append((bound, grid_x))
             self._variants[tile] = bounds
+        return self._variants[tile]
 
     def record(self, rec: Recorder, rows: int) -> None:
-        tile = row_tile(rows, self.tiled_gemm)
-        if not 1 <= rows <= self.max_rows or tile not in self._variants:
+        if not 1 <= rows <= self.max_rows:
             raise ValueError(
-                f"Linear({self.weight.name or 'weight'}): rows must be in [1, {self.max_rows}] and among the "
-                f"prepared row_counts, got {rows}"
+                f"Linear({self.weight.name or 'weight'}): rows must be in [1, {self.max_rows}], got {rows}"
             )
+        tile = row_tile(rows, self.tiled_gemm)
         grid_y = workgroups(rows, tile or GEMM_TILE_ROWS)
-        for bound, grid_x in self._variants[tile]:
+        for bound, grid_x in self._variant(tile):
             bound.params.set(rows=rows)
             rec.dispatch(bound, grid_x, grid_y)

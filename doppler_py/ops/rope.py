@@ -138,6 +138,10 @@ class RoPE:
             registry.kernel("rope"), params=params, cos_sin=cos_sin, qkv=qkv, k_cache=k_cache, v_cache=v_cache
         )
 
+    def release(self, registry: KernelRegistry) -> None:
+        """Give back the op's uniform slot (its tensors belong to the caller)."""
+        registry.release_slot(self.bound.params)
+
     def record(self, rec: Recorder, rows: int, start_pos: int) -> None:
         require_rows(rows, self.max_rows, "RoPE")
         if start_pos < 0:

@@ -77,8 +77,8 @@ class SpecVerify:
         self.has_draft_logits = draft_logits is not None
         # Scratch: the draft rows' filtered distributions, and each row's (accepted, token, status).
         # f32 keeps the Dawn replay's comparison of the states tolerant of rounding in their float fields.
-        draft_states = Tensor.empty(gpu, (max_k, _ROW_STATE_WORDS), "f32", label="spec draft states")
-        row_results = Tensor.empty(gpu, (max_k + 1, _ROW_RESULT_WORDS), "u32", label="spec row results")
+        self.draft_states = Tensor.empty(gpu, (max_k, _ROW_STATE_WORDS), "f32", label="spec draft states")
+        self.row_results = Tensor.empty(gpu, (max_k + 1, _ROW_RESULT_WORDS), "u32", label="spec row results")
         slot = registry.uniform_slot(registry.kernel("sample", "spec_rows").uniform).set(vocab=vocab)
         # In one-hot mode the draft's logits are never read; the target's stand in for the binding.
         rows_draft_logits = draft_logits if draft_logits is not None else target_logits
@@ -86,7 +86,7 @@ class SpecVerify:
             registry.kernel("sample", "spec_draft_filter"),
             slot,
             logits=rows_draft_logits,
-            draft_states=draft_states,
+            draft_states=self.draft_states,
         )
         self.rows = registry.bind(
             registry.kernel("sample", "spec_rows"),
@@ -94,14 +94,34 @@ class SpecVerify:
             logits=target_logits,
             randoms=randoms,
             draft_logits=rows_draft_logits,
-            draft_states=draft_states,
+            draft_states=self.draft_states,
             tokens=tokens,
-            row_results=row_results,
+            row_results=self.row_results,
         )
         self.finalize = registry.bind(
-            registry.kernel("sample", "spec_finalize"), slot, tokens=tokens, row_results=row_results, result=result
+            registry.kernel("sample", "spec_finalize"), slot, tokens=tokens, row_results=self.row_results, result=result
         )
         self.params = slot
+
+    def record_plain(self, rec: Recorder, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+        """Record a plain step's token choice: target row 0 sampled with u = randoms[0], as `Sampler` does,
+        plus the status word. It is a step with k = 0 (no drafts: row 0 is the bonus row), so a plain step
+        reports NaN/inf logits like a speculative one; result = [0, token, status]."""
+        options = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.params.set(
+            temperature=options.temperature,
+            top_k=options.top_k if options.top_k < self.vocab else 0,
+            top_p=options.top_p,
+            k=0,
+            onehot=1,
+        )
+        rec.dispatch(self.rows, 1)
+        rec.dispatch(self.finalize, 1)
+
+    def release(self, registry: KernelRegistry) -> None:
+        """Free the op's scratch buffers and uniform slot (the bound inputs and result belong to the caller)."""
+        registry.release_tensors(self.draft_states, self.row_results)
+        registry.release_slot(self.params)
 
     def record(
         self, rec: Recorder, k: int, temperature: float, top_k: int = 0, top_p: float = 1.0, onehot: bool = False

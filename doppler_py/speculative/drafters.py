@@ -146,14 +146,21 @@ class DraftModelDrafter(_GpuDrafter):
             self.model.release_cache(self.cache)
         self.cache = self.model.new_cache(session.capacity)
         self.consumed = 0
-        prompt = session.tokens[:-1]
+        prompt = self._known(session.tokens[:-1])
         for begin in range(0, len(prompt), self.model.max_rows):
             part = prompt[begin : begin + self.model.max_rows]
             self.model.forward(part, self.cache, begin, logits="none")
         self.consumed = len(prompt)
 
     def _pending(self, session: StepSession) -> list[int]:
-        return session.tokens[self.consumed :]
+        return self._known(session.tokens[self.consumed :])
+
+    def _known(self, tokens: Sequence[int]) -> list[int]:
+        """Committed tokens as this draft's input. A target whose vocabulary is padded beyond the draft's may
+        commit an id the draft lacks; it is fed as the draft's last id, which costs acceptance at most (the
+        verification keeps the output exact) instead of stopping the generation."""
+        last = self.model.config.vocab_size - 1
+        return [min(token, last) for token in tokens]
 
     def commit(self, session: StepSession, accepted: int, drafted: int) -> None:
         # The draft cache consumed the pending tokens and draft tokens 0..drafted-2; keep what was accepted.

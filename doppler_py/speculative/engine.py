@@ -26,22 +26,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from doppler_py.errors import GenerationOptionError, NumericalError
+from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError, InternalError, NumericalError
 from doppler_py.gpu.kernels import Recorder
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.model.generate import decode_one, prefill
+from doppler_py.model.generate import prefill
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.sampling import Sampler
-from doppler_py.ops.speculative import MAX_DRAFT_TOKENS, SpecVerify
+from doppler_py.ops.speculative import MAX_DRAFT_TOKENS, STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.drafters import Drafter
 from doppler_py.speculative.policy import DraftLengthPolicy
 from doppler_py.speculative.stats import SpecStats
-
-STATUS_TARGET_NONFINITE = 1
-STATUS_DRAFT_NONFINITE = 2
 
 
 @dataclass
@@ -133,6 +130,7 @@ class SpeculativeEngine:
             vocab=vocab,
             max_k=self.k_max,
         )
+        self.closed = False
 
     def generate(
         self,
@@ -167,6 +165,7 @@ class SpeculativeEngine:
         """
         target = self.target
         tokens = target.check_ids(prompt_ids).tolist()
+        check_fits(len(tokens), max_new_tokens, target.max_positions)
         capacity = len(tokens) + max_new_tokens + self.k_max + 1
         session = StepSession(self, tokens, capacity, params)
         stats.drafter = self.drafter.name if self.drafter else "none"
@@ -199,12 +198,43 @@ class SpeculativeEngine:
             target.release_cache(session.target_cache)
 
     def _step(self, session: StepSession, k: int, stats: SpecStats) -> list[int]:
+        if self.closed:  # a stream still iterated after its engine was closed: its buffers are gone
+            raise DopplerError("the engine was closed during this generation", advice="load the model again")
+        new = self._take_step(session, k, stats)
+        # Every rollback path must leave the cache holding exactly the committed tokens before the last one
+        # (which the next step feeds); anything else would attend to stale or missing positions silently.
+        committed, cached = len(session.tokens), session.target_cache.length
+        if cached != committed - 1:
+            raise InternalError(
+                f"the target KV cache holds {cached} positions after a step, but {committed} tokens are committed "
+                f"(expected {committed - 1})"
+            )
+        return new
+
+    def _plain_token(self, session: StepSession) -> int:
+        """One target forward at the last committed token and the GPU's choice of the next token.
+
+        The choice is the verifier's k = 0 step, which samples exactly as `Sampler` does and also reports
+        NaN/inf logits, so a plain step cannot turn a broken distribution into a token silently.
+        """
+        target, params, pos = self.target, session.params, len(session.tokens) - 1
+        target.ids.view((1,)).write(target.check_ids(session.tokens[-1:]))
+        self.randoms.view((1,)).write(np.array([session.rng.random()], dtype=np.float32))
+        rec = self.registry.recorder()
+        target.record_forward(rec, 1, session.target_cache, pos, logits="last")
+        self.verifier.record_plain(rec, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        rec.submit()
+        _, token, status = np.frombuffer(target.gpu.queue.read_buffer(self.result.buffer, 0, 12), np.uint32).tolist()
+        check_status(status, pos, 0)
+        return token
+
+    def _take_step(self, session: StepSession, k: int, stats: SpecStats) -> list[int]:
         target, params, cache = self.target, session.params, session.target_cache
         last, pos = session.tokens[-1], len(session.tokens) - 1
         t0 = time.perf_counter()
         draft = self.drafter.draft(session, k) if k > 0 and self.drafter else None
         if draft is None or draft.count == 0:
-            token = decode_one(target, last, cache, session.rng, params)
+            token = self._plain_token(session)
             stats.plain_steps += 1
             elapsed = time.perf_counter() - t0
             stats.plain_s += elapsed
@@ -239,13 +269,7 @@ class SpeculativeEngine:
         elapsed = time.perf_counter() - t1
         stats.verify_s += elapsed
         self.policy.costs.observe_verify(n_draft + 1, elapsed)
-        if status & STATUS_TARGET_NONFINITE:
-            raise NumericalError(
-                f"the target model produced NaN/inf logits at positions {pos}..{pos + n_draft}; the weights or "
-                "activations overflowed (try f32 weights)"
-            )
-        if status & STATUS_DRAFT_NONFINITE:
-            raise NumericalError(f"the draft produced NaN/inf logits at positions {pos}..{pos + n_draft - 1}")
+        check_status(status, pos, n_draft)
         cache.truncate(pos + 1 + accepted)
         new = [*drafts[:accepted], final]
         session.tokens.extend(new)
@@ -254,13 +278,15 @@ class SpeculativeEngine:
         self.policy.observe(n_draft, accepted)
         return new
 
-    def calibrate(self, rows: Sequence[int] = (1, 2, 3, 5, 9), context: int = 64, repeats: int = 2) -> None:
+    def calibrate(self, rows: Sequence[int] | None = None, context: int = 64, repeats: int = 2) -> None:
         """Measure target steps of each row count (forward + sampling + readback) at a typical context.
 
         Seeds the cost model so the adaptive policy knows cost(T=k+1)/cost(T=1) of THIS device from the start;
         live steps keep refining it.
         """
         target = self.target
+        # Every verification size the policy may use (this also compiles their pipelines up front).
+        rows = rows or range(1, self.policy.k_max + 2)
         rows = [r for r in rows if r <= min(target.max_logit_rows, self.k_max + 1)]
         context = min(context, target.max_positions - max(rows))
         cache = target.new_cache(context + max(rows))
@@ -283,9 +309,14 @@ class SpeculativeEngine:
             target.release_cache(cache)
 
     def close(self) -> None:
+        """Free the step buffers and ops (the target and a draft model belong to the caller)."""
+        if self.closed:
+            return
         if self.drafter:
             self.drafter.close()
-        for t in (
+        self.verifier.release(self.registry)
+        self.registry.release_slot(self.draft_sampler.bound.params)
+        self.registry.release_tensors(
             self.spec_tokens,
             self.draft_logits,
             self.draft_row,
@@ -293,6 +324,35 @@ class SpeculativeEngine:
             self.draft_pick,
             self.randoms,
             self.result,
-        ):
-            self.registry.forget_buffer(t.buffer)
-            t.destroy()
+        )
+        self.closed = True
+
+
+def check_max_tokens(max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationOptionError(f"max_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """Refuse a request whose prompt and new tokens do not fit the model's context (its KV cache limit)."""
+    check_max_tokens(max_new_tokens)
+    if prompt_tokens + max_new_tokens > context:
+        raise CapacityError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the context of {context} "
+            f"tokens; at most {max(0, context - prompt_tokens)} new tokens fit after this prompt",
+            advice="shorten the prompt or max_tokens, or load the model with a larger max_seq",
+        )
+
+
+def check_status(status: int, pos: int, n_draft: int) -> None:
+    """Raise `NumericalError` for the NaN/inf bits of a verification's status word (positions pos..pos+n_draft)."""
+    if status & STATUS_TARGET_NONFINITE:
+        raise NumericalError(
+            f"the target model produced NaN/inf logits at positions {pos}..{pos + n_draft}",
+            advice="its weights or activations overflow: check the model file, or load it with weights='f32'",
+        )
+    if status & STATUS_DRAFT_NONFINITE:
+        raise NumericalError(
+            f"the draft model produced NaN/inf logits at positions {pos}..{pos + n_draft - 1}",
+            advice="check the draft model file, or load it with f32 weights, or use another speculative mode",
+        )

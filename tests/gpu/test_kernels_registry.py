@@ -105,3 +105,24 @@ def test_each_entry_point_binds_only_what_its_call_graph_uses():
     assert [b.name for b in entry_bindings(src, "second", bindings)] == ["c"]
     with pytest.raises(ShaderError, match="not found"):
         entry_bindings(src, "third", bindings)
+
+
+def test_kernels_with_a_subgroup_entry_point_run_on_a_device_without_subgroups(rng):
+    """Each entry point is compiled from its own pruned module there, so the subgroup twin does not break it."""
+    from doppler_py.gpu.device import create_gpu
+    from doppler_py.gpu.kernels import KernelRegistry
+    from doppler_py.gpu.weights import Weight
+    from doppler_py.ops.linear import Linear
+
+    gpu = create_gpu(browser_limits=True, disable_features=("subgroup",))
+    assert not gpu.has_subgroups
+    registry = KernelRegistry(gpu)
+    w = rng.standard_normal((40, 64)).astype(np.float32)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    out = Tensor.empty(gpu, (3, 40))
+    linear = Linear(registry, Weight.from_numpy(gpu, w, "f16"), Tensor.from_numpy(gpu, x), out, max_rows=3)
+    rec = registry.recorder()
+    linear.record(rec, 1)
+    rec.submit()
+    expected = x[0] @ w.astype(np.float16).astype(np.float32).T
+    np.testing.assert_allclose(out.numpy()[0], expected, rtol=1e-4, atol=1e-4)

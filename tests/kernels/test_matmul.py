@@ -59,7 +59,6 @@ def _run_linear(gpu, registry, w_raw, fmt, shape, x, *, rows, bias=None, out_ini
         gpu, w_raw, fmt, shape, name="w", max_part_bytes=kwargs.pop("max_part_bytes", None)
     )
     max_rows = kwargs.pop("max_rows", rows)
-    kwargs.setdefault("row_counts", (rows,))  # compile only the pipeline this test records
     x_t = Tensor.from_numpy(gpu, np.resize(x, (max_rows, k)).astype(np.float32))
     init = out_init if out_init is not None else np.full((max_rows, n), np.nan, np.float32)
     out = Tensor.from_numpy(gpu, init)
@@ -249,8 +248,8 @@ def test_one_recorder_runs_decode_and_verify_with_their_own_uniforms(gpu, regist
     x = rng.standard_normal((5, k)).astype(np.float32)
     x_t = Tensor.from_numpy(gpu, x)
     out1, out5 = Tensor.empty(gpu, (5, n)), Tensor.empty(gpu, (5, n))
-    decode = Linear(registry, weight, x_t, out1, max_rows=5, row_counts=(1,))
-    verify = Linear(registry, weight, x_t, out5, max_rows=5, row_counts=(5,))
+    decode = Linear(registry, weight, x_t, out1, max_rows=5)
+    verify = Linear(registry, weight, x_t, out5, max_rows=5)
     rec = registry.recorder()
     decode.record(rec, 1)
     verify.record(rec, 5)
@@ -261,6 +260,7 @@ def test_one_recorder_runs_decode_and_verify_with_their_own_uniforms(gpu, regist
 
 # -- malformed use -------------------------------------------------------------------------------------
 def test_linear_rejects_bad_tensors_and_row_counts(gpu, registry):
+    """Pipelines are built lazily per row tile; a row count outside 1..max_rows is refused."""
     weight = Weight.from_numpy(gpu, np.zeros((8, 32), np.float32), "f32", name="q_proj")
     x = Tensor.empty(gpu, (4, 32))
     out = Tensor.empty(gpu, (4, 8))
@@ -272,9 +272,7 @@ def test_linear_rejects_bad_tensors_and_row_counts(gpu, registry):
         Linear(registry, weight, x, out, max_rows=4, bias=Tensor.empty(gpu, 7))
     with pytest.raises(ValueError, match="aliasing"):
         Linear(registry, weight, x, x.view((4, 8)), max_rows=4)
-    with pytest.raises(ValueError, match="row_counts"):
-        Linear(registry, weight, x, out, max_rows=4, row_counts=(5,))
-    linear = Linear(registry, weight, x, out, max_rows=4, row_counts=(1,))
-    for rows in (0, 2, 5):
-        with pytest.raises(ValueError, match=r"rows must be in \[1, 4\] and among the prepared"):
+    linear = Linear(registry, weight, x, out, max_rows=4)
+    for rows in (0, 5):
+        with pytest.raises(ValueError, match=r"rows must be in \[1, 4\]"):
             linear.record(registry.recorder(), rows)

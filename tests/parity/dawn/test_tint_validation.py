@@ -38,8 +38,11 @@ def _product(**axes: list) -> list[Constants]:
 # passes (doppler_py/ops/linear.py); its register kernels take ROWS = 1..8 x rows per invocation, COLS 8,
 # 64 invocations; its tiled GEMM only the flags.
 _FORMATS = [0, 1, 2, 3, 4]
-_MATMUL_FLAGS = _product(FORMAT=_FORMATS, HAS_BIAS=[False, True], ACCUMULATE=[False, True])
-_MATMUL_REGISTER = [{**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": 64} for f in _MATMUL_FLAGS for r in range(1, 9)]
+_MATMUL_FLAGS = _product(FORMAT=_FORMATS)
+# Linear uses workgroups of 16 on CPU adapters and 64 on GPUs (doppler_py/ops/linear.py WORKGROUP_SIZE).
+_MATMUL_REGISTER = [
+    {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g} for f in _MATMUL_FLAGS for r in range(1, 9) for g in (16, 64)
+]
 
 # shader → entry point → override combinations used by the ops (beyond the defaults, always validated).
 VARIANTS: dict[str, dict[str, list[Constants]]] = {

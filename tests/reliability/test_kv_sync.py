@@ -1,0 +1,155 @@
+"""Random speculative configurations never put a KV cache out of step with the committed tokens.
+
+After every step of every generation: the target cache holds exactly the committed tokens but the last (which
+the next step feeds), a draft model's cache holds exactly what its drafter says it consumed, and every token
+is inside the vocabulary. At temperature 0 the output must also be plain greedy decoding's, cut after the
+first stop token: a cache off by one position would change it. The engine checks the target cache itself
+(`InternalError`); the last test breaks a rollback on purpose to see that check fire.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from reliability.support import ExampleTally, fuzz_settings
+
+from doppler_py.errors import InternalError
+from doppler_py.model.generate import generate as plain_generate
+from doppler_py.model.kv_cache import KVCache
+from doppler_py.model.loader import load_weights
+from doppler_py.model.transformer import Transformer
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.testing.tiny import TinySpec, write_tiny_model
+
+VOCAB = 64
+TARGET = TinySpec(vocab_size=VOCAB, num_hidden_layers=3, weight_std=0.25, max_position_embeddings=256, seed=41)
+
+
+def draft_spec(vocab: int, seed: int) -> TinySpec:
+    return TinySpec(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        weight_std=0.25,
+        max_position_embeddings=256,
+        seed=seed,
+    )
+
+
+# Drafts with the target's vocabulary, with padding rows beyond it, and stopping short of it.
+DRAFTS = {"draft": draft_spec(VOCAB, 42), "wide_draft": draft_spec(VOCAB + 16, 43), "narrow_draft": draft_spec(60, 44)}
+DRAFTERS = ["none", "prompt-lookup", "layer-skip", "draft", "wide_draft", "narrow_draft", "self"]
+EXAMPLES = ExampleTally()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, registry):
+    specs = {"target": TARGET, **DRAFTS}
+    loaded = {
+        name: Transformer(
+            load_weights(write_tiny_model(tmp_path_factory.mktemp(name), spec), registry.gpu, "f32"),
+            registry,
+            max_rows=32,
+        )
+        for name, spec in specs.items()
+    }
+    yield loaded
+    for model in loaded.values():
+        model.close()
+        model.weights.destroy()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_counts(request):
+    yield
+    EXAMPLES.report(request.config, "KV-sync fuzz examples")
+
+
+def make_drafter(name: str, models):
+    target = models["target"]
+    if name == "none":
+        return None
+    if name == "prompt-lookup":
+        return PromptLookupDrafter()
+    if name == "layer-skip":
+        return LayerSkipDrafter(target, 1)
+    return DraftModelDrafter(target if name == "self" else models[name], VOCAB)
+
+
+def checked_steps(engine: SpeculativeEngine, vocab: int, log: list[int]):
+    """Wrap the engine's step so the caches are checked after every one (log: committed tokens per step)."""
+    step = engine._step
+
+    def run(session, k, stats):
+        new = step(session, k, stats)
+        committed = len(session.tokens)
+        assert session.target_cache.length == committed - 1
+        drafter = engine.drafter
+        if isinstance(drafter, DraftModelDrafter):
+            assert drafter.cache.length == drafter.consumed <= committed - 1
+        assert all(0 <= t < vocab for t in new)
+        log.append(committed)
+        return new
+
+    engine._step = run
+
+
+PROMPTS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24).map(
+    lambda ids: ids + ids[: len(ids) // 2]  # repeats give prompt lookup something to propose
+)
+
+
+@fuzz_settings(60)
+@given(
+    drafter=st.sampled_from(DRAFTERS),
+    k=st.integers(1, 8),
+    pin_k=st.booleans(),
+    temperature=st.sampled_from([0.0, 0.0, 0.6, 1.0, 2.5]),
+    top_k=st.sampled_from([0, 1, 5]),
+    top_p=st.sampled_from([1.0, 0.8]),
+    seed=st.integers(0, 2**32 - 1),
+    stop=st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    max_new=st.integers(1, 40),
+    prompt=PROMPTS,
+)
+def test_random_speculative_runs_keep_every_cache_in_step(
+    models, drafter, k, pin_k, temperature, top_k, top_p, seed, stop, max_new, prompt
+):
+    target = models["target"]
+    engine = SpeculativeEngine(target, make_drafter(drafter, models), k=k, k_max=8)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    steps: list[int] = []
+    checked_steps(engine, VOCAB, steps)
+    caches_before = {name: len(m._cache_ops) for name, m in models.items()}
+    try:
+        result = engine.generate(prompt, max_new, params, stop_ids=stop, pin_k=pin_k)
+    finally:
+        engine.close()
+    tokens = result.tokens
+    assert 1 <= len(tokens) <= max_new
+    assert steps and steps[-1] >= len(prompt) + len(tokens)
+    assert not any(t in stop for t in tokens[:-1]), "generation went on past a stop token"
+    if params.greedy:
+        expected = plain_generate(target, prompt, max_new, params, stop_ids=stop).tokens
+        assert tokens == expected
+    assert {name: len(m._cache_ops) for name, m in models.items()} == caches_before  # every cache released
+    EXAMPLES.add(drafter)
+
+
+def test_a_rollback_that_leaves_the_cache_out_of_step_is_caught(models, monkeypatch):
+    """A cache that ignored a truncation would hold rejected drafts as context: the engine stops instead."""
+    monkeypatch.setattr(KVCache, "truncate", lambda self, length: None)
+    engine = SpeculativeEngine(models["target"], LayerSkipDrafter(models["target"], 1), k=4)
+    prompt = np.random.default_rng(5).integers(0, VOCAB, 12).tolist()
+    try:
+        with pytest.raises(InternalError, match=r"target KV cache holds \d+ positions.*report it"):
+            engine.generate(prompt, 30, SamplingParams(), pin_k=True)
+    finally:
+        engine.close()

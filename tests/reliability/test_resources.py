@@ -1,0 +1,188 @@
+"""GPU memory is given back: on close() and context exit, after loading a second model, after a cancelled stream,
+after a failed load, and across many generations.
+
+Two measures. `buffer_use()` is wgpu-py's own count of live GPUBuffer objects and their bytes
+(`wgpu.diagnostics.object_counts`) after a full garbage collection: it returns to its baseline only if nothing
+still holds a buffer. `BufferLedger` watches the device while an engine lives and lists the buffers created
+since it started that are neither destroyed nor collected: the memory `close()` must hand back at once, while
+the caller still holds the engine object.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import weakref
+from pathlib import Path
+
+import pytest
+from reliability.support import GOOD_PROMPT, BufferUse, buffer_use, report
+from wgpu.backends.wgpu_native import GPUBuffer, GPUDevice
+
+import doppler_py
+from doppler_py.errors import DeviceLimitError, DopplerError, VocabularyMismatchError
+from doppler_py.testing.tiny import TinySpec, write_tiny_model
+
+MODES = [None, "prompt-lookup", "layer-skip"]
+
+
+class BufferLedger:
+    """Buffers created on any device while active, until destroyed or collected."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.held: dict[int, tuple[weakref.ref, int, str]] = {}
+        create, destroy = GPUDevice.create_buffer, GPUBuffer.destroy
+
+        def create_buffer(device, *args, **kwargs):
+            buffer = create(device, *args, **kwargs)
+            key = id(buffer)
+            self.held[key] = (weakref.ref(buffer, lambda _: self.held.pop(key, None)), buffer.size, buffer.label)
+            return buffer
+
+        def destroy_buffer(buffer):
+            self.held.pop(id(buffer), None)
+            destroy(buffer)
+
+        monkeypatch.setattr(GPUDevice, "create_buffer", create_buffer)
+        monkeypatch.setattr(GPUBuffer, "destroy", destroy_buffer)
+
+    def holding(self) -> list[str]:
+        gc.collect()
+        return sorted(f"{label or '?'} ({size} B)" for _, size, label in self.held.values())
+
+
+@pytest.fixture
+def ledger(monkeypatch, gpu):
+    gpu.wait_idle()  # the device's own 4-byte sync buffer exists before the ledger starts
+    return BufferLedger(monkeypatch)
+
+
+def load(folder: Path, gpu, **options):
+    return doppler_py.load(folder, weights="f32", gpu=gpu, max_seq=None, progress=False, **options)
+
+
+def exercise(engine, tokens: int = 8) -> None:
+    for mode in MODES:
+        engine.generate(GOOD_PROMPT, max_tokens=tokens, speculative=mode, k=3 if mode else None)
+
+
+def test_close_destroys_every_buffer_the_engine_made(tiny_dir, gpu, ledger, request):
+    baseline = buffer_use()
+    engine = load(tiny_dir, gpu)
+    exercise(engine)
+    loaded = buffer_use()
+    assert ledger.holding()  # the ledger sees the engine's buffers
+    engine.close()
+    assert ledger.holding() == []
+    engine.close()  # closing twice is harmless
+    del engine
+    after = buffer_use()
+    assert after == baseline
+    report(
+        request.config,
+        f"GPU buffers (tiny model): before load {fmt(baseline)}, loaded {fmt(loaded)}, after close {fmt(after)}",
+    )
+
+
+def test_context_exit_closes_the_engine(tiny_dir, gpu, ledger):
+    with load(tiny_dir, gpu) as engine:
+        engine.generate(GOOD_PROMPT, max_tokens=4)
+    assert engine.closed
+    assert ledger.holding() == []
+
+
+def test_a_closed_engine_refuses_to_generate(tiny_dir, gpu):
+    engine = load(tiny_dir, gpu)
+    stream = engine.stream(GOOD_PROMPT, max_tokens=20)
+    next(stream)
+    engine.close()
+    with pytest.raises(DopplerError, match="closed during this generation; load the model again"):
+        list(stream)  # a stream that outlives its engine stops with an error, not inside wgpu
+    with pytest.raises(DopplerError, match="is closed; load the model again"):
+        engine.generate(GOOD_PROMPT, max_tokens=4)
+
+
+def test_loading_a_second_model_leaks_nothing(tiny_dir, gpu, tmp_path):
+    other = write_tiny_model(tmp_path / "other", TinySpec(vocab_size=128, num_hidden_layers=3, seed=5))
+    baseline = buffer_use()
+    first = load(tiny_dir, gpu)
+    first.generate(GOOD_PROMPT, max_tokens=8)
+    with_first = buffer_use()
+    for _ in range(2):
+        with load(other, gpu) as second:
+            second.generate(GOOD_PROMPT, max_tokens=8, speculative="prompt-lookup")
+        del second
+        assert buffer_use() == with_first
+    first.close()
+    del first
+    assert buffer_use() == baseline
+
+
+def test_cancelling_a_stream_mid_generation_leaks_nothing(tiny_dir, gpu):
+    engine = load(tiny_dir, gpu)
+    try:
+        exercise(engine)  # every speculative engine exists and is calibrated
+        warm = buffer_use()
+        for mode in MODES * 2:
+            stream = engine.stream(GOOD_PROMPT, max_tokens=60, speculative=mode, k=3 if mode else None)
+            next(stream)
+            next(stream)
+            stream.close()
+            assert buffer_use() == warm, mode
+        abandoned = engine.stream(GOOD_PROMPT, max_tokens=60, speculative="layer-skip", k=3)
+        next(abandoned)
+        del abandoned  # dropped without close(): the generator's cleanup still runs
+        assert buffer_use() == warm
+        assert engine.generate(GOOD_PROMPT, max_tokens=8).tokens  # and the engine still works
+    finally:
+        engine.close()
+
+
+def test_memory_stays_flat_across_many_generations(tiny_dir, gpu):
+    engine = load(tiny_dir, gpu)
+    try:
+        exercise(engine)
+        warm, groups = buffer_use(), engine.model.registry.cache_sizes["bind_groups"]
+        for _ in range(5):
+            exercise(engine, tokens=12)
+        assert buffer_use() == warm
+        assert engine.model.registry.cache_sizes["bind_groups"] == groups
+    finally:
+        engine.close()
+
+
+def test_a_failed_load_leaves_nothing_behind(tiny_dir, gpu, tmp_path):
+    too_long = Path(shutil.copytree(tiny_dir, tmp_path / "too-long"))
+    config = json.loads((too_long / "config.json").read_text())
+    (too_long / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 100_000_000}))
+    wide_draft = write_tiny_model(tmp_path / "wide", TinySpec(vocab_size=4000, num_hidden_layers=1))
+    baseline = buffer_use()
+    for source, options, error in (
+        (too_long, {}, DeviceLimitError),  # fails after the weights are on the GPU
+        (tiny_dir, {"draft": wide_draft}, VocabularyMismatchError),  # fails before any upload
+    ):
+        with pytest.raises(error):
+            load(source, gpu, **options)
+        assert buffer_use() == baseline, error.__name__
+
+
+def test_a_kv_cache_gives_its_memory_back(tiny_dir, gpu, ledger):
+    engine = load(tiny_dir, gpu)
+    try:
+        model = engine.model
+        before = set(ledger.holding())
+        cache = model.new_cache(64)
+        model.forward(engine.encode_prompt(GOOD_PROMPT), cache)
+        assert len(set(ledger.holding()) - before) >= 2 * model.num_layers
+        model.release_cache(cache)
+        assert set(ledger.holding()) == before
+    finally:
+        engine.close()
+
+
+# --- helpers ------------------------------------------------------------------------------------------------------
+
+
+def fmt(use: BufferUse) -> str:
+    return f"{use.count} / {use.nbytes:,} B"
