@@ -61,16 +61,6 @@ def test_same_seed_gives_the_same_tokens_and_another_seed_differs(models, drafte
     assert runs[0] != runs[2]
 
 
-def test_adaptive_draft_length_grows_after_full_acceptance_and_shrinks_after_rejection(models):
-    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models), k=2, k_max=8)
-    result = engine.generate(PROMPT, 30, GREEDY)
-    assert result.stats.k_history[:3] == [2, 4, 6]
-    engine.policy.k = 6
-    engine.policy.observe(drafted=6, accepted=1)
-    assert engine.policy.k == 5
-    engine.close()
-
-
 def test_stop_token_ends_generation_after_it(models, plain_greedy):
     stop = plain_greedy[10]
     engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models), k=4)

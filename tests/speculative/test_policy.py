@@ -1,0 +1,91 @@
+"""The draft-length policy: HF's acceptance heuristic, the measured-cost cap, and auto-off with backoff."""
+
+from __future__ import annotations
+
+import pytest
+
+from doppler_py.errors import GenerationOptionError
+from doppler_py.speculative.policy import CostModel, DraftLengthPolicy, expected_tokens
+
+# Verify costs shaped like lavapipe's (seconds by rows): T=5 ~2x T=1, T=9 ~4x.
+CPU_COSTS = {1: 0.040, 2: 0.044, 3: 0.052, 5: 0.074, 9: 0.170}
+
+
+def policy_with(costs: dict[int, float] | None = None, **kwargs) -> DraftLengthPolicy:
+    policy = DraftLengthPolicy(**kwargs)
+    for rows, seconds in (costs or {}).items():
+        policy.costs.observe_verify(rows, seconds)
+    return policy
+
+
+def test_expected_tokens_per_step_is_the_truncated_geometric_sum():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_k_grows_by_two_after_full_acceptance_and_shrinks_by_one_after_a_rejection():
+    policy = policy_with(k=2, k_max=8)
+    policy.observe(drafted=2, accepted=2)
+    assert policy.k == 4
+    policy.observe(drafted=4, accepted=4)
+    assert policy.k == 6
+    policy.observe(drafted=6, accepted=1)
+    assert policy.k == 5
+    for _ in range(10):
+        policy.observe(drafted=policy.k, accepted=0)
+    assert policy.k == policy.k_min
+
+
+def test_pinned_k_never_changes():
+    policy = policy_with(k=3, adaptive=False)
+    policy.observe(drafted=3, accepted=3)
+    policy.observe(drafted=3, accepted=0)
+    assert policy.next_k(100) == 3
+
+
+def test_measured_costs_cap_k_at_the_best_predicted_speedup():
+    policy = policy_with(CPU_COSTS, k=8, k_max=8)
+    policy.alpha = 0.9
+    best = policy.best_k()
+    assert best is not None and best < 8  # verifying 9 rows costs 4x one row here
+    assert policy.next_k(100) == best
+    # On a GPU-like device where verifying 9 rows costs barely more than one, the cap disappears.
+    gpu = policy_with({1: 0.010, 5: 0.0105, 9: 0.011}, k=8, k_max=8)
+    gpu.alpha = 0.9
+    assert gpu.next_k(100) == 8
+
+
+def test_speculation_pauses_when_acceptance_predicts_a_slowdown_and_the_pause_backs_off():
+    policy = policy_with(CPU_COSTS, k=2)
+    for _ in range(6):
+        policy.observe(drafted=2, accepted=0)
+        while policy.pause_steps:
+            assert policy.next_k(100) == 0
+    assert policy.next_pause > 4
+    assert not policy.should_speculate()
+
+
+def test_without_cost_awareness_the_step_structure_depends_on_acceptance_only():
+    policy = policy_with(CPU_COSTS, k=4)
+    policy.reset(adaptive=True, cost_aware=False)
+    for _ in range(5):
+        policy.observe(drafted=policy.k, accepted=0)
+    assert policy.pause_steps == 0
+    assert policy.next_k(100) == policy.k_min
+
+
+def test_draft_lengths_outside_the_engine_capacity_are_refused():
+    with pytest.raises(GenerationOptionError, match=r"k must be in 1\.\.16"):
+        DraftLengthPolicy(k=17, k_max=17)
+    policy = DraftLengthPolicy()
+    with pytest.raises(GenerationOptionError, match="draft length"):
+        policy.configure(0)
+
+
+def test_verify_costs_are_interpolated_between_measured_sizes():
+    costs = CostModel()
+    costs.observe_verify(1, 1.0)
+    costs.observe_verify(9, 5.0)
+    assert costs.verify_cost(5) == pytest.approx(3.0)
+    assert costs.verify_cost(1) == 1.0
