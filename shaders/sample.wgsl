@@ -193,6 +193,17 @@ fn owns_goal(lid: u32, goal: f32) -> bool {
   return start <= goal && (goal < end || (start < end && end == bounds[WG]));
 }
 
+// One token of the inverse-CDF walk through the chunk that owns the goal: a kept token (w > 0) adds its weight
+// to `running` and becomes the candidate; true once the running mass passes the goal, where the walk stops.
+fn walk_passes_goal(i: u32, w: f32, goal: f32, running: ptr<function, f32>, token: ptr<function, u32>) -> bool {
+  if (w > 0.0) {
+    *running = *running + w;
+    *token = i;
+    return *running > goal;
+  }
+  return false;
+}
+
 // -- one row of `logits`, starting at `base` ---------------------------------------------------------------
 
 // The row maximum, the lowest index holding it, and whether the row holds NaN or +inf.
@@ -342,13 +353,8 @@ fn pick(lid: u32, base: u32, s: RowState, u: f32) -> u32 {
     var running = bounds[lid];
     var token = chunk.x;
     for (var i = chunk.x; i < chunk.y; i = i + 1u) {
-      let w = kept_weight(logits[base + i], i, s, s.min_key);
-      if (w > 0.0) {
-        running = running + w;
-        token = i;
-        if (running > goal) {
-          break;
-        }
+      if (walk_passes_goal(i, kept_weight(logits[base + i], i, s, s.min_key), goal, &running, &token)) {
+        break;
       }
     }
     atomicStore(&chosen, token);
@@ -411,13 +417,8 @@ fn residual_pick(lid: u32, row: u32, p: RowState, q: RowState, d: u32, u: f32) -
     var running = bounds[lid];
     var token = chunk.x;
     for (var i = chunk.x; i < chunk.y; i = i + 1u) {
-      let w = residual_weight(i, row, p, q, d);
-      if (w > 0.0) {
-        running = running + w;
-        token = i;
-        if (running > goal) {
-          break;
-        }
+      if (walk_passes_goal(i, residual_weight(i, row, p, q, d), goal, &running, &token)) {
+        break;
       }
     }
     atomicStore(&chosen, token);

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -227,7 +226,7 @@ def attention(b: Bench) -> list[Case]:
         (f"prefill {PREFILL_ROWS} tokens", PREFILL_ROWS, 0, ("prefill_small",)),
     ):
         q = b.rng.standard_normal((rows, n_heads * head_dim)).astype(np.float32)
-        expected = reference_attention(q, k, v, rows, start_pos, n_heads, n_kv)
+        expected = dop.attention_reference(q, k, v, rows, start_pos, n_heads, n_kv)
         q_t = b.tensor(q)
         ours_out = Tensor.empty(b.gpu, (rows, n_heads * head_dim))
         op = Attention(b.registry, q_t, k_t, v_t, ours_out, max_seq=DECODE_CONTEXT, max_rows=rows, **HEADS)
@@ -240,20 +239,6 @@ def attention(b: Bench) -> list[Case]:
             Case("attention", name, b.ours("Attention", op, (rows, start_pos), max_error(ours_out, expected)), theirs)
         )
     return cases
-
-
-def reference_attention(q, k, v, rows, start_pos, n_heads, n_kv_heads) -> np.ndarray:
-    head_dim = k.shape[-1]
-    context = start_pos + rows
-    group = n_heads // n_kv_heads
-    qh = q.reshape(rows, n_heads, head_dim).astype(np.float64)
-    kh = np.repeat(k[:context].astype(np.float64), group, axis=1)
-    vh = np.repeat(v[:context].astype(np.float64), group, axis=1)
-    scores = np.einsum("rhd,jhd->hrj", qh, kh) / math.sqrt(head_dim)
-    scores[:, np.arange(context)[None, :] > (start_pos + np.arange(rows))[:, None]] = -np.inf
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("hrj,jhd->rhd", p, vh).reshape(rows, n_heads * head_dim)
 
 
 CASES: dict[str, Callable[[Bench], list[Case]]] = {

@@ -39,6 +39,25 @@ class TinySpec:
         return self.hidden_size // self.num_attention_heads
 
 
+def draft_spec(vocab_size: int, seed: int, *, tie_word_embeddings: bool = True) -> TinySpec:
+    """A weaker model to draft for a tiny target: one layer, hidden 32 (2 query heads over 1 KV head), FFN 64.
+
+    `vocab_size` above or below the target's makes a padded- or narrow-vocabulary pair; `seed` gives each draft
+    its own weights.
+    """
+    return TinySpec(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tie_word_embeddings,
+        weight_std=0.25,
+        seed=seed,
+    )
+
+
 _ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),

@@ -109,19 +109,21 @@ class FusedRope:
             **kw,
         )
 
-    def run(self, qkv: np.ndarray, *, rows: int, start_pos: int, written_rows: int | None = None) -> np.ndarray:
-        """Record the op over `qkv` (all max_rows rows uploaded) and return qkv as the kernel left it. The first
-        `written_rows` rows (default: all `rows`) are the ones expected to reach the cache."""
+    def assert_rotates_q_in_place(self, rng, *, rows: int, start_pos: int, written_rows: int | None = None) -> None:
+        """Record the op over random qkv rows (all max_rows uploaded) and check q: the first `written_rows` rows
+        (default: all `rows`) rotated at their positions, nothing else changed. Those rows are also the ones
+        expected to reach the cache."""
         written_rows = rows if written_rows is None else written_rows
+        qkv = rng.standard_normal((self.max_rows, self.shape.q_size + 2 * self.shape.kv_size)).astype(np.float32)
         self.qkv.write(qkv)
         rec = self.registry.recorder()
         self.op.record(rec, rows=rows, start_pos=start_pos)
         rec.submit()
-        _, k, v = self.shape.split(qkv[:written_rows])
         positions = np.arange(start_pos, start_pos + written_rows)
+        assert_q_rotated_in_place(self.shape, qkv, self.qkv.numpy(), self.table, positions)
+        _, k, v = self.shape.split(qkv[:written_rows])
         self.expected_k[positions] = hf_rotary(k, self.shape.n_kv_heads, self.shape.head_dim, self.table, positions)
         self.expected_v[positions] = v
-        return self.qkv.numpy()
 
     def assert_caches_as_expected(self) -> None:
         k_cache = self.k_cache.numpy().reshape(self.expected_k.shape)
@@ -129,10 +131,6 @@ class FusedRope:
         np.testing.assert_allclose(k_cache, self.expected_k, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(k_cache == K_FILL, self.expected_k == K_FILL)
         np.testing.assert_array_equal(v_cache, self.expected_v)
-
-
-def random_qkv(rng, shape: Shape, rows: int) -> np.ndarray:
-    return rng.standard_normal((rows, shape.q_size + 2 * shape.kv_size)).astype(np.float32)
 
 
 def assert_q_rotated_in_place(shape: Shape, before, after, table, positions) -> None:
@@ -210,18 +208,14 @@ def test_rotates_q_in_place_and_writes_rotated_k_and_copied_v_to_the_cache(
 ):
     shape, table = Shape(n_heads, n_kv_heads, head_dim), rope_table(head_dim, max_seq, 1e4)
     rope = FusedRope(gpu, registry, shape, table, max_seq=max_seq, max_rows=rows + 2)
-    qkv = random_qkv(rng, shape, rows + 2)
-    out = rope.run(qkv, rows=rows, start_pos=start_pos)
-    assert_q_rotated_in_place(shape, qkv, out, table, np.arange(start_pos, start_pos + rows))
+    rope.assert_rotates_q_in_place(rng, rows=rows, start_pos=start_pos)
     rope.assert_caches_as_expected()
 
 
 def test_llama_3_2_positions_around_the_original_context(gpu, registry, rng):
     shape, table = Shape(4, 2, 64), rope_table(64, 8200, 5e5, LLAMA_3_2_SCALING)
     rope = FusedRope(gpu, registry, shape, table, max_seq=8200, max_rows=6)
-    qkv = random_qkv(rng, shape, 6)
-    out = rope.run(qkv, rows=6, start_pos=8189)
-    assert_q_rotated_in_place(shape, qkv, out, table, np.arange(8189, 8195))
+    rope.assert_rotates_q_in_place(rng, rows=6, start_pos=8189)
     rope.assert_caches_as_expected()
 
 
@@ -231,18 +225,14 @@ def test_prefill_then_decode_then_overwrite_after_truncation(gpu, registry, rng)
     rope = FusedRope(gpu, registry, shape, table, max_seq=16, max_rows=5)
     # Prefill 5, decode 1, verify 3 drafts at 6..8, then a rejection truncates to 7 and position 7 is rewritten.
     for start_pos, rows in [(0, 5), (5, 1), (6, 3), (7, 1)]:
-        qkv = random_qkv(rng, shape, 5)
-        out = rope.run(qkv, rows=rows, start_pos=start_pos)
-        assert_q_rotated_in_place(shape, qkv, out, table, np.arange(start_pos, start_pos + rows))
+        rope.assert_rotates_q_in_place(rng, rows=rows, start_pos=start_pos)
     rope.assert_caches_as_expected()
 
 
 def test_rows_past_the_table_write_nothing(gpu, registry, rng):
     shape, table = Shape(2, 1, 8), rope_table(8, 6, 1e4)
     rope = FusedRope(gpu, registry, shape, table, max_seq=10, max_rows=4)
-    qkv = random_qkv(rng, shape, 4)
-    out = rope.run(qkv, rows=4, start_pos=4, written_rows=2)
-    assert_q_rotated_in_place(shape, qkv, out, table, np.arange(4, 6))
+    rope.assert_rotates_q_in_place(rng, rows=4, start_pos=4, written_rows=2)
     rope.assert_caches_as_expected()
 
 
@@ -251,19 +241,15 @@ def test_rows_at_or_past_max_seq_write_nothing(gpu, registry, rng, start_pos):
     # The cache buffers hold 4 spare positions past max_seq (and the table covers them): they keep their sentinel.
     shape, table, max_seq = Shape(4, 2, 8), rope_table(8, 128, 1e4), 16
     rope = FusedRope(gpu, registry, shape, table, max_seq=max_seq, max_rows=4, capacity=max_seq + 4)
-    qkv = random_qkv(rng, shape, 4)
     fits = max(0, min(4, max_seq - start_pos))
-    out = rope.run(qkv, rows=4, start_pos=start_pos, written_rows=fits)
-    assert_q_rotated_in_place(shape, qkv, out, table, np.arange(start_pos, start_pos + fits))
+    rope.assert_rotates_q_in_place(rng, rows=4, start_pos=start_pos, written_rows=fits)
     rope.assert_caches_as_expected()
 
 
 def test_rows_beyond_the_recorded_count_are_left_untouched(gpu, registry, rng):
     shape, table = Shape(3, 1, 16), rope_table(16, 32, 1e4)
     rope = FusedRope(gpu, registry, shape, table, max_seq=32, max_rows=5)
-    qkv = random_qkv(rng, shape, 5)
-    out = rope.run(qkv, rows=2, start_pos=0)
-    assert_q_rotated_in_place(shape, qkv, out, table, np.arange(0, 2))
+    rope.assert_rotates_q_in_place(rng, rows=2, start_pos=0)
     rope.assert_caches_as_expected()
 
 

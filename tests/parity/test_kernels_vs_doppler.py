@@ -487,21 +487,6 @@ def test_gather_copies_rows_exactly_and_zeroes_out_of_range_ids_in_both(gpu, reg
 
 
 # --- attention ----------------------------------------------------------------------------------------------------
-def attention_reference(q, k, v, rows, start_pos, n_heads, n_kv_heads):
-    """Causal GQA softmax attention in float64 over cache positions < start_pos + rows."""
-    head_dim = k.shape[-1]
-    context = start_pos + rows
-    group = n_heads // n_kv_heads
-    qh = q.reshape(rows, n_heads, head_dim).astype(np.float64)
-    kh = np.repeat(k[:context].astype(np.float64), group, axis=1)
-    vh = np.repeat(v[:context].astype(np.float64), group, axis=1)
-    scores = np.einsum("rhd,jhd->hrj", qh, kh) / np.sqrt(head_dim)
-    scores[:, np.arange(context)[None, :] > (start_pos + np.arange(rows))[:, None]] = -np.inf
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("hrj,jhd->rhd", p, vh).reshape(rows, n_heads * head_dim)
-
-
 @pytest.mark.parametrize(
     ("variant", "rows", "start_pos"),
     [("prefill_small", 37, 0), ("prefill_small", 5, 30), ("decode_subgroup", 1, 100), ("decode", 1, 100)],
@@ -514,7 +499,7 @@ def test_attention_both_match_float64(gpu, registry, doppler, rng, variant, rows
     q = rng.standard_normal((rows, n_heads * head_dim)).astype(np.float32)
     k = rng.standard_normal((context, n_kv, head_dim)).astype(np.float32)
     v = rng.standard_normal((context, n_kv, head_dim)).astype(np.float32)
-    expected = attention_reference(q, k, v, rows, start_pos, n_heads, n_kv)
+    expected = dop.attention_reference(q, k, v, rows, start_pos, n_heads, n_kv)
     q_t, k_t, v_t = upload(gpu, q), upload(gpu, k), upload(gpu, v)
 
     ours = Tensor.empty(gpu, (rows, n_heads * head_dim))

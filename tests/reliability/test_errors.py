@@ -49,7 +49,7 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
-from doppler_py.testing.tiny import TinySpec, write_tiny_model
+from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
 
 MODEL_ADVICE = "download or convert the model again"
 SUPPORTED_ADVICE = "convert this one to a supported format"
@@ -413,10 +413,7 @@ CLEAN_PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17]
 POISONED_PROMPT = [3, 17, 5, POISON, 3, 17, 5, 22, 40, 3, 17]
 DRAFT_POISONED_PROMPT = [3, 17, 5, DRAFT_POISON, 3, 17, 5, 22, 40, 3, 17]
 GUARD_TARGET = TinySpec(vocab_size=64, tie_word_embeddings=False, num_hidden_layers=2, weight_std=0.25, seed=31)
-GUARD_DRAFT = TinySpec(
-    vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=1, tie_word_embeddings=False, weight_std=0.25, seed=32,
-)  # fmt: skip
+GUARD_DRAFT = draft_spec(vocab_size=60, seed=32, tie_word_embeddings=False)
 
 
 def poison(folder: Path, token: int) -> Path:

@@ -82,6 +82,13 @@ def is_nan_or_pos_inf(x: np.ndarray) -> np.ndarray:
     return np.isnan(x) | (x == np.inf)
 
 
+def write_poisoned(tensor: Tensor, rows: np.ndarray) -> None:
+    """`rows` at the start of `tensor` and +inf after them, the poison a stray read would pick."""
+    data = np.full(tensor.numel, np.inf, np.float32)
+    data[: rows.size] = rows.reshape(-1)
+    tensor.write(data)
+
+
 # --- the sampler -------------------------------------------------------------------------------------------------
 
 
@@ -97,9 +104,7 @@ class SamplerRig:
 
     def run(self, logits: np.ndarray, us: np.ndarray, **options) -> np.ndarray:
         rows, vocab = logits.shape
-        data = np.full(self.logits.numel, np.inf, np.float32)
-        data[: rows * vocab] = logits.reshape(-1)
-        self.logits.write(data)
+        write_poisoned(self.logits, logits)
         self.randoms.write(np.resize(us.astype(np.float32), MAX_ROWS))
         self.out.write(np.full(self.out.numel, SENTINEL, np.uint32))
         if vocab not in self.ops:
@@ -159,10 +164,8 @@ class VerifyRig:
 
     def run(self, target, draft, drafts, randoms, onehot: bool, **options) -> np.ndarray:
         vocab = target.shape[1]
-        for tensor, rows in ((self.target, target), (self.draft, draft)):
-            data = np.full(tensor.numel, np.inf, np.float32)
-            data[: rows.size] = rows.reshape(-1)
-            tensor.write(data)
+        write_poisoned(self.target, target)
+        write_poisoned(self.draft, draft)
         self.tokens.write(np.resize(np.asarray([0, *drafts], np.uint32), MAX_K + 1))
         self.randoms.write(np.resize(np.asarray(randoms, np.float32), 2 * MAX_K + 1))
         self.result.write(np.full(self.result.numel, SENTINEL, np.uint32))

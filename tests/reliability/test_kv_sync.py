@@ -23,24 +23,10 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.testing.tiny import TinySpec, write_tiny_model
+from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
 
 VOCAB = 64
 TARGET = TinySpec(vocab_size=VOCAB, num_hidden_layers=3, weight_std=0.25, max_position_embeddings=256, seed=41)
-
-
-def draft_spec(vocab: int, seed: int) -> TinySpec:
-    return TinySpec(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        weight_std=0.25,
-        max_position_embeddings=256,
-        seed=seed,
-    )
 
 
 # Drafts with the target's vocabulary, with padding rows beyond it, and stopping short of it.

@@ -6,7 +6,7 @@ import pytest
 
 from doppler_py.model.loader import load_weights
 from doppler_py.model.transformer import Transformer
-from doppler_py.testing.tiny import TinySpec, write_tiny_model
+from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
 
 TARGET = TinySpec(
     vocab_size=48,
@@ -19,26 +19,8 @@ TARGET = TinySpec(
     seed=11,
 )
 # A weaker draft with the same vocabulary (fewer layers, other weights) and one that differs only by padding.
-DRAFT = TinySpec(
-    vocab_size=48,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    weight_std=0.25,
-    seed=12,
-)
-PADDED_DRAFT = TinySpec(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    weight_std=0.25,
-    seed=13,
-)
+DRAFT = draft_spec(vocab_size=48, seed=12)
+PADDED_DRAFT = draft_spec(vocab_size=64, seed=13)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Headless Chromium running a page of ours against a loopback HTTP server that also receives its results.
 
-`PageServer` serves this folder's page files and one JSON job from memory on 127.0.0.1 (a free port) and
-takes the page's answer as a POST to /result. `run_page` starts Debian's Chromium on the page with a new
-temporary profile, waits for the answer, and ends the browser (its whole process group).
+`PageServer` serves the page's files (this folder's, and the Dawn lane's job runner it imports) and one JSON
+job from memory on 127.0.0.1 (a free port) and takes the page's answer as a POST to /result. `run_page`
+starts Debian's Chromium on the page with a new temporary profile, waits for the answer, and ends the browser
+(its whole process group).
 
 Chromium flags (Chromium 156, Debian bookworm, no GPU; probed here):
 * --headless=new --no-sandbox: no display; the sandbox cannot start as root.
@@ -46,7 +47,12 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
     "--disable-quic",
 )
-_PAGE_FILES = {"/layer.html": "text/html", "/layer.js": "text/javascript"}
+# URL path -> (file, content type). run_job.mjs is the Dawn worker's job runner, which the page imports.
+_PAGE_FILES = {
+    "/layer.html": (PAGE_DIR / "layer.html", "text/html"),
+    "/layer.js": (PAGE_DIR / "layer.js", "text/javascript"),
+    "/run_job.mjs": (PAGE_DIR.parent / "dawn" / "run_job.mjs", "text/javascript"),
+}
 
 
 class ChromiumUnavailable(RuntimeError):
@@ -81,7 +87,8 @@ class PageServer:
                 if self.path == "/job.json":
                     self._send(server.job_bytes, "application/json")
                 elif self.path in _PAGE_FILES:
-                    self._send((PAGE_DIR / self.path.lstrip("/")).read_bytes(), _PAGE_FILES[self.path])
+                    path, content_type = _PAGE_FILES[self.path]
+                    self._send(path.read_bytes(), content_type)
                 else:
                     self.send_error(HTTPStatus.NOT_FOUND)
 
