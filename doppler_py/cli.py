@@ -23,7 +23,7 @@ from doppler_py.errors import DopplerError
 
 EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
 SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "none")
-BENCHES = ("speculative", "kernels")
+BENCHES = ("speculative", "kernels", "model")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
