@@ -75,9 +75,7 @@ def run_peer(model, tokenizer, prompt, tokens: int, lookup: bool) -> dict:
     kwargs = {"prompt_lookup_num_tokens": 10} if lookup else {}
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(
-            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0, **kwargs
-        )
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0, **kwargs)
     elapsed = time.perf_counter() - start
     n = out.shape[1] - ids.shape[1]
     return {"tokens": n, "tokens_per_s": n / elapsed}

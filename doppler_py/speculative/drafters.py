@@ -53,11 +53,16 @@ class Drafter(Protocol):
 
 
 class PromptLookupDrafter:
-    """Proposes the continuation of the most recent earlier match of the last n tokens (n = max..min)."""
+    """Proposes the continuation of the most recent earlier match of the last n tokens (n = max..min).
+
+    Single-token matches are not used by default: on SmolLM2 (benchmarks of 128-token answers) their
+    continuations were mostly rejected, and requiring n >= 2 (up to 4) raised acceptance on the repeat,
+    summarise and code prompts (e.g. repeat 0.92 → 0.98, summarise 0.29 → 0.75).
+    """
 
     name = "prompt-lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise GenerationOptionError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram

@@ -91,10 +91,13 @@ def test_layer_skip_depth_is_validated(models):
 
 
 def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
-    lookup = PromptLookupDrafter(max_ngram=3)
+    lookup = PromptLookupDrafter(max_ngram=3, min_ngram=1)
     assert lookup.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
     assert lookup.propose([5, 6, 7], 2) == []
     assert lookup.propose([4, 4], 3) == [4]
+    # By default a single matching token is not enough evidence to propose anything.
+    assert PromptLookupDrafter().propose([4, 5, 6, 9, 6], 3) == []
+    assert PromptLookupDrafter().propose([4, 5, 6, 9, 5, 6], 3) == [9, 5, 6]
 
 
 def test_two_token_joint_distribution_matches_the_target(models):
