@@ -29,7 +29,21 @@ PROMPTS = {
             "gather walnuts along the bank and race paper boats from the bridge to the weir.",
         }
     ],
+    # A realistic code edit: the answer mostly copies a longer block (where prompt lookup is meant to help).
     "code": [
+        {
+            "role": "user",
+            "content": "Add a one-line docstring to the add method of this class. Reply with the complete class "
+            "only.\n\nclass Inventory:\n    def __init__(self):\n        self.items = {}\n\n"
+            "    def add(self, name, count):\n        if name in self.items:\n            self.items[name] += count\n"
+            "        else:\n            self.items[name] = count\n\n    def remove(self, name, count):\n"
+            "        if name not in self.items:\n            raise KeyError(name)\n"
+            "        self.items[name] -= count\n        if self.items[name] <= 0:\n            del self.items[name]\n\n"
+            "    def total(self):\n        return sum(self.items.values())\n",
+        }
+    ],
+    # A short function: SmolLM2 rewrites more than it copies, so lookup finds less to propose.
+    "code-small": [
         {
             "role": "user",
             "content": "Here is a Python function:\n\ndef summarize(values):\n    x = 0\n    for v in values:\n"
