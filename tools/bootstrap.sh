@@ -12,7 +12,7 @@ if [ "$(id -u)" != 0 ]; then sudo_cmd="sudo"; fi
 
 apt_packages=()
 # No Vulkan driver at all → install Mesa's lavapipe, a software Vulkan adapter wgpu can use.
-if ! ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1; then
+if ! compgen -G "/usr/share/vulkan/icd.d/*.json" >/dev/null && ! compgen -G "/etc/vulkan/icd.d/*.json" >/dev/null; then
   apt_packages+=(mesa-vulkan-drivers)
 fi
 if [ "$mode" = test ]; then

@@ -177,6 +177,9 @@ class SpeculativeEngine:
             prefill(target, tokens, session.target_cache)
             if self.drafter:
                 self.drafter.start(session)
+            # Submits return before the GPU is done: wait, so the prefill is not billed to the first step
+            # (which would also skew the measured plain-step cost the policy relies on).
+            target.gpu.wait_idle()
             stats.prefill_s = time.perf_counter() - start
             while produced < max_new_tokens:
                 k = policy.next_k(max_new_tokens - produced) if self.drafter else 0
