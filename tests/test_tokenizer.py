@@ -12,7 +12,6 @@ from tokenizers import decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
 from doppler_py.errors import GenerationOptionError, ModelFormatError, UnsupportedModelError
-from doppler_py.model import catalog
 from doppler_py.model.gguf import read_gguf, tokenizer_files
 from doppler_py.tokenizer import StreamDecoder, Tokenizer
 
@@ -47,14 +46,6 @@ CONVERSATIONS = [
 
 
 # --- SmolLM2's tokenizer, built from its GGUF metadata ---------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf():
-    try:
-        return catalog.known_model_file("smollm2-135m-instruct")
-    except ModelFormatError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

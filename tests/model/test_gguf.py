@@ -485,14 +485,6 @@ def test_list_models_shows_conversions_with_sizes(tmp_path, tiny, model_cache):
 
 
 @pytest.fixture(scope="module")
-def smollm2_gguf():
-    try:
-        return catalog.known_model_file("smollm2-135m-instruct")
-    except ModelFormatError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def smollm2_folders(smollm2_gguf, tmp_path_factory):
     """SmolLM2 converted once per weights mode, through the catalog, into a temporary cache."""
     with pytest.MonkeyPatch.context() as patch:
