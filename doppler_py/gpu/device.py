@@ -86,21 +86,12 @@ class Gpu:
         return str(self.info.get("device") or self.info.get("description") or "unknown adapter")
 
     @property
-    def is_naga(self) -> bool:
-        """wgpu-native compiles WGSL with naga (always true for wgpu-py; Dawn/Tint is the other compiler)."""
-        return True
-
-    @property
     def has_f16(self) -> bool:
         return "shader-f16" in self.features
 
     @property
     def has_subgroups(self) -> bool:
         return "subgroup" in self.features
-
-    @property
-    def has_timestamps(self) -> bool:
-        return "timestamp-query" in self.features
 
     @property
     def uniform_alignment(self) -> int:

@@ -206,7 +206,8 @@ TINY_SPECS: dict[str, TinySpec] = {
         intermediate_size=224,
         seed=2,
     ),
-    "mistral-llama3-rope": TinySpec(
+    "mistral-gqa": TinySpec(arch="mistral", num_attention_heads=4, num_key_value_heads=1, seed=4),
+    "llama-llama3-rope": TinySpec(
         arch="llama",
         num_attention_heads=2,
         num_key_value_heads=1,
