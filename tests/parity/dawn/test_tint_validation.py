@@ -39,9 +39,13 @@ def _product(**axes: list) -> list[Constants]:
 # 64 invocations; its tiled GEMM only the flags.
 _FORMATS = [0, 1, 2, 3, 4]
 _MATMUL_FLAGS = _product(FORMAT=_FORMATS)
-# Linear uses workgroups of 16 on CPU adapters and 64 on GPUs (doppler_py/ops/linear.py WORKGROUP_SIZE).
+# Linear uses workgroups of 16 on CPU adapters and 64 on GPUs (doppler_py/ops/linear.py WORKGROUP_SIZE);
+# its subgroup kernel gets SUBGROUP_MIN 4 on GPUs and the measured size (4 or 8) on CPU adapters.
 _MATMUL_REGISTER = [
     {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g} for f in _MATMUL_FLAGS for r in range(1, 9) for g in (16, 64)
+]
+_MATMUL_SUBGROUPS = [
+    {**v, "SUBGROUP_MIN": m} for v in _MATMUL_REGISTER for m in ((4, 8) if v["WORKGROUP_SIZE"] == 16 else (4,))
 ]
 
 # shader → entry point → override combinations used by the ops (beyond the defaults, always validated).
@@ -49,12 +53,13 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "attention": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
-    "matmul": {"main": _MATMUL_REGISTER, "main_subgroups": _MATMUL_REGISTER, "gemm_tiled": _MATMUL_FLAGS},
+    "matmul": {"main": _MATMUL_REGISTER, "main_subgroups": _MATMUL_SUBGROUPS, "gemm_tiled": _MATMUL_FLAGS},
     "residual": {"main": []},
     "rmsnorm": {"main": []},
     "rope": {"main": []},
     "sample": {"main": [], "spec_draft_filter": [], "spec_rows": [], "spec_finalize": []},
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
+    "subgroup_size": {"main": []},
     "swiglu": {"main": []},
 }
 

@@ -49,6 +49,16 @@ class Tolerance:
 
 DEFAULT_TOLERANCE = Tolerance()
 
+# Override constants that describe the device wgpu ran on rather than the computation: Dawn gets the value
+# valid on every WebGPU device (SUBGROUP_MIN: lavapipe's subgroups have 8 lanes, SwiftShader's 4; see
+# doppler_py/gpu/subgroups.py).
+PORTABLE_CONSTANTS = {"SUBGROUP_MIN": 4}
+
+
+def portable_constants(kernel: Kernel) -> dict[str, float]:
+    return {name: PORTABLE_CONSTANTS.get(name, value) for name, value in kernel.constants}
+
+
 # Looser tolerances, keyed by shader name or "shader.entry", each with the reason it is needed.
 TOLERANCES: dict[str, Tolerance] = {}
 
@@ -203,7 +213,7 @@ class DawnReplay:
             modules.setdefault(kernel.name, self._source(registry, kernel.name))
             pipeline = kernel_label(kernel)
             pipelines.setdefault(
-                pipeline, pipeline_spec(kernel.name, kernel.entry, dict(kernel.constants), kernel.bindings)
+                pipeline, pipeline_spec(kernel.name, kernel.entry, portable_constants(kernel), kernel.bindings)
             )
             bind, uniform = [], None
             for b in kernel.bindings:

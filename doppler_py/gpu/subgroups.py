@@ -1,0 +1,37 @@
+"""The subgroup size kernels may rely on for one device."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.tensor import Tensor
+
+WEBGPU_MIN_SUBGROUP_SIZE = 4
+PROBE_INVOCATIONS = 64  # shaders/subgroup_size.wgsl's workgroup size
+_measured: weakref.WeakKeyDictionary[KernelRegistry, int] = weakref.WeakKeyDictionary()
+
+
+def smallest_subgroup_size(registry: KernelRegistry) -> int:
+    """The smallest subgroup size a compute pipeline on this device can get (0 without subgroups).
+
+    CPU adapters (lavapipe, SwiftShader) run every pipeline at their fixed SIMD width, so one probe dispatch
+    measures it. GPU drivers may choose a size per pipeline, so there the answer is WebGPU's minimum, 4.
+    """
+    gpu = registry.gpu
+    if not gpu.has_subgroups:
+        return 0
+    if str(gpu.info.get("adapter_type", "")).lower() != "cpu":
+        return WEBGPU_MIN_SUBGROUP_SIZE
+    if registry not in _measured:
+        sizes = Tensor.empty(gpu, PROBE_INVOCATIONS, dtype="u32", label="subgroup sizes")
+        # A plain Recorder: the probe asks about this device, so it is not a computation for the Dawn replay
+        # (tests/parity/dawn/trace.py) to compare with another implementation's.
+        rec = Recorder(registry)
+        rec.dispatch(registry.bind(registry.kernel("subgroup_size"), sizes=sizes), 1)
+        rec.submit()
+        _measured[registry] = max(WEBGPU_MIN_SUBGROUP_SIZE, int(np.min(sizes.numpy())))
+        registry.release_tensors(sizes)
+    return _measured[registry]

@@ -1,0 +1,61 @@
+"""The subgroup size kernels may rely on (doppler_py/gpu/subgroups.py) and how Linear uses it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from doppler_py.gpu.kernels import Recorder
+from doppler_py.gpu.subgroups import PROBE_INVOCATIONS, WEBGPU_MIN_SUBGROUP_SIZE, smallest_subgroup_size
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.gpu.weights import Weight
+from doppler_py.ops.linear import Linear
+
+
+def _on_cpu(gpu) -> bool:
+    return str(gpu.info.get("adapter_type", "")).lower() == "cpu"
+
+
+def test_smallest_subgroup_size_is_a_valid_webgpu_subgroup_size(registry):
+    size = smallest_subgroup_size(registry)
+    if not registry.gpu.has_subgroups:
+        assert size == 0
+        return
+    assert size >= WEBGPU_MIN_SUBGROUP_SIZE and size & (size - 1) == 0
+    assert smallest_subgroup_size(registry) == size  # measured once, then remembered
+
+
+def test_cpu_adapters_report_the_size_every_invocation_ran_with(registry):
+    gpu = registry.gpu
+    if not (gpu.has_subgroups and _on_cpu(gpu)):
+        pytest.skip("only CPU adapters are measured; GPUs get WebGPU's minimum")
+    sizes = Tensor.empty(gpu, PROBE_INVOCATIONS, dtype="u32")
+    rec = Recorder(registry)
+    rec.dispatch(registry.bind(registry.kernel("subgroup_size"), sizes=sizes), 1)
+    rec.submit()
+    measured = sizes.numpy()
+    assert np.all(measured == measured[0]), "a CPU adapter runs every invocation at one SIMD width"
+    assert smallest_subgroup_size(registry) == max(WEBGPU_MIN_SUBGROUP_SIZE, int(measured[0]))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_linear_is_correct_with_the_portable_and_the_measured_subgroup_size(registry, rng, rows):
+    """SUBGROUP_MIN = 4 keeps the second x load for 4-lane subgroups; the measured size may drop it."""
+    gpu = registry.gpu
+    if not gpu.has_subgroups:
+        pytest.skip("no subgroups on this device")
+    n, k = 77, 96
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x_host = rng.standard_normal((rows, k)).astype(np.float32)
+    want = x_host.astype(np.float64) @ w.T.astype(np.float64)
+    x, weight = Tensor.from_numpy(gpu, x_host), Weight.from_numpy(gpu, w, "f32")
+    for subgroup_min in sorted({WEBGPU_MIN_SUBGROUP_SIZE, smallest_subgroup_size(registry)}):
+        out = Tensor.empty(gpu, (rows, n))
+        linear = Linear(registry, weight, x, out, max_rows=rows)
+        linear.subgroup_flags = {"SUBGROUP_MIN": subgroup_min}
+        rec = registry.recorder()
+        linear.record(rec, rows)
+        rec.submit()
+        got = out.numpy().reshape(rows, n)
+        bound = k * 2.0**-23 * (np.abs(x_host) @ np.abs(w).T) + 1e-6
+        assert np.all(np.abs(got - want) <= bound), f"SUBGROUP_MIN={subgroup_min}"
