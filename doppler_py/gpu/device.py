@@ -94,6 +94,11 @@ class Gpu:
         return "subgroup" in self.features
 
     @property
+    def on_cpu(self) -> bool:
+        """A software adapter (lavapipe, SwiftShader): invocations run as SIMD lanes on a few CPU cores."""
+        return str(self.info.get("adapter_type", "")).lower() == "cpu"
+
+    @property
     def uniform_alignment(self) -> int:
         return int(self.limits["min-uniform-buffer-offset-alignment"])
 

@@ -14,6 +14,19 @@ PROBE_INVOCATIONS = 64  # shaders/subgroup_size.wgsl's workgroup size
 _measured: weakref.WeakKeyDictionary[KernelRegistry, int] = weakref.WeakKeyDictionary()
 
 
+def probe_subgroup_sizes(registry: KernelRegistry) -> np.ndarray:
+    """The subgroup size each of PROBE_INVOCATIONS invocations ran with (needs subgroups)."""
+    sizes = Tensor.empty(registry.gpu, PROBE_INVOCATIONS, dtype="u32", label="subgroup sizes")
+    # A plain Recorder: the probe asks about this device, so it is not a computation for the Dawn replay
+    # (tests/parity/dawn/trace.py) to compare with another implementation's.
+    rec = Recorder(registry)
+    rec.dispatch(registry.bind(registry.kernel("subgroup_size"), sizes=sizes), 1)
+    rec.submit()
+    measured = sizes.numpy()
+    registry.release_tensors(sizes)
+    return measured
+
+
 def smallest_subgroup_size(registry: KernelRegistry) -> int:
     """The smallest subgroup size a compute pipeline on this device can get (0 without subgroups).
 
@@ -23,15 +36,8 @@ def smallest_subgroup_size(registry: KernelRegistry) -> int:
     gpu = registry.gpu
     if not gpu.has_subgroups:
         return 0
-    if str(gpu.info.get("adapter_type", "")).lower() != "cpu":
+    if not gpu.on_cpu:
         return WEBGPU_MIN_SUBGROUP_SIZE
     if registry not in _measured:
-        sizes = Tensor.empty(gpu, PROBE_INVOCATIONS, dtype="u32", label="subgroup sizes")
-        # A plain Recorder: the probe asks about this device, so it is not a computation for the Dawn replay
-        # (tests/parity/dawn/trace.py) to compare with another implementation's.
-        rec = Recorder(registry)
-        rec.dispatch(registry.bind(registry.kernel("subgroup_size"), sizes=sizes), 1)
-        rec.submit()
-        _measured[registry] = max(WEBGPU_MIN_SUBGROUP_SIZE, int(np.min(sizes.numpy())))
-        registry.release_tensors(sizes)
+        _measured[registry] = max(WEBGPU_MIN_SUBGROUP_SIZE, int(np.min(probe_subgroup_sizes(registry))))
     return _measured[registry]

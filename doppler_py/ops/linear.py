@@ -80,10 +80,9 @@ class Linear:
         if _overlap(x, out) or (bias is not None and _overlap(bias, out)):
             raise ValueError("Linear: out must not share memory with x or bias (WebGPU forbids the aliasing)")
         gpu = registry.gpu
-        on_cpu = str(gpu.info.get("adapter_type", "")).lower() == "cpu"
         if tiled_gemm is None:
-            tiled_gemm = not on_cpu
-        self.group = WORKGROUP_SIZE["cpu" if on_cpu else "gpu"]
+            tiled_gemm = not gpu.on_cpu
+        self.group = WORKGROUP_SIZE["cpu" if gpu.on_cpu else "gpu"]
         self.registry = registry
         self.weight = weight
         self.max_rows = max_rows

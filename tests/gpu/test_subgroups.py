@@ -5,15 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from doppler_py.gpu.kernels import Recorder
-from doppler_py.gpu.subgroups import PROBE_INVOCATIONS, WEBGPU_MIN_SUBGROUP_SIZE, smallest_subgroup_size
+from doppler_py.gpu.subgroups import WEBGPU_MIN_SUBGROUP_SIZE, probe_subgroup_sizes, smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.ops.linear import Linear
-
-
-def _on_cpu(gpu) -> bool:
-    return str(gpu.info.get("adapter_type", "")).lower() == "cpu"
 
 
 def test_smallest_subgroup_size_is_a_valid_webgpu_subgroup_size(registry):
@@ -27,13 +22,9 @@ def test_smallest_subgroup_size_is_a_valid_webgpu_subgroup_size(registry):
 
 def test_cpu_adapters_report_the_size_every_invocation_ran_with(registry):
     gpu = registry.gpu
-    if not (gpu.has_subgroups and _on_cpu(gpu)):
+    if not (gpu.has_subgroups and gpu.on_cpu):
         pytest.skip("only CPU adapters are measured; GPUs get WebGPU's minimum")
-    sizes = Tensor.empty(gpu, PROBE_INVOCATIONS, dtype="u32")
-    rec = Recorder(registry)
-    rec.dispatch(registry.bind(registry.kernel("subgroup_size"), sizes=sizes), 1)
-    rec.submit()
-    measured = sizes.numpy()
+    measured = probe_subgroup_sizes(registry)
     assert np.all(measured == measured[0]), "a CPU adapter runs every invocation at one SIMD width"
     assert smallest_subgroup_size(registry) == max(WEBGPU_MIN_SUBGROUP_SIZE, int(measured[0]))
 
