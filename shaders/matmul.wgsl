@@ -16,7 +16,8 @@
 //   otherwise triple the pipelines to compile (0.2-0.7 s each on lavapipe).
 // Overrides: FORMAT (0 f32, 1 f16, 2 q4_0, 3 q4_1, 4 q8_0), ROWS (1..8), COLS (4 or 8), WORKGROUP_SIZE,
 //   SUBGROUP_MIN (main_subgroups: the smallest subgroup size the pipeline can run with, 4 unless the host
-//   measured more; 8 or more drops the second x load that subgroups of 4 need).
+//   measured more; 8 or more drops the second x load that subgroups of 4 need), SIMD_LANES (how many
+//   invocations a CPU adapter runs as the lanes of one vector loop; 1 on GPUs; see first_col).
 // Weight layouts, per block b of 32 weights along k; blocks are ordered by (group of 8 rows, block column,
 // row in group): b = ((row / 8) * k / 32 + block) * 8 + row % 8, so an invocation's 8 rows are contiguous.
 //   f32   weights[b * 8 + i] = W[row, 32 block + 4 i .. + 3] (bit patterns of the f32 values)
@@ -63,8 +64,10 @@ override ROWS: u32 = 1u;
 override COLS: u32 = 8u;
 override WORKGROUP_SIZE: u32 = 64u;
 override SUBGROUP_MIN: u32 = 4u;
+override SIMD_LANES: u32 = 1u;
 
 const MAX_ROWS: u32 = 8u;
+const MAX_SPREAD: u32 = 16u;
 
 // The current block of x (32 values per row) and its per-row sum (for the q4 formats' offset terms; zero
 // and unused otherwise).
@@ -294,9 +297,29 @@ fn store_tile(t0: u32, col0: u32) {
   if (ROWS > 7u) { store_row(t0, 7u, col0); }
 }
 
+// First weight row of invocation i's COLS rows. On a CPU adapter the SIMD_LANES invocations of one vector
+// loop load their rows lane after lane, and lanes that stream neighbouring row groups (9 KB apart in the
+// f16 LM head) made lavapipe's decode GEMV 1.2-1.4x slower than lanes four or more groups apart. So each
+// chunk of SIMD_LANES * spread invocations is transposed: lane j of the chunk's s-th vector loop takes group
+// j * spread + s. Groups past the last whole chunk keep their own index; with SIMD_LANES = 1 (GPUs) every
+// invocation does.
+fn first_col(i: u32) -> u32 {
+  var group = i;
+  if (SIMD_LANES > 1u) {
+    let groups = (params.n + COLS - 1u) / COLS;
+    let spread = clamp(groups / SIMD_LANES, 1u, MAX_SPREAD);
+    let chunk = SIMD_LANES * spread;
+    if (i < groups / chunk * chunk) {
+      let j = i % chunk;
+      group = i - j + (j % SIMD_LANES) * spread + j / SIMD_LANES;
+    }
+  }
+  return group * COLS;
+}
+
 @compute @workgroup_size(WORKGROUP_SIZE)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-  let col0 = gid.x * COLS;
+  let col0 = first_col(gid.x);
   let t0 = gid.y * ROWS;
   for (var block = 0u; block < params.k / 32u; block++) {
     load_x_block(t0, block);
@@ -310,7 +333,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 fn main_subgroups(@builtin(global_invocation_id) gid: vec3<u32>,
                   @builtin(subgroup_invocation_id) lane: u32,
                   @builtin(subgroup_size) subgroup_size: u32) {
-  let col0 = gid.x * COLS;
+  let col0 = first_col(gid.x);
   let t0 = gid.y * ROWS;
   for (var block = 0u; block < params.k / 32u; block++) {
     load_x_block_subgroup(t0, block, lane, subgroup_size);

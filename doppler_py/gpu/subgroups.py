@@ -1,4 +1,4 @@
-"""The subgroup size kernels may rely on for one device."""
+"""The subgroup size kernels may rely on for one device, and the SIMD width of CPU adapters."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from doppler_py.gpu.kernels import KernelRegistry, Recorder
 from doppler_py.gpu.tensor import Tensor
 
 WEBGPU_MIN_SUBGROUP_SIZE = 4
+# lavapipe's vector width with AVX2 (256-bit registers, 8 f32 lanes): the guess when subgroups cannot measure it.
+CPU_SIMD_LANES = 8
 PROBE_INVOCATIONS = 64  # shaders/subgroup_size.wgsl's workgroup size
 _measured: weakref.WeakKeyDictionary[KernelRegistry, int] = weakref.WeakKeyDictionary()
 
@@ -41,3 +43,14 @@ def smallest_subgroup_size(registry: KernelRegistry) -> int:
     if registry not in _measured:
         _measured[registry] = max(WEBGPU_MIN_SUBGROUP_SIZE, int(np.min(probe_subgroup_sizes(registry))))
     return _measured[registry]
+
+
+def simd_lanes(registry: KernelRegistry) -> int:
+    """How many invocations run together as the lanes of one vector loop on a CPU adapter (1 on GPUs).
+
+    CPU adapters run every pipeline at their fixed SIMD width, which is their subgroup size; without subgroups
+    it cannot be measured and lavapipe's usual width is assumed (only speed depends on it, see matmul.wgsl).
+    """
+    if not registry.gpu.on_cpu:
+        return 1
+    return smallest_subgroup_size(registry) or CPU_SIMD_LANES

@@ -16,7 +16,7 @@ A weight split into parts (larger than one storage binding) is one dispatch per 
 from __future__ import annotations
 
 from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder, workgroups
-from doppler_py.gpu.subgroups import smallest_subgroup_size
+from doppler_py.gpu.subgroups import simd_lanes, smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 
@@ -91,7 +91,10 @@ class Linear:
         self.switches = {"has_bias": int(bias is not None), "accumulate": int(accumulate)}
         self.tensors = {"x": x, "out": out, "bias": bias if bias is not None else Tensor.empty(gpu, 1, label="no bias")}
         self.entry = "main_subgroups" if gpu.has_subgroups else "main"
-        self.subgroup_flags = {"SUBGROUP_MIN": smallest_subgroup_size(registry)} if gpu.has_subgroups else {}
+        # Overrides that describe the device, not the computation (the register kernels only).
+        self.device_flags = {"SIMD_LANES": simd_lanes(registry)}
+        if gpu.has_subgroups:
+            self.device_flags["SUBGROUP_MIN"] = smallest_subgroup_size(registry)
         self._variants: dict[int, list[tuple[Bound, int]]] = {}  # row tile -> [(bound, grid x)] per weight part
 
     def _variant(self, tile: int) -> list[tuple[Bound, int]]:
@@ -107,7 +110,7 @@ class Linear:
                     COLS=COLS,
                     WORKGROUP_SIZE=self.group,
                     **self.flags,
-                    **self.subgroup_flags,
+                    **self.device_flags,
                 )
             bounds = []
             for part in self.weight.parts:

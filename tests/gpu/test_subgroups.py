@@ -43,7 +43,7 @@ def test_linear_is_correct_with_the_portable_and_the_measured_subgroup_size(regi
     for subgroup_min in sorted({WEBGPU_MIN_SUBGROUP_SIZE, smallest_subgroup_size(registry)}):
         out = Tensor.empty(gpu, (rows, n))
         linear = Linear(registry, weight, x, out, max_rows=rows)
-        linear.subgroup_flags = {"SUBGROUP_MIN": subgroup_min}
+        linear.device_flags = {**linear.device_flags, "SUBGROUP_MIN": subgroup_min}
         rec = registry.recorder()
         linear.record(rec, rows)
         rec.submit()

@@ -183,6 +183,25 @@ def test_awkward_shapes(gpu, registry, rng, n, k, rows):
     _check(got, x, raw, "q4_1", (n, k), x.astype(np.float64) @ dequantize_blocks(raw, "q4_1", (n, k)).T)
 
 
+@pytest.mark.parametrize("simd_lanes", [1, 4, 8, 16])
+@pytest.mark.parametrize(("n", "rows"), [(1061, 1), (1061, 3), (203, 1), (40, 2)])
+def test_every_row_is_computed_whatever_simd_width_spreads_the_lanes(gpu, registry, rng, simd_lanes, n, rows):
+    """The register kernels give SIMD lanes row groups spread apart (matmul.wgsl first_col): 1061 rows make 133
+    groups of 8 (whole chunks of lanes x 16 plus leftovers), 203 rows a spread below 16, 40 rows fewer groups
+    than lanes. Every row must be written once with its own dot product (out starts as NaN)."""
+    k = 64
+    raw = quantize_blocks(_random_weight(rng, n, k), "f16")
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    weight = Weight.from_gguf_blocks(gpu, raw, "f16", (n, k))
+    out = Tensor.from_numpy(gpu, np.full((rows, n), np.nan, np.float32))
+    linear = Linear(registry, weight, Tensor.from_numpy(gpu, x), out, max_rows=rows, tiled_gemm=False)
+    linear.device_flags = {**linear.device_flags, "SIMD_LANES": simd_lanes}
+    rec = registry.recorder()
+    linear.record(rec, rows)
+    rec.submit()
+    _check(out.numpy(), x, raw, "f16", (n, k), x.astype(np.float64) @ dequantize_blocks(raw, "f16", (n, k)).T)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_bias_and_accumulate_add_to_the_product(gpu, registry, rng, rows):
     n, k = 77, 64

@@ -39,10 +39,13 @@ def _product(**axes: list) -> list[Constants]:
 # 64 invocations; its tiled GEMM only the flags.
 _FORMATS = [0, 1, 2, 3, 4]
 _MATMUL_FLAGS = _product(FORMAT=_FORMATS)
-# Linear uses workgroups of 16 on CPU adapters and 64 on GPUs (doppler_py/ops/linear.py WORKGROUP_SIZE);
+# Linear uses workgroups of 16 and SIMD_LANES 8 on CPU adapters, 64 and 1 on GPUs (doppler_py/ops/linear.py);
 # its subgroup kernel gets SUBGROUP_MIN 4 on GPUs and the measured size (4 or 8) on CPU adapters.
 _MATMUL_REGISTER = [
-    {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g} for f in _MATMUL_FLAGS for r in range(1, 9) for g in (16, 64)
+    {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g, "SIMD_LANES": 8 if g == 16 else 1}
+    for f in _MATMUL_FLAGS
+    for r in range(1, 9)
+    for g in (16, 64)
 ]
 _MATMUL_SUBGROUPS = [
     {**v, "SUBGROUP_MIN": m} for v in _MATMUL_REGISTER for m in ((4, 8) if v["WORKGROUP_SIZE"] == 16 else (4,))
