@@ -13,6 +13,8 @@ Environment variables:
   DOPPLER_BROWSER_LIMITS  "1" makes `default_gpu()` use browser limits
   DOPPLER_DISABLE_FEATURES  comma-separated optional features not to request (e.g. "subgroup,shader-f16"),
                           to run the fallback paths a device without them takes
+  LP_NATIVE_VECTOR_WIDTH  Mesa's own: the vector width lavapipe compiles kernels for. Left to the user when
+                          set; otherwise 512 on CPUs with AVX-512 (see `_widen_lavapipe_vectors`)
 """
 
 from __future__ import annotations
@@ -59,6 +61,31 @@ def _quiet_vulkan_loader() -> None:
         path = os.path.join(tempfile.gettempdir(), f"doppler-xdg-{os.getuid()}")
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.environ["XDG_RUNTIME_DIR"] = path
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _widen_lavapipe_vectors() -> None:
+    """Let lavapipe use AVX-512's 16 lanes instead of its default of 8 (only where the CPU has AVX-512).
+
+    llvmpipe caps its vectors at 256 bits unless LP_NATIVE_VECTOR_WIDTH says otherwise, and reads the
+    variable once, when the Vulkan driver loads, so it is set before the first adapter query. Measured on
+    AMD EPYC (Zen 5, 2 cores) with tools/bench_kernels.py and tools/bench_model.py: verifying 5 rows over
+    the LM head 1.35x faster, prefill 1.3x faster, decode unchanged; the test suite passes at both widths.
+    The variable only matters to Mesa's CPU driver, so GPUs are unaffected; LP_NATIVE_VECTOR_WIDTH=256 keeps
+    the old width.
+    """
+    if "LP_NATIVE_VECTOR_WIDTH" not in os.environ and "avx512f" in _cpu_flags():
+        os.environ["LP_NATIVE_VECTOR_WIDTH"] = "512"
 
 
 @dataclass
@@ -146,6 +173,7 @@ def _adapter_rank(adapter) -> tuple[int, int]:
 def list_adapters() -> list:
     """All adapters wgpu can see, best first."""
     _quiet_vulkan_loader()
+    _widen_lavapipe_vectors()
     import wgpu
 
     return sorted(wgpu.gpu.enumerate_adapters_sync(), key=_adapter_rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -10,8 +11,6 @@ from doppler_py.gpu.kernels import KernelRegistry, Recorder
 from doppler_py.gpu.tensor import Tensor
 
 WEBGPU_MIN_SUBGROUP_SIZE = 4
-# lavapipe's vector width with AVX2 (256-bit registers, 8 f32 lanes): the guess when subgroups cannot measure it.
-CPU_SIMD_LANES = 8
 PROBE_INVOCATIONS = 64  # shaders/subgroup_size.wgsl's workgroup size
 _measured: weakref.WeakKeyDictionary[KernelRegistry, int] = weakref.WeakKeyDictionary()
 
@@ -48,9 +47,10 @@ def smallest_subgroup_size(registry: KernelRegistry) -> int:
 def simd_lanes(registry: KernelRegistry) -> int:
     """How many invocations run together as the lanes of one vector loop on a CPU adapter (1 on GPUs).
 
-    CPU adapters run every pipeline at their fixed SIMD width, which is their subgroup size; without subgroups
-    it cannot be measured and lavapipe's usual width is assumed (only speed depends on it, see matmul.wgsl).
+    CPU adapters run every pipeline at their fixed SIMD width, which is their subgroup size. Without subgroups
+    it cannot be measured, so it is taken from the vector width lavapipe was given (doppler_py/gpu/device.py;
+    256 bits, 8 lanes, is llvmpipe's default). Only speed depends on it (matmul.wgsl first_col).
     """
     if not registry.gpu.on_cpu:
         return 1
-    return smallest_subgroup_size(registry) or CPU_SIMD_LANES
+    return smallest_subgroup_size(registry) or int(os.environ.get("LP_NATIVE_VECTOR_WIDTH", "256")) // 32

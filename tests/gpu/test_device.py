@@ -51,3 +51,26 @@ def test_no_adapter_error_says_how_to_install_one(monkeypatch):
 def test_buffer_beyond_the_device_limit_is_refused_by_name(gpu):
     with pytest.raises(DeviceLimitError, match="lm_head"):
         gpu.check_buffer_size(gpu.limits["max-buffer-size"] + 4, "lm_head")
+
+
+@pytest.mark.parametrize(
+    ("preset", "flags", "expected"),
+    [(None, {"avx2", "avx512f"}, "512"), (None, {"avx2"}, None), ("256", {"avx512f"}, "256")],
+)
+def test_lavapipe_gets_avx512_vectors_only_where_the_cpu_has_them_and_the_user_chose_nothing(
+    monkeypatch, preset, flags, expected
+):
+    monkeypatch.delenv("LP_NATIVE_VECTOR_WIDTH", raising=False)
+    if preset is not None:
+        monkeypatch.setenv("LP_NATIVE_VECTOR_WIDTH", preset)
+    monkeypatch.setattr(device_mod, "_cpu_flags", lambda: flags)
+    device_mod._widen_lavapipe_vectors()
+    assert device_mod.os.environ.get("LP_NATIVE_VECTOR_WIDTH") == expected
+
+
+def test_lavapipe_runs_at_the_vector_width_chosen_before_it_loaded(gpu):
+    description = f"{gpu.info.get('device', '')} {gpu.info.get('description', '')}"
+    if "llvmpipe" not in description:
+        pytest.skip("only Mesa's CPU driver reads LP_NATIVE_VECTOR_WIDTH")
+    width = device_mod.os.environ.get("LP_NATIVE_VECTOR_WIDTH", "256")
+    assert f"{width} bits" in description

@@ -39,7 +39,7 @@ def _product(**axes: list) -> list[Constants]:
 # 64 invocations; its tiled GEMM only the flags.
 _FORMATS = [0, 1, 2, 3, 4]
 _MATMUL_FLAGS = _product(FORMAT=_FORMATS)
-# Linear uses workgroups of 16 and SIMD_LANES 8 on CPU adapters, 64 and 1 on GPUs (doppler_py/ops/linear.py);
+# Linear uses workgroups of 16 and SIMD_LANES 8 or 16 on CPU adapters, 64 and 1 on GPUs (doppler_py/ops/linear.py);
 # its subgroup kernel gets SUBGROUP_MIN 4 on GPUs and the measured size (4 or 8) on CPU adapters.
 _MATMUL_REGISTER = [
     {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g, "SIMD_LANES": 8 if g == 16 else 1}
