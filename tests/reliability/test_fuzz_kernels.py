@@ -13,6 +13,8 @@ may move a top-p cut or an inverse-CDF pick by rounding, see tests/kernels/test_
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -89,31 +91,45 @@ def write_poisoned(tensor: Tensor, rows: np.ndarray) -> None:
     tensor.write(data)
 
 
-# --- the sampler -------------------------------------------------------------------------------------------------
-
-
-class SamplerRig:
-    """Buffers shared by every example (poison after the rows, sentinels after the ids) and one op per vocab."""
+class Rig(abc.ABC):
+    """Buffers shared by every example and one op per vocab, built on first use (`make_op`)."""
 
     def __init__(self, gpu, registry):
         self.gpu, self.registry = gpu, registry
+        self.ops: dict[int, object] = {}
+
+    @abc.abstractmethod
+    def make_op(self, vocab: int): ...
+
+    def dispatch(self, vocab: int, *args, **options) -> None:
+        if vocab not in self.ops:
+            self.ops[vocab] = self.make_op(vocab)
+        rec = self.registry.recorder()
+        self.ops[vocab].record(rec, *args, **options)
+        rec.submit()
+
+
+# --- the sampler -------------------------------------------------------------------------------------------------
+
+
+class SamplerRig(Rig):
+    """Poison after the logit rows, sentinels after the ids."""
+
+    def __init__(self, gpu, registry):
+        super().__init__(gpu, registry)
         self.logits = Tensor.empty(gpu, MAX_ROWS * max(VOCABS) + POISON_TAIL, "f32", "fuzz logits")
         self.randoms = Tensor.empty(gpu, MAX_ROWS, "f32", "fuzz randoms")
         self.out = Tensor.empty(gpu, MAX_ROWS + 4, "u32", "fuzz ids")
-        self.ops: dict[int, Sampler] = {}
+
+    def make_op(self, vocab: int) -> Sampler:
+        return Sampler(self.registry, self.logits, self.randoms, self.out, vocab=vocab, max_rows=MAX_ROWS)
 
     def run(self, logits: np.ndarray, us: np.ndarray, **options) -> np.ndarray:
         rows, vocab = logits.shape
         write_poisoned(self.logits, logits)
         self.randoms.write(np.resize(us.astype(np.float32), MAX_ROWS))
         self.out.write(np.full(self.out.numel, SENTINEL, np.uint32))
-        if vocab not in self.ops:
-            self.ops[vocab] = Sampler(
-                self.registry, self.logits, self.randoms, self.out, vocab=vocab, max_rows=MAX_ROWS
-            )
-        rec = self.registry.recorder()
-        self.ops[vocab].record(rec, rows, **options)
-        rec.submit()
+        self.dispatch(vocab, rows, **options)
         return self.out.numpy()
 
 
@@ -152,15 +168,19 @@ def test_the_sampler_returns_a_kept_id_for_any_row(sampler_rig, vocab, rows, sty
 # --- the speculative verification ---------------------------------------------------------------------------------
 
 
-class VerifyRig:
+class VerifyRig(Rig):
     def __init__(self, gpu, registry):
-        self.gpu, self.registry = gpu, registry
+        super().__init__(gpu, registry)
         self.target = Tensor.empty(gpu, (MAX_K + 1) * max(VOCABS) + POISON_TAIL, "f32", "fuzz target")
         self.draft = Tensor.empty(gpu, MAX_K * max(VOCABS) + POISON_TAIL, "f32", "fuzz draft")
         self.tokens = Tensor.empty(gpu, MAX_K + 1, "u32", "fuzz tokens")
         self.randoms = Tensor.empty(gpu, 2 * MAX_K + 1, "f32", "fuzz randoms")
         self.result = Tensor.empty(gpu, result_size(MAX_K) + 4, "u32", "fuzz result")
-        self.ops: dict[int, SpecVerify] = {}
+
+    def make_op(self, vocab: int) -> SpecVerify:
+        return SpecVerify(
+            self.registry, self.target, self.draft, self.tokens, self.randoms, self.result, vocab=vocab, max_k=MAX_K
+        )
 
     def run(self, target, draft, drafts, randoms, onehot: bool, **options) -> np.ndarray:
         vocab = target.shape[1]
@@ -169,13 +189,7 @@ class VerifyRig:
         self.tokens.write(np.resize(np.asarray([0, *drafts], np.uint32), MAX_K + 1))
         self.randoms.write(np.resize(np.asarray(randoms, np.float32), 2 * MAX_K + 1))
         self.result.write(np.full(self.result.numel, SENTINEL, np.uint32))
-        if vocab not in self.ops:
-            self.ops[vocab] = SpecVerify(
-                self.registry, self.target, self.draft, self.tokens, self.randoms, self.result, vocab=vocab, max_k=MAX_K
-            )
-        rec = self.registry.recorder()
-        self.ops[vocab].record(rec, len(drafts), onehot=onehot, **options)
-        rec.submit()
+        self.dispatch(vocab, len(drafts), onehot=onehot, **options)
         return self.result.numpy()
 
 
