@@ -11,6 +11,7 @@ from doppler_py.gpu.kernels import KernelRegistry, Recorder
 from doppler_py.gpu.tensor import Tensor
 
 WEBGPU_MIN_SUBGROUP_SIZE = 4
+LLVMPIPE_DEFAULT_BITS = 256
 PROBE_INVOCATIONS = 64  # shaders/subgroup_size.wgsl's workgroup size
 _measured: weakref.WeakKeyDictionary[KernelRegistry, int] = weakref.WeakKeyDictionary()
 
@@ -53,4 +54,8 @@ def simd_lanes(registry: KernelRegistry) -> int:
     """
     if not registry.gpu.on_cpu:
         return 1
-    return smallest_subgroup_size(registry) or int(os.environ.get("LP_NATIVE_VECTOR_WIDTH", "256")) // 32
+    measured = smallest_subgroup_size(registry)
+    if measured:
+        return measured
+    width = os.environ.get("LP_NATIVE_VECTOR_WIDTH", "")
+    return max(1, int(width) // 32) if width.isdigit() else LLVMPIPE_DEFAULT_BITS // 32

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from doppler_py.gpu.subgroups import WEBGPU_MIN_SUBGROUP_SIZE, probe_subgroup_sizes, smallest_subgroup_size
+from doppler_py.gpu import subgroups
+from doppler_py.gpu.subgroups import (
+    WEBGPU_MIN_SUBGROUP_SIZE,
+    probe_subgroup_sizes,
+    simd_lanes,
+    smallest_subgroup_size,
+)
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.ops.linear import Linear
@@ -50,3 +56,19 @@ def test_linear_is_correct_with_the_portable_and_the_measured_subgroup_size(regi
         got = out.numpy().reshape(rows, n)
         bound = k * 2.0**-23 * (np.abs(x_host) @ np.abs(w).T) + 1e-6
         assert np.all(np.abs(got - want) <= bound), f"SUBGROUP_MIN={subgroup_min}"
+
+
+@pytest.mark.parametrize(("width", "lanes"), [("512", 16), ("256", 8), ("", 8), ("wide", 8)])
+def test_without_subgroups_simd_lanes_follow_the_width_lavapipe_was_given(registry, monkeypatch, width, lanes):
+    if not registry.gpu.on_cpu:
+        assert simd_lanes(registry) == 1
+        return
+    monkeypatch.setattr(subgroups, "smallest_subgroup_size", lambda _registry: 0)
+    monkeypatch.setenv("LP_NATIVE_VECTOR_WIDTH", width)
+    assert simd_lanes(registry) == lanes
+
+
+def test_cpu_adapters_spread_lanes_by_their_measured_width(registry):
+    if not (registry.gpu.on_cpu and registry.gpu.has_subgroups):
+        pytest.skip("the width is measured on CPU adapters with subgroups")
+    assert simd_lanes(registry) == smallest_subgroup_size(registry)
