@@ -1,5 +1,8 @@
 // matmul: out[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]) for t < rows, with W in f32, f16, q4_0, q4_1 or q8_0,
 // dequantised in registers. `accumulate` adds the result into out (folds a residual add into the projection).
+// With RMS_NORM the register kernels first normalise x like rmsnorm.wgsl, x[t, k] / rms(x[t]) * norm_weight[k],
+// which saves the norm's own dispatch: the gain scales x as it is loaded and 1 / rms, summed from the same
+// loads, scales each dot product at the end.
 // One invocation owns COLS consecutive weight rows and ROWS consecutive x rows, so every weight it loads is
 // used for all ROWS rows (T=1 decode: ROWS=1; speculative verification: ROWS up to 8, more via grid y).
 //
@@ -10,14 +13,16 @@
 //   3 scales  (read)        packed f16 block scales (block formats; a 4-byte dummy otherwise)
 //   4 bias    (read)        f32 [n_total] (a 4-byte dummy unless has_bias)
 //   5 out     (read_write)  f32 [rows, n_total]
+//   6 norm_weight (read)    f32 [k] RMSNorm gain (register kernels; a 16-byte dummy unless RMS_NORM)
 // Params: rows (valid x rows), k (multiple of 32), n (weight rows in this part), n_offset (output column of
 //   the part's first row), n_total (row length of out and bias), has_bias (0/1: add bias), accumulate (0/1:
-//   out += result). The two flags are uniforms, not overrides: they cost nothing at run time and would
-//   otherwise triple the pipelines to compile (0.2-0.7 s each on lavapipe).
+//   out += result), eps (RMS_NORM's epsilon). The two flags are uniforms, not overrides: they cost nothing at
+//   run time and would otherwise triple the pipelines to compile (0.2-0.7 s each on lavapipe).
 // Overrides: FORMAT (0 f32, 1 f16, 2 q4_0, 3 q4_1, 4 q8_0), ROWS (1..8), COLS (4 or 8), WORKGROUP_SIZE,
 //   SUBGROUP_MIN (main_subgroups: the smallest subgroup size the pipeline can run with, 4 unless the host
 //   measured more; 8 or more drops the second x load that subgroups of 4 need), SIMD_LANES (how many
-//   invocations a CPU adapter runs as the lanes of one vector loop; 1 on GPUs; see first_col).
+//   invocations a CPU adapter runs as the lanes of one vector loop; 1 on GPUs; see first_col), RMS_NORM
+//   (register kernels: normalise x first).
 // Weight layouts, per block b of 32 weights along k; blocks are ordered by (group of 8 rows, block column,
 // row in group): b = ((row / 8) * k / 32 + block) * 8 + row % 8, so an invocation's 8 rows are contiguous.
 //   f32   weights[b * 8 + i] = W[row, 32 block + 4 i .. + 3] (bit patterns of the f32 values)
@@ -32,7 +37,7 @@
 //                   workgroups of WORKGROUP_SIZE.
 //   main            the same without subgroups: every invocation loads x itself. Same dispatch.
 //   gemm_tiled      prefill GEMM through 12 KiB of workgroup memory (see below; uses only the FORMAT
-//                   override). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
+//                   override, no RMS_NORM). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
 
 enable subgroups;
 
@@ -44,6 +49,7 @@ struct Params {
   n_total: u32,
   has_bias: u32,
   accumulate: u32,
+  eps: f32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -52,6 +58,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read> scales: array<u32>;
 @group(0) @binding(4) var<storage, read> bias: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
+@group(0) @binding(6) var<storage, read> norm_weight: array<vec4<f32>>;
 
 const F32: u32 = 0u;
 const F16: u32 = 1u;
@@ -65,6 +72,7 @@ override COLS: u32 = 8u;
 override WORKGROUP_SIZE: u32 = 64u;
 override SUBGROUP_MIN: u32 = 4u;
 override SIMD_LANES: u32 = 1u;
+override RMS_NORM: bool = false;
 
 const MAX_ROWS: u32 = 8u;
 const MAX_SPREAD: u32 = 16u;
@@ -73,6 +81,9 @@ const MAX_SPREAD: u32 = 16u;
 // and unused otherwise).
 var<private> xs: array<array<vec4<f32>, 8>, MAX_ROWS>;
 var<private> xsum: array<f32, MAX_ROWS>;
+// RMS_NORM: the gain's current block and each x row's running sum of squares (of x before the gain).
+var<private> gain: array<vec4<f32>, 8>;
+var<private> squares: array<f32, MAX_ROWS>;
 // acc_lo[t][c], acc_hi[t][c]: the sums for x row t and this invocation's weight rows c and 4 + c.
 var<private> acc_lo: array<vec4<f32>, MAX_ROWS>;
 var<private> acc_hi: array<vec4<f32>, MAX_ROWS>;
@@ -84,6 +95,11 @@ fn x_row_base(t0: u32, t: u32) -> u32 {
 }
 
 fn load_x_block(t0: u32, block: u32) {
+  if (RMS_NORM) {
+    for (var i = 0u; i < 8u; i++) {
+      gain[i] = norm_weight[block * 8u + i];
+    }
+  }
   for (var t = 0u; t < ROWS; t++) {
     let base = x_row_base(t0, t) + block * 8u;
     for (var i = 0u; i < 8u; i++) {
@@ -92,28 +108,70 @@ fn load_x_block(t0: u32, block: u32) {
   }
 }
 
-// Lane l of each subgroup loads vec4 l % 8 of the row's x block and every lane reads all 8 by broadcast,
-// which costs far less than 8 loads per lane. Subgroups of 4 (the smallest WebGPU allows) also load vec4s
-// 4..7 into `hi`; on wider subgroups that load is masked off and `hi` unused. A CPU adapter runs a masked-off
-// load lane by lane all the same, so when the host knows subgroups have at least 8 lanes (SUBGROUP_MIN) the
-// condition is a constant and the load is gone (a 5-row LM-head call: 3% faster on lavapipe).
-fn load_x_block_subgroup(t0: u32, block: u32, lane: u32, subgroup_size: u32) {
+// Lane l of each subgroup loads vec4 l % 8 of a block (8 vec4s from `base`) and every lane reads all 8 by
+// broadcast, which costs far less than 8 loads per lane. Subgroups of 4 (the smallest WebGPU allows) also
+// load vec4s 4..7 into `hi`; on wider subgroups that load is masked off and `hi` unused. A CPU adapter runs a
+// masked-off load lane by lane all the same, so when the host knows subgroups have at least 8 lanes
+// (SUBGROUP_MIN) the condition is a constant and the load is gone (a 5-row LM-head call: 3% faster on
+// lavapipe).
+fn shared_block(from_x: bool, base: u32, lane: u32, subgroup_size: u32) -> array<vec4<f32>, 8> {
   let narrow = SUBGROUP_MIN < 8u && subgroup_size < 8u;
-  for (var t = 0u; t < ROWS; t++) {
-    let base = x_row_base(t0, t) + block * 8u;
-    let lo = x[base + (lane & 7u)];
-    var hi = vec4<f32>(0.0);
+  var lo: vec4<f32>;
+  var hi = vec4<f32>(0.0);
+  if (from_x) {
+    lo = x[base + (lane & 7u)];
     if (narrow) {
       hi = x[base + 4u + (lane & 3u)];
     }
-    xs[t][0] = subgroupBroadcast(lo, 0u);
-    xs[t][1] = subgroupBroadcast(lo, 1u);
-    xs[t][2] = subgroupBroadcast(lo, 2u);
-    xs[t][3] = subgroupBroadcast(lo, 3u);
-    xs[t][4] = select(subgroupBroadcast(lo, 4u), subgroupBroadcast(hi, 0u), narrow);
-    xs[t][5] = select(subgroupBroadcast(lo, 5u), subgroupBroadcast(hi, 1u), narrow);
-    xs[t][6] = select(subgroupBroadcast(lo, 6u), subgroupBroadcast(hi, 2u), narrow);
-    xs[t][7] = select(subgroupBroadcast(lo, 7u), subgroupBroadcast(hi, 3u), narrow);
+  } else {
+    lo = norm_weight[base + (lane & 7u)];
+    if (narrow) {
+      hi = norm_weight[base + 4u + (lane & 3u)];
+    }
+  }
+  return array<vec4<f32>, 8>(
+    subgroupBroadcast(lo, 0u),
+    subgroupBroadcast(lo, 1u),
+    subgroupBroadcast(lo, 2u),
+    subgroupBroadcast(lo, 3u),
+    select(subgroupBroadcast(lo, 4u), subgroupBroadcast(hi, 0u), narrow),
+    select(subgroupBroadcast(lo, 5u), subgroupBroadcast(hi, 1u), narrow),
+    select(subgroupBroadcast(lo, 6u), subgroupBroadcast(hi, 2u), narrow),
+    select(subgroupBroadcast(lo, 7u), subgroupBroadcast(hi, 3u), narrow),
+  );
+}
+
+fn load_x_block_subgroup(t0: u32, block: u32, lane: u32, subgroup_size: u32) {
+  if (RMS_NORM) {
+    gain = shared_block(false, block * 8u, lane, subgroup_size);
+  }
+  for (var t = 0u; t < ROWS; t++) {
+    xs[t] = shared_block(true, x_row_base(t0, t) + block * 8u, lane, subgroup_size);
+  }
+}
+
+// RMS_NORM: adds row t's block of squares to its sum, then applies the gain to the block.
+fn normalize_row(t: u32) {
+  var s = vec4<f32>(0.0);
+  for (var i = 0u; i < 8u; i++) {
+    s = fma(xs[t][i], xs[t][i], s);
+    xs[t][i] *= gain[i];
+  }
+  squares[t] += horizontal(s);
+}
+
+// Rows spelled out with constant indices, like store_tile: as a loop lavapipe indexed xs lane by lane, which
+// made a 5-row call 4.5x slower.
+fn normalize_x_block() {
+  if (RMS_NORM) {
+    normalize_row(0u);
+    if (ROWS > 1u) { normalize_row(1u); }
+    if (ROWS > 2u) { normalize_row(2u); }
+    if (ROWS > 3u) { normalize_row(3u); }
+    if (ROWS > 4u) { normalize_row(4u); }
+    if (ROWS > 5u) { normalize_row(5u); }
+    if (ROWS > 6u) { normalize_row(6u); }
+    if (ROWS > 7u) { normalize_row(7u); }
   }
 }
 
@@ -276,6 +334,11 @@ fn store_one(t: u32, col: u32, value: f32) {
 }
 
 fn store_row(t0: u32, t: u32, col0: u32) {
+  if (RMS_NORM) {
+    let scale = inverseSqrt(squares[t] / f32(params.k) + params.eps);
+    acc_lo[t] *= scale;
+    acc_hi[t] *= scale;
+  }
   for (var c = 0u; c < 4u; c++) {
     store_one(t0 + t, col0 + c, acc_lo[t][c]);
     if (COLS == 8u) {
@@ -323,6 +386,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let t0 = gid.y * ROWS;
   for (var block = 0u; block < params.k / 32u; block++) {
     load_x_block(t0, block);
+    normalize_x_block();
     sum_x_block();
     accumulate_block(col0, block);
   }
@@ -337,6 +401,7 @@ fn main_subgroups(@builtin(global_invocation_id) gid: vec3<u32>,
   let t0 = gid.y * ROWS;
   for (var block = 0u; block < params.k / 32u; block++) {
     load_x_block_subgroup(t0, block, lane, subgroup_size);
+    normalize_x_block();
     sum_x_block();
     accumulate_block(col0, block);
   }

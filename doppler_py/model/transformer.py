@@ -1,10 +1,10 @@
 """The LLaMA-family forward pass on the GPU, recorded into one command encoder per call.
 
     ids ─ embedding ─▶ x ─┬─ for each layer ────────────────────────────────────────────────┐
-                          │ xn = rmsnorm(x)            qkv = xn·Wqkv (+b)                    │
+                          │ qkv = rmsnorm(x)·Wqkv (+b)                                       │
                           │ rope(q); cache[pos] = rope(k), v        a = attention(q, cache)  │
-                          │ x += a·Wo                  xn = rmsnorm(x)                       │
-                          │ gu = xn·[Wg;Wu]            h = silu(g)·u       x += h·Wd         │
+                          │ x += a·Wo                  gu = rmsnorm(x)·[Wg;Wu]               │
+                          │ h = silu(g)·u              x += h·Wd                             │
                           └──────────────────────────────────────────────────────────────────┘
     x ─ rmsnorm ─ LM head ─▶ logits ─ sampler ─▶ token ids   (only ids come back to the host)
 
@@ -12,8 +12,10 @@ Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·
     x, xn [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]   act [T, F]
     logits [L, V] with L = 1 ("last") or T ("all", T ≤ max_logit_rows)
 
-All buffers and bind groups are created once here; a forward only sets uniforms (rows, positions) and
-records dispatches. Ops bound to a KV cache (cache write, attention) are built once per cache.
+The layers' RMSNorms run inside the projections that follow them (Linear's `norm`; xn is only written when a
+long prefill takes the tiled GEMM on a GPU). All buffers and bind groups are created once here; a forward only
+sets uniforms (rows, positions) and records dispatches. Ops bound to a KV cache (cache write, attention) are
+built once per cache.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from doppler_py.model.loader import ModelWeights
 from doppler_py.ops.attention import Attention
 from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.embedding import Embedding
-from doppler_py.ops.linear import Linear
+from doppler_py.ops.linear import InputNorm, Linear
 from doppler_py.ops.norms import RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 from doppler_py.ops.sampling import Sampler
@@ -41,11 +43,9 @@ LOGITS_MODES = ("last", "all", "none")
 
 @dataclass
 class _LayerOps:
-    attn_norm: RMSNorm
-    qkv: Linear
+    qkv: Linear  # normalises x first (input_layernorm)
     o: Linear
-    mlp_norm: RMSNorm
-    gate_up: Linear
+    gate_up: Linear  # normalises x first (post_attention_layernorm)
     down: Linear
 
 
@@ -105,15 +105,24 @@ class Transformer:
         self.swiglu = SwiGLU(registry, self.gate_up, self.act, ffn_dim=ffn, max_rows=max_rows)
         self.layers = [
             _LayerOps(
-                attn_norm=RMSNorm(
-                    registry, self.x, lw.attn_norm, self.xn, dim=h, eps=cfg.rms_norm_eps, max_rows=max_rows
+                qkv=Linear(
+                    registry,
+                    lw.qkv,
+                    self.x,
+                    self.qkv,
+                    max_rows=max_rows,
+                    bias=lw.qkv_bias,
+                    norm=InputNorm(lw.attn_norm, cfg.rms_norm_eps, self.xn),
                 ),
-                qkv=Linear(registry, lw.qkv, self.xn, self.qkv, max_rows=max_rows, bias=lw.qkv_bias),
                 o=Linear(registry, lw.o, self.attn, self.x, max_rows=max_rows, bias=lw.o_bias, accumulate=True),
-                mlp_norm=RMSNorm(
-                    registry, self.x, lw.mlp_norm, self.xn, dim=h, eps=cfg.rms_norm_eps, max_rows=max_rows
+                gate_up=Linear(
+                    registry,
+                    lw.gate_up,
+                    self.x,
+                    self.gate_up,
+                    max_rows=max_rows,
+                    norm=InputNorm(lw.mlp_norm, cfg.rms_norm_eps, self.xn),
                 ),
-                gate_up=Linear(registry, lw.gate_up, self.xn, self.gate_up, max_rows=max_rows),
                 down=Linear(registry, lw.down, self.act, self.x, max_rows=max_rows, accumulate=True),
             )
             for lw in weights.layers
@@ -218,12 +227,10 @@ class Transformer:
         cache_ops = self._ops_for(cache)
         self.embed.record(rec, rows=rows)
         for i, layer in enumerate(self.layers[:num_layers]):
-            layer.attn_norm.record(rec, rows=rows)
             layer.qkv.record(rec, rows=rows)
             cache_ops.rope[i].record(rec, rows=rows, start_pos=start_pos)
             cache_ops.attention[i].record(rec, rows=rows, start_pos=start_pos)
             layer.o.record(rec, rows=rows)
-            layer.mlp_norm.record(rec, rows=rows)
             layer.gate_up.record(rec, rows=rows)
             self.swiglu.record(rec, rows=rows)
             layer.down.record(rec, rows=rows)

@@ -11,14 +11,20 @@ weight format share the pipeline through the registry):
                   workgroup memory is no faster than a buffer and the register kernel measured 2-4x faster,
                   the register kernel in equal tiles of at most 8 rows. `tiled_gemm=` overrides the choice.
 A weight split into parts (larger than one storage binding) is one dispatch per part.
+
+`norm=InputNorm(...)` applies an RMSNorm to x first: inside the register kernels (no dispatch of its own), or
+as a separate rmsnorm dispatch into `InputNorm.scratch` before the tiled GEMM, which cannot fuse it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder, workgroups
 from doppler_py.gpu.subgroups import simd_lanes, smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
+from doppler_py.ops.norms import RMSNorm
 
 SHADER = "matmul"
 COLS = 8  # weight rows per invocation (register kernels)
@@ -53,9 +59,19 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
     return a.buffer is b.buffer and a.offset < b.offset + b.binding_size and b.offset < a.offset + a.binding_size
 
 
+@dataclass(frozen=True)
+class InputNorm:
+    """RMSNorm of Linear's input, x[t] / sqrt(mean(x[t]^2) + eps) * weight (HF LlamaRMSNorm)."""
+
+    weight: Tensor  # f32 [K]
+    eps: float
+    scratch: Tensor  # f32 [>= max_rows, K]: the normalised rows, written only for the tiled GEMM
+
+
 class Linear:
     """out[t, n] (+)= sum_k x[t, k] * W[n, k] (+ bias[n]) for t < rows, with x f32 [>= max_rows, K] and out
-    f32 [>= max_rows, N] (row-major, row strides K and N). `accumulate=True` adds into out (residual fold)."""
+    f32 [>= max_rows, N] (row-major, row strides K and N). `accumulate=True` adds into out (residual fold);
+    `norm` normalises x first (see the module docstring)."""
 
     def __init__(
         self,
@@ -68,6 +84,7 @@ class Linear:
         bias: Tensor | None = None,
         accumulate: bool = False,
         tiled_gemm: bool | None = None,
+        norm: InputNorm | None = None,
     ):
         n, k = weight.shape
         if max_rows < 1:
@@ -79,6 +96,13 @@ class Linear:
             _check_tensor("bias", bias, n, f"N={n} of {label}")
         if _overlap(x, out) or (bias is not None and _overlap(bias, out)):
             raise ValueError("Linear: out must not share memory with x or bias (WebGPU forbids the aliasing)")
+        if norm is not None:
+            _check_tensor("norm weight", norm.weight, k, f"K={k} of {label}")
+            _check_tensor("norm scratch", norm.scratch, max_rows * k, f"max_rows={max_rows} x K={k} of {label}")
+            if _overlap(norm.scratch, out) or _overlap(norm.scratch, x) or _overlap(norm.weight, out):
+                raise ValueError(
+                    "Linear: the norm's scratch must not share memory with x or out, nor its weight with out"
+                )
         gpu = registry.gpu
         if tiled_gemm is None:
             tiled_gemm = not gpu.on_cpu
@@ -90,6 +114,9 @@ class Linear:
         self.flags = {"FORMAT": weight.format_id}
         self.switches = {"has_bias": int(bias is not None), "accumulate": int(accumulate)}
         self.tensors = {"x": x, "out": out, "bias": bias if bias is not None else Tensor.empty(gpu, 1, label="no bias")}
+        self.norm = norm
+        self.norm_weight = norm.weight if norm is not None else Tensor.empty(gpu, 4, label="no norm")
+        self._tiled_norm: RMSNorm | None = None  # the tiled GEMM's separate norm dispatch, made when first needed
         self.entry = "main_subgroups" if gpu.has_subgroups else "main"
         # Overrides that describe the device, not the computation (the register kernels only).
         self.device_flags = {"SIMD_LANES": simd_lanes(registry)}
@@ -100,9 +127,22 @@ class Linear:
     def _variant(self, tile: int) -> list[tuple[Bound, int]]:
         if tile not in self._variants:
             registry, (n, k) = self.registry, self.weight.shape
+            tensors = dict(self.tensors)
             if tile == 0:
                 kernel = registry.kernel(SHADER, "gemm_tiled", **self.flags)
+                if self.norm is not None:
+                    tensors["x"] = self.norm.scratch
+                    self._tiled_norm = RMSNorm(
+                        registry,
+                        self.tensors["x"],
+                        self.norm.weight,
+                        self.norm.scratch,
+                        dim=k,
+                        eps=self.norm.eps,
+                        max_rows=self.max_rows,
+                    )
             else:
+                norm_flags = {"RMS_NORM": True} if self.norm is not None else {}
                 kernel = registry.kernel(
                     SHADER,
                     self.entry,
@@ -111,11 +151,22 @@ class Linear:
                     WORKGROUP_SIZE=self.group,
                     **self.flags,
                     **self.device_flags,
+                    **norm_flags,
                 )
+                tensors["norm_weight"] = self.norm_weight
+            eps = self.norm.eps if self.norm is not None else 0.0
             bounds = []
             for part in self.weight.parts:
-                params = {"rows": 1, "k": k, "n": part.rows, "n_offset": part.row_start, "n_total": n, **self.switches}
-                bound = registry.bind(kernel, params, weights=part.weights, scales=part.scales, **self.tensors)
+                params = {
+                    "rows": 1,
+                    "k": k,
+                    "n": part.rows,
+                    "n_offset": part.row_start,
+                    "n_total": n,
+                    "eps": eps,
+                    **self.switches,
+                }
+                bound = registry.bind(kernel, params, weights=part.weights, scales=part.scales, **tensors)
                 grid_x = (
                     workgroups(part.rows, GEMM_TILE_COLS) if tile == 0 else workgroups(part.rows, COLS * self.group)
                 )
@@ -130,6 +181,9 @@ class Linear:
             )
         tile = row_tile(rows, self.tiled_gemm)
         grid_y = workgroups(rows, tile or GEMM_TILE_ROWS)
-        for bound, grid_x in self._variant(tile):
+        variant = self._variant(tile)
+        if tile == 0 and self._tiled_norm is not None:
+            self._tiled_norm.record(rec, rows)
+        for bound, grid_x in variant:
             bound.params.set(rows=rows)
             rec.dispatch(bound, grid_x, grid_y)

@@ -20,7 +20,7 @@ from doppler_py.gpu.weights import (
     dequantize_blocks,
     quantize_blocks,
 )
-from doppler_py.ops.linear import Linear
+from doppler_py.ops.linear import InputNorm, Linear
 
 U = 2.0**-24
 ROW_COUNTS = (1, 2, 3, 5, 8, 13, 16, 17, 40)
@@ -200,6 +200,45 @@ def test_every_row_is_computed_whatever_simd_width_spreads_the_lanes(gpu, regist
     linear.record(rec, rows)
     rec.submit()
     _check(out.numpy(), x, raw, "f16", (n, k), x.astype(np.float64) @ dequantize_blocks(raw, "f16", (n, k)).T)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("tiled_gemm", [False, True])
+def test_input_norm_matches_rmsnorm_then_matmul(gpu, registry, rng, fmt, rows, tiled_gemm):
+    """RMS_NORM in the register kernels (and the separate norm before the tiled GEMM) equals HF's RMSNorm
+    followed by the projection, with bias and a residual to accumulate into; K = 608 is 19 blocks."""
+    n, k, eps = 203, 608, 1e-5
+    raw = quantize_blocks(_random_weight(rng, n, k), fmt)
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.01, 30.0, (rows, 1))).astype(np.float32)
+    gain = rng.uniform(-2.0, 2.0, k).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    residual = rng.standard_normal((rows, n)).astype(np.float32)
+    scratch = Tensor.empty(gpu, (rows, k))
+    norm = InputNorm(Tensor.from_numpy(gpu, gain), eps, scratch)
+    got = _run_linear(
+        gpu,
+        registry,
+        raw,
+        fmt,
+        (n, k),
+        x,
+        rows=rows,
+        bias=bias,
+        out_init=residual,
+        accumulate=True,
+        tiled_gemm=tiled_gemm,
+        norm=norm,
+    )
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps) * gain
+    w = dequantize_blocks(raw, fmt, (n, k)).astype(np.float64)
+    product = xn @ w.T
+    # The dot product's bound, the rms's own rounding (k squares summed) and three more f32 roundings.
+    bound = k * U * (np.abs(xn) @ _terms(raw, fmt, (n, k)).T) + (k + 8) * U * np.abs(product)
+    bound += 2 * U * (np.abs(bias) + np.abs(residual))
+    err = np.abs(got - (product + bias + residual))
+    assert (err <= bound).all(), f"worst error {err.max():.3g}"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])

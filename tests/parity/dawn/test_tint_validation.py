@@ -41,11 +41,13 @@ _FORMATS = [0, 1, 2, 3, 4]
 _MATMUL_FLAGS = _product(FORMAT=_FORMATS)
 # Linear uses workgroups of 16 and SIMD_LANES 8 or 16 on CPU adapters, 64 and 1 on GPUs (doppler_py/ops/linear.py);
 # its subgroup kernel gets SUBGROUP_MIN 4 on GPUs and the measured size (4 or 8) on CPU adapters.
+# The projections after a norm (qkv, gate_up) fuse it: RMS_NORM.
 _MATMUL_REGISTER = [
-    {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g, "SIMD_LANES": 8 if g == 16 else 1}
+    {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g, "SIMD_LANES": 8 if g == 16 else 1, "RMS_NORM": norm}
     for f in _MATMUL_FLAGS
     for r in range(1, 9)
     for g in (16, 64)
+    for norm in (0, 1)
 ]
 _MATMUL_SUBGROUPS = [
     {**v, "SUBGROUP_MIN": m} for v in _MATMUL_REGISTER for m in ((4, 8) if v["WORKGROUP_SIZE"] == 16 else (4,))
