@@ -113,7 +113,7 @@ fn load_x_block(t0: u32, block: u32) {
 // load vec4s 4..7 into `hi`; on wider subgroups that load is masked off and `hi` unused. A CPU adapter runs a
 // masked-off load lane by lane all the same, so when the host knows subgroups have at least 8 lanes
 // (SUBGROUP_MIN) the condition is a constant and the load is gone (a 5-row LM-head call: 3% faster on
-// lavapipe).
+// lavapipe). `from_x` picks x or the norm gain: a portable function cannot take a storage buffer pointer.
 fn shared_block(from_x: bool, base: u32, lane: u32, subgroup_size: u32) -> array<vec4<f32>, 8> {
   let narrow = SUBGROUP_MIN < 8u && subgroup_size < 8u;
   var lo: vec4<f32>;

@@ -116,7 +116,12 @@ class Linear:
         self.tensors = {"x": x, "out": out, "bias": bias if bias is not None else Tensor.empty(gpu, 1, label="no bias")}
         self.norm = norm
         self.norm_weight = norm.weight if norm is not None else Tensor.empty(gpu, 4, label="no norm")
-        self._tiled_norm: RMSNorm | None = None  # the tiled GEMM's separate norm dispatch, made when first needed
+        # The tiled GEMM cannot fuse the norm: it reads the rows this dispatch writes into the scratch.
+        self._tiled_norm = (
+            RMSNorm(registry, x, norm.weight, norm.scratch, dim=k, eps=norm.eps, max_rows=max_rows)
+            if norm is not None and tiled_gemm
+            else None
+        )
         self.entry = "main_subgroups" if gpu.has_subgroups else "main"
         # Overrides that describe the device, not the computation (the register kernels only).
         self.device_flags = {"SIMD_LANES": simd_lanes(registry)}
@@ -132,15 +137,6 @@ class Linear:
                 kernel = registry.kernel(SHADER, "gemm_tiled", **self.flags)
                 if self.norm is not None:
                     tensors["x"] = self.norm.scratch
-                    self._tiled_norm = RMSNorm(
-                        registry,
-                        self.tensors["x"],
-                        self.norm.weight,
-                        self.norm.scratch,
-                        dim=k,
-                        eps=self.norm.eps,
-                        max_rows=self.max_rows,
-                    )
             else:
                 norm_flags = {"RMS_NORM": True} if self.norm is not None else {}
                 kernel = registry.kernel(
@@ -181,9 +177,8 @@ class Linear:
             )
         tile = row_tile(rows, self.tiled_gemm)
         grid_y = workgroups(rows, tile or GEMM_TILE_ROWS)
-        variant = self._variant(tile)
         if tile == 0 and self._tiled_norm is not None:
             self._tiled_norm.record(rec, rows)
-        for bound, grid_x in variant:
+        for bound, grid_x in self._variant(tile):
             bound.params.set(rows=rows)
             rec.dispatch(bound, grid_x, grid_y)
