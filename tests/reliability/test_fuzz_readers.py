@@ -23,7 +23,7 @@ from reliability.support import ExampleTally, fuzz_settings, tiny_gguf_metadata,
 
 from doppler_py.errors import DopplerError, ModelFormatError
 from doppler_py.model.config import ModelConfig
-from doppler_py.model.gguf import convert_gguf, read_gguf
+from doppler_py.model.gguf import convert_gguf, hf_tensor_name, read_gguf, unpermute_rope_rows
 from doppler_py.model.loader import load_weights
 from doppler_py.model.safetensors_file import index_folder, load_array
 from doppler_py.tokenizer import Tokenizer
@@ -84,9 +84,52 @@ def convert_and_open(path: Path, out: Path) -> None:
 
 
 def test_a_valid_tiny_gguf_converts(workdir, gguf_file):
+    """The fuzz tests' baseline: the unedited file converts, and into the model its metadata and tensors describe.
+
+    Each check reads back through the loader's own path (config, tokenizer, index_folder/load_array), so a
+    conversion that silently wrote nothing or the wrong thing fails here, not just one that raises.
+    """
     path = fresh(workdir, ".gguf")
     path.write_bytes(gguf_file.data)
-    convert_and_open(path, fresh(workdir, ".out"))
+    out = fresh(workdir, ".out")
+    convert_gguf(path, out, "f32", progress=False)
+    meta = tiny_gguf_metadata("llama")
+
+    config = ModelConfig.from_file(out / "config.json")
+    assert config.architecture == "LlamaForCausalLM"
+    assert config.num_hidden_layers == meta["llama.block_count"]
+    assert config.hidden_size == meta["llama.embedding_length"]
+    assert config.intermediate_size == meta["llama.feed_forward_length"]
+    assert config.num_attention_heads == meta["llama.attention.head_count"]
+    assert config.num_key_value_heads == meta["llama.attention.head_count_kv"]
+    assert config.head_dim == config.hidden_size // config.num_attention_heads  # no key_length in the file
+    assert config.rms_norm_eps == pytest.approx(meta["llama.attention.layer_norm_rms_epsilon"])
+    assert config.rope_theta == meta["llama.rope.freq_base"]
+    assert config.max_position_embeddings == meta["llama.context_length"]
+    assert config.vocab_size == meta["llama.vocab_size"]
+    assert config.tie_word_embeddings  # the file has no output.weight
+
+    source = read_gguf(path)
+    tensors = {name: load_array(info) for name, info in index_folder(out).items()}
+    assert set(tensors) == {hf_tensor_name(name) for name in source.tensors}
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for gguf_name, stored in source.tensors.items():
+        name = hf_tensor_name(gguf_name)
+        values = stored.raw.view(np.float32).reshape(stored.shape)
+        # The file's Q/K rows are in llama.cpp's rotary order; the HF folder holds them un-permuted.
+        rope_heads = heads.get(name.split(".")[-2], 0)
+        want = unpermute_rope_rows(values, rope_heads) if rope_heads else values
+        assert tensors[name].dtype == np.float32, name
+        np.testing.assert_array_equal(tensors[name], want, err_msg=name)
+
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    tokenizer = Tokenizer.from_dir(out)
+    assert tokenizer.vocab_size == len(meta["tokenizer.ggml.tokens"])
+    assert tokenizer.bos_token_id == meta["tokenizer.ggml.bos_token_id"]
+    assert tokenizer.eos_token_ids == (meta["tokenizer.ggml.eos_token_id"],)
+    ids = tokenizer.encode("<|im_start|>the tea<|im_end|>", add_special_tokens=False)
+    assert [meta["tokenizer.ggml.tokens"][i] for i in ids] == ["<|im_start|>", "t", "he", "Ġt", "e", "a", "<|im_end|>"]
+    assert tokenizer.decode(ids) == "<|im_start|>the tea<|im_end|>"
 
 
 @FUZZ
