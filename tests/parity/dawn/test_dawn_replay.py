@@ -1,8 +1,9 @@
 """The Dawn lane itself: the worker runs WGSL under Dawn with browser rules, and the replay recorder catches
 any difference between Dawn (SwiftShader) and wgpu-py.
 
-Dawn facts checked here are the ones DESIGN.md §3 lists as differences from naga, so a change of dawn.node
-that loses them (e.g. no longer enforcing default limits) shows up as a failure, not as silent coverage loss.
+Dawn facts checked here are the naga/Tint differences that shaders/README.md ("Portability rules") lists, so
+a change of dawn.node that loses them (e.g. no longer enforcing default limits) shows up as a failure, not as
+silent coverage loss.
 """
 
 from __future__ import annotations
