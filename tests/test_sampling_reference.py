@@ -1,4 +1,5 @@
-"""The numpy reference sampler (`doppler_py.sampling`) against brute-force restatements of its contract."""
+"""The numpy reference sampler (`doppler_py.testing.sampling_reference`) against brute-force restatements
+of its contract."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.sampling import SamplingParams, filtered_probs, sample_reference
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import filtered_probs, sample_reference
 
 INF = np.inf
 

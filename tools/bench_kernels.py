@@ -57,8 +57,9 @@ from doppler_py.ops.rope import RoPE, rope_table
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.softmax import Softmax
 from doppler_py.ops.speculative import SpecVerify, result_size
-from doppler_py.sampling import SamplingParams, filtered_weights, sample_reference
-from doppler_py.speculative.reference import verify_reference
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import filtered_weights, sample_reference
+from doppler_py.testing.verify_reference import verify_reference
 
 HIDDEN, MLP, VOCAB = 576, 1536, 49152  # SmolLM2-135M
 N_HEADS, N_KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -232,7 +233,7 @@ def first_above(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def sample_rows(logits: np.ndarray, u: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The sampler's contract per row (doppler_py/sampling.py) for tie-free rows."""
+    """The sampler's contract per row (doppler_py/testing/sampling_reference.py) for tie-free rows."""
     if temperature == 0:
         return np.argmax(logits, axis=1)
     scaled = logits / np.float32(temperature)

@@ -39,7 +39,8 @@ from doppler_py.ops.linear import Linear
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.softmax import Softmax
 from doppler_py.parity.npm import fetch_package
-from doppler_py.sampling import SamplingParams, sample_reference
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import sample_reference
 
 # The runner of the JS original's shaders is test-lane code (tests/parity), shared with this tool.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

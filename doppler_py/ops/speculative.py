@@ -8,7 +8,7 @@ the host learns everything from one readback:
     result[2] = status (STATUS_* bits; 0 = healthy)   result[3 + i] = d_i for i < k (a copy of the drafts)
 
 The contract (exact speculative sampling, filtered as the sampler filters) is the docstring of
-`doppler_py.speculative.reference`, whose `verify_reference` is the numpy reference.
+`doppler_py.testing.verify_reference`, whose `verify_reference` is the numpy reference.
 """
 
 from __future__ import annotations

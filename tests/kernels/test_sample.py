@@ -1,4 +1,4 @@
-"""GPU sampler (`shaders/sample.wgsl`) against the numpy reference in `doppler_py.sampling`.
+"""GPU sampler (`shaders/sample.wgsl`) against the numpy reference in `doppler_py.testing.sampling_reference`.
 
 Greedy picks and top-k sets are decided on integer keys of the logits, so they must match exactly. Top-p's
 cut and the inverse-CDF pick compare float sums with a target: the GPU sums f32 weights in order (<= 192
@@ -16,8 +16,8 @@ import pytest
 from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.sampling import Sampler
-from doppler_py.sampling import (
-    SamplingParams,
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import (
     clean_logits,
     filtered_probs,
     mass_by_value,

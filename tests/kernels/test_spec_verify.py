@@ -1,5 +1,5 @@
 """GPU verification of a speculative step (`SpecVerify`, `shaders/sample.wgsl` spec_*) against the numpy reference
-in `doppler_py.speculative.reference`, and statistically against the target distribution itself.
+in `doppler_py.testing.verify_reference`, and statistically against the target distribution itself.
 
 Tolerance. Greedy decisions and top-k sets are decided on integer keys of the logits, so they must match
 exactly. The rest compares float quantities with a threshold, computed in float32 on the GPU (with WGSL's
@@ -30,8 +30,16 @@ from doppler_py.ops.speculative import (
     SpecVerify,
     result_size,
 )
-from doppler_py.sampling import SamplingParams, clean_logits, filtered_probs, mass_by_value, scaled_weights, top_k_mask
-from doppler_py.speculative.reference import accepts, inverse_cdf, residual, verify_reference
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import (
+    clean_logits,
+    filtered_probs,
+    inverse_cdf,
+    mass_by_value,
+    scaled_weights,
+    top_k_mask,
+)
+from doppler_py.testing.verify_reference import accepts, residual, verify_reference
 
 INF = np.inf
 MARGIN = 1e-5  # see the module docstring

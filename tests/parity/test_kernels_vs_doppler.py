@@ -11,8 +11,8 @@ inputs as our ops. Each kernel is held to its own correct reference where the tw
   maximum per 256-token block (per workgroup), phase 2 takes the top k of those, so two of the true top k in
   one block cost a candidate; it is exact only when one workgroup covers the vocabulary (<= 256 tokens).
   It then samples the candidates in descending-logit order with `cdf >= u`; ours samples the exact top k in
-  token order with `cdf > u * total` (doppler_py.sampling), so the two pick different tokens for the same u
-  by design; each is checked against its own definition.
+  token order with `cdf > u * total` (doppler_py.testing.sampling_reference), so the two pick different
+  tokens for the same u by design; each is checked against its own definition.
 * RoPE: its kernel rotates one [rows, heads, head_dim] tensor in place; ours rotates q inside the fused QKV row
   and writes k to the cache. Both get the same f32 cos/sin table, so both compute the same rotation.
 * SiLU: its `silu` is separate (and, gated, SwiGLU's silu(gate) * up); ours is the fused SwiGLU over the
@@ -45,7 +45,8 @@ from doppler_py.ops.norms import RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.softmax import Softmax
-from doppler_py.sampling import SamplingParams, sample_reference
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import sample_reference
 
 pytestmark = pytest.mark.parity
 

@@ -30,8 +30,9 @@ from doppler_py.ops.speculative import (
     SpecVerify,
     result_size,
 )
-from doppler_py.sampling import SamplingParams, filtered_weights
-from doppler_py.speculative.reference import verify_reference
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import filtered_weights
+from doppler_py.testing.verify_reference import verify_reference
 
 FUZZ = fuzz_settings(400)
 VOCABS = [1, 2, 3, 17, 255, 256, 257, 700]

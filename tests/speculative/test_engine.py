@@ -7,10 +7,11 @@ import pytest
 
 from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
 from doppler_py.model.generate import generate
-from doppler_py.sampling import SamplingParams, filtered_probs
+from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
+from doppler_py.testing.sampling_reference import filtered_probs
 
 GREEDY = SamplingParams(temperature=0.0)
 # A prompt with repeats, so prompt lookup finds matches and some drafts are accepted.

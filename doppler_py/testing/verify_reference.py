@@ -3,7 +3,7 @@
 Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023) over k draft tokens d_0..d_{k-1}:
 p_i is the target's filtered distribution after the prefix that ends before d_i (row i of the target's
 k+1 rows) and q_i the draft's filtered distribution that d_i was drawn from, both filtered exactly as the
-sampler does (`doppler_py.sampling.filtered_probs`: temperature, exact top-k, top-p) with the SAME options.
+sampler does (`sampling_reference.filtered_probs`: temperature, exact top-k, top-p) with the SAME options.
 
 * temperature > 0: d_i is accepted iff u_i * q_i(d_i) < p_i(d_i) (u_i < p/q without dividing; q_i(d_i) = 0
   accepts whatever p_i gives d_i some mass). n is the number of leading accepted drafts. If n < k the final
@@ -26,16 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from doppler_py.sampling import SamplingParams, filtered_probs
-
-
-def inverse_cdf(weights: np.ndarray, u: float) -> int:
-    """The first index whose running sum of `weights` exceeds u * total; the last positive one if none does."""
-    cdf = np.cumsum(weights)
-    index = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    if index < weights.size:
-        return index
-    return int(np.flatnonzero(weights > 0)[-1])
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import filtered_probs, inverse_cdf
 
 
 def accepts(p: np.ndarray, q: np.ndarray | None, token: int, u: float) -> bool:
