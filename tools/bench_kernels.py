@@ -49,15 +49,15 @@ from doppler_py.gpu.kernels import KernelRegistry, Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight, dequantize_blocks, quantize_blocks
 from doppler_py.ops.attention import Attention
-from doppler_py.ops.elementwise import Residual, SwiGLU
+from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import Linear
 from doppler_py.ops.norms import RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 from doppler_py.ops.sampling import Sampler
-from doppler_py.ops.softmax import Softmax
 from doppler_py.ops.speculative import SpecVerify, result_size
 from doppler_py.sampling import SamplingParams
+from doppler_py.testing.ops import Residual, Softmax
 from doppler_py.testing.sampling_reference import filtered_weights, sample_reference
 from doppler_py.testing.verify_reference import verify_reference
 

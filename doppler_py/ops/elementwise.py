@@ -1,4 +1,8 @@
-"""Element-wise ops of a transformer block (residual add, SwiGLU) and the shape checks all ops share."""
+"""The element-wise op of a transformer block (SwiGLU) and the shape checks all ops share.
+
+The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op the tests
+use is `doppler_py.testing.ops.Residual`.
+"""
 
 from __future__ import annotations
 
@@ -17,23 +21,6 @@ def require_f32(tensor: Tensor, min_elements: int, what: str) -> None:
 def require_rows(rows: int, max_rows: int, what: str) -> None:
     if not 1 <= rows <= max_rows:
         raise ValueError(f"{what}: rows must be in 1..{max_rows} (the op's max_rows), got {rows}")
-
-
-class Residual:
-    """acc[t, :] += delta[t, :] for the first `rows` rows of [max_rows, dim] tensors, in place."""
-
-    def __init__(self, registry: KernelRegistry, delta: Tensor, acc: Tensor, *, dim: int, max_rows: int):
-        require_f32(delta, max_rows * dim, "Residual delta")
-        require_f32(acc, max_rows * dim, "Residual acc")
-        self.dim = dim
-        self.max_rows = max_rows
-        self.bound = registry.bind(registry.kernel("residual"), params={"n": 0}, delta=delta, acc=acc)
-
-    def record(self, rec: Recorder, rows: int) -> None:
-        require_rows(rows, self.max_rows, "Residual")
-        n = rows * self.dim
-        self.bound.params.set(n=n)
-        rec.dispatch(self.bound, workgroups(n, 256))
 
 
 class SwiGLU:

@@ -12,7 +12,7 @@ import pytest
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.ops.softmax import Softmax
+from doppler_py.testing.ops import Softmax
 
 
 def reference(logits: np.ndarray, temperature: float, log: bool) -> np.ndarray:
