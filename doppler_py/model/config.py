@@ -16,6 +16,9 @@ from types import EllipsisType
 from typing import Any
 
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
+from doppler_py.gpu.weights import BLOCK
+from doppler_py.ops.attention import MAX_HEAD_DIM
+from doppler_py.ops.sampling import MAX_VOCAB
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 _DEFAULT_RMS_NORM_EPS = 1e-6
 _DEFAULT_ROPE_THETA = 10000.0
 _FLOAT_MAX = sys.float_info.max
+# attention.wgsl splits a head into 16-lane pieces (doppler_py/ops/attention.py refuses other head dims).
+HEAD_DIM_MULTIPLE = 16
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class ModelConfig:
             head_dim = ints["hidden_size"] // heads
         if head_dim % 2:
             raise ModelFormatError(f"{source}: field 'head_dim' = {head_dim} must be even for rotary embeddings")
+        _check_engine_limits(ints, heads, head_dim, explicit_head_dim=data.get("head_dim") is not None, source=source)
 
         max_positions = fields.positive_int("max_position_embeddings", default=arch.max_position_embeddings)
         _reject_sliding_window(data, max_positions, source)
@@ -161,6 +167,46 @@ def _architecture(data: dict[str, Any], source: str) -> str:
             return name
     known = ", ".join(a.model_type for a in ARCHITECTURES.values())
     raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported (supported: {known})")
+
+
+def _check_engine_limits(
+    ints: dict[str, int], heads: int, head_dim: int, *, explicit_head_dim: bool, source: str
+) -> None:
+    """Refuse, at load time, shapes the kernels cannot run.
+
+    The ops refuse them too, but only when built (attention at the first forward) and with a bare ValueError,
+    or as a ModelFormatError blaming the files; a valid config of an unsupported shape is UnsupportedModelError.
+    """
+    if head_dim % HEAD_DIM_MULTIPLE or not HEAD_DIM_MULTIPLE <= head_dim <= MAX_HEAD_DIM:
+        what = (
+            f"field 'head_dim' = {head_dim}"
+            if explicit_head_dim
+            else f"head_dim = hidden_size / num_attention_heads = {ints['hidden_size']} / {heads} = {head_dim} "
+            "(no 'head_dim' field)"
+        )
+        raise UnsupportedModelError(
+            f"{source}: {what} is not supported: the attention kernel runs head dims that are multiples of "
+            f"{HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}",
+            advice="",
+        )
+    # The matmul kernels and the block formats read K (a matrix's input width) in blocks of 32.
+    inputs = {
+        "hidden_size": ints["hidden_size"],  # embedding, q/k/v, gate/up and LM head
+        "intermediate_size": ints["intermediate_size"],  # down_proj
+        "num_attention_heads * head_dim": heads * head_dim,  # o_proj
+    }
+    for name, value in inputs.items():
+        if value % BLOCK:
+            shown = f"field '{name}' = {value}" if name in ints else f"{name} = {heads} * {head_dim} = {value}"
+            raise UnsupportedModelError(
+                f"{source}: {shown} is not supported: the matmul kernels need a multiple of {BLOCK}", advice=""
+            )
+    if ints["vocab_size"] > MAX_VOCAB:
+        raise UnsupportedModelError(
+            f"{source}: field 'vocab_size' = {ints['vocab_size']} is not supported: the GPU sampler handles at "
+            f"most {MAX_VOCAB} tokens",
+            advice="",
+        )
 
 
 def _reject_sliding_window(data: dict[str, Any], max_positions: int, source: str) -> None:

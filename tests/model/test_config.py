@@ -7,8 +7,10 @@ import re
 
 import pytest
 
+import doppler_py
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
 from doppler_py.model.config import ModelConfig
+from doppler_py.testing.tiny import TinySpec, write_tiny_model
 
 SOURCE = "test-config.json"
 SMOLLM2 = {
@@ -198,6 +200,64 @@ def test_unreadable_config_file_is_a_format_error(tmp_path, content):
         path.write_text(content)
     with pytest.raises(ModelFormatError, match=re.escape(str(path))):
         ModelConfig.from_file(path)
+
+
+# --- shapes the kernels cannot run ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            TinySpec(num_attention_heads=8, num_key_value_heads=2),
+            "head_dim = hidden_size / num_attention_heads = 64 / 8 = 8 (no 'head_dim' field) is not supported",
+        ),
+        (
+            TinySpec(hidden_size=512, num_attention_heads=1, num_key_value_heads=1),
+            "head_dim = hidden_size / num_attention_heads = 512 / 1 = 512 (no 'head_dim' field) is not supported",
+        ),
+        (
+            TinySpec(hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
+            "field 'hidden_size' = 48 is not supported",
+        ),
+        (TinySpec(intermediate_size=100), "field 'intermediate_size' = 100 is not supported"),
+    ],
+    ids=["head_dim-8", "head_dim-512", "hidden-48", "intermediate-100"],
+)
+def test_loading_a_model_the_kernels_cannot_run_names_the_field(tmp_path, gpu, spec, message):
+    # Before: head dims failed with a bare ValueError at the first forward, K widths with a ModelFormatError
+    # calling the files damaged. Now load() refuses the config itself, before any weights reach the GPU.
+    folder = write_tiny_model(tmp_path, spec)
+    with pytest.raises(UnsupportedModelError, match=re.escape(f"{folder / 'config.json'}: {message}")):
+        doppler_py.load(folder, weights="f32", gpu=gpu, max_seq=None, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"head_dim": 320},
+            "field 'head_dim' = 320 is not supported: the attention kernel runs head dims that are "
+            "multiples of 16 from 16 to 256",
+        ),
+        ({"head_dim": 40}, "field 'head_dim' = 40 is not supported"),
+        (
+            {"head_dim": 48},
+            "num_attention_heads * head_dim = 9 * 48 = 432 is not supported: the matmul kernels need a multiple of 32",
+        ),
+        ({"vocab_size": 1 << 24}, "field 'vocab_size' = 16777216 is not supported"),
+    ],
+    ids=["head_dim-above-256", "head_dim-not-16n", "o_proj-width", "vocab"],
+)
+def test_unsupported_shapes_are_refused_naming_the_field(changes, message):
+    with pytest.raises(UnsupportedModelError, match=re.escape(f"{SOURCE}: {message}")):
+        config(**changes)
+
+
+def test_the_supported_head_dims_reach_from_16_to_256():
+    assert config(num_attention_heads=36, num_key_value_heads=3).head_dim == 16
+    cfg = config(hidden_size=4096, num_attention_heads=16, num_key_value_heads=16, head_dim=256)
+    assert cfg.head_dim == 256
 
 
 @pytest.mark.slow
