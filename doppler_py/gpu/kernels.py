@@ -9,7 +9,8 @@ Conventions every shader in `shaders/` follows (and the registry relies on):
 Uniform values live in a `UniformSlot` inside a shared arena (one buffer per 64 KiB of slots). Setting a
 value only touches host memory; `Recorder.submit()` uploads the dirty arenas once, so a forward pass with
 hundreds of dispatches costs a handful of `write_buffer` calls. A slot holds ONE set of values per submit:
-a call site that records the same dispatch twice with different uniforms needs two slots.
+a call site that records the same dispatch twice with different uniforms needs two slots. `Recorder.dispatch`
+enforces this: a slot dispatched again in the same recorder with different bytes raises `InternalError`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.errors import DeviceLimitError, ShaderError
+from doppler_py.errors import DeviceLimitError, InternalError, ShaderError
 from doppler_py.gpu.device import Gpu
 from doppler_py.gpu.tensor import Tensor
 
@@ -198,11 +199,22 @@ class UniformSlot:
         self.arena = arena
         self.offset = offset
         self.layout = layout
+        # Built once: `Recorder.dispatch` reads both for every dispatch, so they must cost nothing there.
+        self.view = arena.host_view(offset, layout.size)
+        self.key = (id(arena), offset)
 
     def set(self, **values: float | int) -> UniformSlot:
-        self.layout.pack(values, self.arena.host_view(self.offset, self.layout.size))
+        self.layout.pack(values, self.view)
         self.arena.dirty = True
         return self
+
+    def values(self, data: bytes | None = None) -> dict[str, float | int]:
+        """The fields decoded from `data` (the slot's current bytes by default)."""
+        raw = self.view.tobytes() if data is None else data
+        return {
+            name: struct.unpack_from("<" + _SCALAR_FORMATS[kind], raw, 4 * i)[0]
+            for i, (name, kind) in enumerate(self.layout.fields)
+        }
 
 
 class _UniformArena:
@@ -448,6 +460,10 @@ class Recorder:
         self.encoder = registry.gpu.device.create_command_encoder()
         self._pass = None
         self.dispatches = 0
+        # Per uniform slot (arena, offset): its bytes at its first dispatch here, and that dispatch's kernel.
+        # The arena is uploaded once at submit, so every dispatch of a slot runs with the LAST values set;
+        # a later dispatch that sees other bytes would silently run the earlier one with them too.
+        self._uniforms: dict[tuple[int, int], tuple[bytes, Kernel]] = {}
 
     def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> None:
         limit = self.registry.gpu.limits.get("max-compute-workgroups-per-dimension", 65535)
@@ -455,12 +471,32 @@ class Recorder:
             raise DeviceLimitError(f"{bound.kernel!r}: dispatch ({x}, {y}, {z}) exceeds {limit} per dimension")
         if x == 0 or y == 0 or z == 0:
             return
+        slot = bound.params
+        if slot is not None:
+            data = slot.view.tobytes()
+            first = self._uniforms.get(slot.key)
+            if first is None:
+                self._uniforms[slot.key] = (data, bound.kernel)
+            elif first[0] != data:
+                self._uniform_clash(bound, first[0], first[1], data)
         if self._pass is None:
             self._pass = self.encoder.begin_compute_pass()
         self._pass.set_pipeline(bound.kernel.pipeline)
         self._pass.set_bind_group(0, bound.bind_group)
         self._pass.dispatch_workgroups(x, y, z)
         self.dispatches += 1
+
+    @staticmethod
+    def _uniform_clash(bound: Bound, before: bytes, first_kernel: Kernel, now: bytes) -> None:
+        slot = bound.params
+        old, new = slot.values(before), slot.values(now)
+        changed = ", ".join(f"{name} {old[name]} -> {new[name]}" for name in old if old[name] != new[name])
+        also = "" if first_kernel is bound.kernel else f" (first dispatched by {first_kernel!r})"
+        raise InternalError(
+            f"{bound.kernel!r}: its uniform slot (offset {slot.offset}){also} was dispatched again in the same "
+            f"submit with different values ({changed}); a slot holds one set of values per submit, so both "
+            "dispatches would run with the last ones: give the second dispatch its own slot or submit in between"
+        )
 
     def _end_pass(self) -> None:
         if self._pass is not None:
