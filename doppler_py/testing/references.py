@@ -1,0 +1,201 @@
+"""numpy references of the model's math: what the kernels, the forward pass and `doppler-py selfcheck` are
+held to.
+
+Each function restates HF transformers' LLaMA formula on its own, without importing the engine's ops, so a
+kernel and its reference cannot share a mistake. They compute in float64 by default; `dtype=np.float32` runs
+the same formula as numpy's timed peer in the benchmarks. Shapes: T rows (tokens), H hidden size, hd head
+dim, S cached positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from doppler_py.model.config import ModelConfig
+
+DType = type[np.floating]
+
+
+# -- layers --------------------------------------------------------------------------------------------------
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float, *, dtype: DType = np.float64) -> np.ndarray:
+    """HF LlamaRMSNorm over the last axis: weight * x / sqrt(mean(x^2) + eps); x [..., H], weight [H]."""
+    x = np.asarray(x, dtype)
+    return np.asarray(weight, dtype) * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def linear(
+    x: np.ndarray,
+    w: np.ndarray,
+    bias: np.ndarray | None = None,
+    *,
+    norm: tuple[np.ndarray, float] | None = None,
+    dtype: DType = np.float64,
+) -> np.ndarray:
+    """x [T, K] @ w [N, K].T (+ bias [N]) → [T, N]; `norm` = (weight [K], eps) RMS-normalises x first, as
+    `Linear(norm=InputNorm(...))` does."""
+    x = rmsnorm(x, *norm, dtype=dtype) if norm is not None else np.asarray(x, dtype)
+    y = x @ np.asarray(w, dtype).T
+    return y if bias is None else y + np.asarray(bias, dtype)
+
+
+def silu(x: np.ndarray, *, dtype: DType = np.float64) -> np.ndarray:
+    """x * sigmoid(x), element-wise; exp(-x) overflowing to inf gives the right limit (-0)."""
+    x = np.asarray(x, dtype)
+    with np.errstate(over="ignore"):
+        return x / (1 + np.exp(-x))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, *, dtype: DType = np.float64) -> np.ndarray:
+    """silu(gate) * up, element-wise; gate and up [T, F] (the halves of the model's fused [gate | up] rows)."""
+    return silu(gate, dtype=dtype) * np.asarray(up, dtype)
+
+
+# -- rotary embeddings ---------------------------------------------------------------------------------------
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -> np.ndarray:
+    """HF's inverse frequencies [hd // 2] in float64, element by element as its docstrings describe them:
+    1 / theta^(2i / hd), then `scaling` (a config.json rope_scaling: "linear" or "llama3") applied."""
+    inv_freq = [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)]
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "default":
+        return np.array(inv_freq)
+    factor = scaling["factor"]
+    if rope_type == "linear":
+        return np.array(inv_freq) / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    scaled = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < old_context / high:  # high frequency: kept
+            scaled.append(f)
+        elif wavelen > old_context / low:  # low frequency: interpolated by the full factor
+            scaled.append(f / factor)
+        else:  # in between: a smooth blend of the two
+            smooth = (old_context / wavelen - low) / (high - low)
+            scaled.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(scaled)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, dtype: DType = np.float64) -> np.ndarray:
+    """HF apply_rotary_pos_emb ("rotate half"): x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
+
+    x [T, heads, hd] or [T, heads * hd]; cos, sin [T, hd // 2], the angles of each row's position. Returns the
+    rotated heads shaped like x.
+    """
+    half = cos.shape[-1]
+    heads = np.asarray(x, dtype).reshape(len(x), -1, 2 * half)
+    c, s = np.asarray(cos, dtype)[:, None, :], np.asarray(sin, dtype)[:, None, :]
+    x1, x2 = heads[..., :half], heads[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(np.shape(x))
+
+
+# -- attention and softmax -----------------------------------------------------------------------------------
+def _shifted_logits(logits: np.ndarray, temperature: float, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
+    """(scaled logits minus their row max, which rows have no finite logit). The division rounds in the
+    logits' own precision: float32 logits are scaled in float32, as the kernels (and the JS original) do."""
+    scaled = (np.asarray(logits) / np.float32(temperature)).astype(dtype)
+    top = scaled.max(axis=-1, keepdims=True)
+    empty = np.isneginf(top)
+    return scaled - np.where(empty, 0, top), empty
+
+
+def softmax(logits: np.ndarray, temperature: float = 1.0, *, dtype: DType = np.float64) -> np.ndarray:
+    """softmax(logits / temperature) over the last axis, any leading shape. A -inf logit gets probability 0;
+    a row of only -inf has no distribution and comes out all zeros (a sampler sees zero mass)."""
+    shifted, empty = _shifted_logits(logits, temperature, dtype)
+    e = np.exp(shifted)
+    with np.errstate(invalid="ignore"):
+        return np.where(empty, 0, e / e.sum(axis=-1, keepdims=True))
+
+
+def log_softmax(logits: np.ndarray, temperature: float = 1.0, *, dtype: DType = np.float64) -> np.ndarray:
+    """log of `softmax`: -inf where the probability is 0, and over the whole of a row of only -inf."""
+    shifted, empty = _shifted_logits(logits, temperature, dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(empty, -np.inf, shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, *, dtype: DType = np.float64) -> np.ndarray:
+    """Causal GQA softmax attention over a KV cache.
+
+    q [T, n_heads, hd] or [T, n_heads * hd] holds the queries of positions start_pos .. start_pos + T - 1;
+    k, v [S, n_kv_heads, hd] with S >= start_pos + T (later positions are never read). Query head h reads KV
+    head h // (n_heads / n_kv_heads); scores are q.k / sqrt(hd); row t sees positions <= start_pos + t.
+    Returns [T, n_heads * hd].
+    """
+    rows, context = len(q), start_pos + len(q)
+    _, n_kv, head_dim = k.shape
+    # Query heads sharing a KV head side by side: [n_kv, group, T, hd].
+    qg = np.asarray(q, dtype).reshape(rows, n_kv, -1, head_dim).transpose(1, 2, 0, 3)
+    keys = np.asarray(k[:context], dtype).transpose(1, 2, 0)[:, None]  # [n_kv, 1, hd, context]
+    values = np.asarray(v[:context], dtype).transpose(1, 0, 2)[:, None]  # [n_kv, 1, context, hd]
+    scores = qg @ keys / np.sqrt(dtype(head_dim))
+    scores[..., np.arange(context)[None, :] > start_pos + np.arange(rows)[:, None]] = -np.inf
+    out = softmax(scores, dtype=dtype) @ values  # [n_kv, group, T, hd]
+    return out.transpose(2, 0, 1, 3).reshape(rows, -1)
+
+
+# -- the whole model -----------------------------------------------------------------------------------------
+def load_tensors(folder: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a HF folder's *.safetensors files (one file, or the shards of an index)."""
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def forward_stages(
+    model: str | Path | Mapping[str, np.ndarray], config: ModelConfig, ids: Sequence[int]
+) -> dict[str, np.ndarray]:
+    """The forward pass over `ids` at positions 0..T-1 in float64, as llama2.c writes it, returning the last
+    layer's intermediates beside the logits:
+
+        q [T, n_heads * hd] and k [T, n_kv_heads, hd] after RoPE, v [T, n_kv_heads, hd]
+        attention [T, n_heads * hd]   gate_up [T, 2F] ([gate | up])   mlp [T, F] = swiglu(gate, up)
+        hidden [T, H] (the residual stream before the final norm)   logits [T, V]
+
+    `model` is a HF folder or its tensors by HF name (float32 or float64; GGUF block formats are not read).
+    """
+    w = load_tensors(model) if isinstance(model, str | Path) else model
+    eps, hd = config.rms_norm_eps, config.head_dim
+    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    rows = len(ids)
+    angles = np.arange(rows)[:, None] * rope_inv_freq(hd, config.rope_theta, config.rope_scaling)[None, :]
+    cos, sin = np.cos(angles), np.sin(angles)
+
+    x = np.asarray(w["model.embed_tokens.weight"], np.float64)[list(ids)]  # [T, H]
+    stages: dict[str, np.ndarray] = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        attn_norm = (w[p + "input_layernorm.weight"], eps)
+        q, k, v = (
+            linear(x, w[p + f"self_attn.{n}_proj.weight"], w.get(p + f"self_attn.{n}_proj.bias"), norm=attn_norm)
+            for n in "qkv"
+        )
+        q = rope(q, cos, sin)
+        k = rope(k.reshape(rows, n_kv, hd), cos, sin)
+        v = v.reshape(rows, n_kv, hd)
+        a = attention(q.reshape(rows, n_heads, hd), k, v, 0)
+        x = x + linear(a, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
+        mlp_norm = (w[p + "post_attention_layernorm.weight"], eps)
+        gate = linear(x, w[p + "mlp.gate_proj.weight"], norm=mlp_norm)
+        up = linear(x, w[p + "mlp.up_proj.weight"], norm=mlp_norm)
+        h = swiglu(gate, up)
+        x = x + linear(h, w[p + "mlp.down_proj.weight"])
+        stages = {"q": q, "k": k, "v": v, "attention": a, "gate_up": np.concatenate([gate, up], axis=1), "mlp": h}
+    head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
+    logits = linear(x, head, norm=(w["model.norm.weight"], eps))
+    return {**stages, "hidden": x, "logits": logits}
+
+
+def forward_reference(
+    model: str | Path | Mapping[str, np.ndarray], config: ModelConfig, ids: Sequence[int]
+) -> np.ndarray:
+    """Logits [T, V] in float64 of the model (a HF folder or its tensors) over `ids` at positions 0..T-1."""
+    return forward_stages(model, config, ids)["logits"]
