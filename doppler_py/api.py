@@ -23,13 +23,10 @@ from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.drafters import (
-    DraftModelDrafter,
-    LayerSkipDrafter,
-    PromptLookupDrafter,
-    check_vocabularies,
-)
+from doppler_py.speculative.draft_model import DraftModelDrafter, check_vocabularies
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
+from doppler_py.speculative.layer_skip import LayerSkipDrafter
+from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
@@ -183,13 +180,13 @@ class Engine:
         check_fits(len(ids), max_tokens, self.model.max_positions)
         mode = self._resolve_mode(speculative)
         engine = self.speculative_engine(mode)
-        engine.policy.configure(k)
+        engine.policy.check_k(k)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         stop_ids = tuple(self.tokenizer.eos_token_ids) + tuple(self.model.config.eos_token_ids)
         tokens: list[int] = []
         start = time.perf_counter()
-        for new in engine.iter_generate(ids, max_tokens, params, stats=stats, stop_ids=stop_ids, pin_k=k is not None):
+        for new in engine.iter_generate(ids, max_tokens, params, stats=stats, k=k, stop_ids=stop_ids):
             tokens.extend(new)
             piece = "".join(decoder.push(t) for t in new)
             if piece:

@@ -114,12 +114,11 @@ def speculative_run(engine, mode: str, ids: list[int], count: int, k: int) -> tu
     """Greedy speculative generation of exactly `count` tokens, counting steps and rollbacks as it goes."""
     tally = Tally()
     spec = engine.speculative_engine(mode)
-    spec.policy.configure(k)
     stats = SpecStats()
     tokens: list[int] = []
     steps, accepted = 0, 0
     start = time.perf_counter()
-    for new in spec.iter_generate(ids, count, SamplingParams(), stats=stats, pin_k=True):
+    for new in spec.iter_generate(ids, count, SamplingParams(), stats=stats, k=k):
         if stats.steps > steps:  # these tokens came from a speculative step
             tally.add_step(stats.k_history[-1], stats.accepted - accepted)
             steps, accepted = stats.steps, stats.accepted

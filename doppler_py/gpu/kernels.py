@@ -513,6 +513,22 @@ class Recorder:
             src.buffer, src.offset + src_offset, dst.buffer, dst.offset + dst_offset, size
         )
 
+    def write_timestamp(self, query_set, index: int) -> None:
+        """Stamp the GPU time once everything recorded so far has run (needs the timestamp-query feature).
+
+        WebGPU stamps only at pass boundaries, so this records an empty pass whose end is stamped.
+        """
+        self._end_pass()
+        stamp = self.encoder.begin_compute_pass(
+            timestamp_writes={"query_set": query_set, "end_of_pass_write_index": index}
+        )
+        stamp.end()
+
+    def resolve_timestamps(self, query_set, count: int, destination) -> None:
+        """Write stamps 0..count-1 as u64 nanoseconds into `destination` (a QUERY_RESOLVE buffer)."""
+        self._end_pass()
+        self.encoder.resolve_query_set(query_set, 0, count, destination, 0)
+
     def submit(self) -> None:
         self._end_pass()
         self.registry.flush_uniforms()

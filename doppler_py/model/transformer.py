@@ -6,7 +6,7 @@
                           │ x += a·Wo                  gu = rmsnorm(x)·[Wg;Wu]               │
                           │ h = silu(g)·u              x += h·Wd                             │
                           └──────────────────────────────────────────────────────────────────┘
-    x ─ rmsnorm ─ LM head ─▶ logits ─ sampler ─▶ token ids   (only ids come back to the host)
+    x ─ rmsnorm ─ LM head ─▶ logits       (stay on the GPU: the speculative engine's verifier picks tokens)
 
 Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·hd; KV = n_kv_heads·hd):
     x, xn [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]   act [T, F]
@@ -36,7 +36,6 @@ from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import InputNorm, Linear
 from doppler_py.ops.norms import RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
-from doppler_py.ops.sampling import Sampler
 
 LOGITS_MODES = ("last", "all", "none")
 
@@ -90,8 +89,6 @@ class Transformer:
         self.x_last = Tensor.empty(gpu, (1, h), "f32", "x_last")
         self.xn_head = Tensor.empty(gpu, (self.max_logit_rows, h), "f32", "xn_head")
         self.logits = Tensor.empty(gpu, (self.max_logit_rows, vocab), "f32", "logits")
-        self.randoms = Tensor.empty(gpu, self.max_logit_rows, "f32", "randoms")
-        self.token_ids = Tensor.empty(gpu, self.max_logit_rows, "u32", "token_ids")
 
         gpu.check_buffer_size(
             self.max_positions * hd * 4,
@@ -135,9 +132,6 @@ class Transformer:
             registry, self.x_last, weights.norm, self.xn_head, dim=h, eps=cfg.rms_norm_eps, max_rows=1
         )
         self.lm_head = Linear(registry, weights.lm_head, self.xn_head, self.logits, max_rows=self.max_logit_rows)
-        self.sampler = Sampler(
-            registry, self.logits, self.randoms, self.token_ids, vocab=vocab, max_rows=self.max_logit_rows
-        )
         self._cache_ops: dict[int, tuple[KVCache, _CacheOps]] = {}
         self.closed = False
 
@@ -288,10 +282,6 @@ class Transformer:
         raw = self.gpu.queue.read_buffer(self.logits.buffer, 0, rows * vocab * 4)
         return np.frombuffer(raw, dtype=np.float32).reshape(rows, vocab).copy()
 
-    def read_token_ids(self, rows: int) -> list[int]:
-        raw = self.gpu.queue.read_buffer(self.token_ids.buffer, 0, rows * 4)
-        return np.frombuffer(raw, dtype=np.uint32).tolist()
-
     def close(self) -> None:
         """Free the KV caches and the buffers this model allocated (the weights belong to the caller)."""
         for cache, _ in list(self._cache_ops.values()):
@@ -300,6 +290,6 @@ class Transformer:
             return
         self.registry.release_tensors(
             self.ids, self.x, self.xn, self.qkv, self.attn, self.gate_up, self.act, self.x_last, self.xn_head,
-            self.logits, self.randoms, self.token_ids, self.rope_table,
+            self.logits, self.rope_table,
         )  # fmt: skip
         self.closed = True

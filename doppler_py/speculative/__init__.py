@@ -1,5 +1,23 @@
-"""Speculative decoding: a draft proposes tokens, the target model verifies them."""
+"""Speculative decoding: a drafter proposes tokens, the target model verifies them in one forward on the GPU.
 
-from doppler_py.speculative.compat import SpeculativeDecoder
+The drafter contract is `contract.Drafter`; the port of the JS original's SpeculativeDecoder class lives in
+`doppler_py.parity`.
+"""
 
-__all__ = ["SpeculativeDecoder"]
+from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, Proposal, StepContext
+from doppler_py.speculative.draft_model import DraftModelDrafter
+from doppler_py.speculative.engine import SpecResult, SpeculativeEngine
+from doppler_py.speculative.layer_skip import LayerSkipDrafter
+from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
+
+__all__ = [
+    "NO_PROPOSAL",
+    "DraftModelDrafter",
+    "Drafter",
+    "LayerSkipDrafter",
+    "PromptLookupDrafter",
+    "Proposal",
+    "SpecResult",
+    "SpeculativeEngine",
+    "StepContext",
+]

@@ -1,12 +1,16 @@
 """How many tokens to draft next, and when not to speculate at all.
 
+One setting: a user's `k` pins the draft length for a generation; without it the policy chooses k within the
+engine's capacity, starting at `START_K` and never above `K_CEILING`.
+
 Draft length follows HF's heuristic: +2 after a step whose drafts were all accepted, −1 after a rejection.
 On top of that a cost model decides whether speculation pays: with per-token acceptance α and k drafts, a
-step yields E = (1 − α^(k+1)) / (1 − α) tokens for k·c_draft + c_verify(k+1) seconds, against c_verify(1)
-per token for plain decoding. All costs are MEASURED on the running device (on a CPU adapter verifying k+1
-tokens costs far more than one; on a GPU nearly the same), so the same policy speculates aggressively on a
-GPU and cautiously on lavapipe. When no k predicts a speedup, speculation pauses for a number of plain
-steps that doubles each time a probe confirms it.
+step yields E = (1 − α^(k+1)) / (1 − α) tokens for cost(step with k drafts) seconds, against cost(plain step)
+per token for plain decoding. All costs are MEASURED on the running device as host wall time of whole steps
+(which end with their one readback, so measuring adds no GPU wait): on a CPU adapter verifying k+1 tokens
+costs far more than one, on a GPU nearly the same, so the same policy speculates aggressively on a GPU and
+cautiously on lavapipe. When no k predicts a speedup, speculation pauses for a number of plain steps that
+doubles each time a probe confirms it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass, field
 
 from doppler_py.errors import GenerationOptionError
 
+START_K = 4  # the first draft length of an unpinned generation
+K_CEILING = 8  # an unpinned k never grows past this (nor past the engine's capacity)
 _EMA = 0.3  # weight of the newest measurement
 
 
@@ -25,22 +31,26 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _EMA) * old + _EMA * new
+
+
 @dataclass
 class CostModel:
-    """Measured seconds: verify forwards by number of rows, and drafting per token."""
+    """Measured seconds: target steps by number of verified rows (plain step = 1 row), drafting per token."""
 
     verify: dict[int, float] = field(default_factory=dict)
     draft_per_token: float | None = None
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        old = self.verify.get(rows)
-        self.verify[rows] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        """A target forward over `rows` rows + verification + readback, nothing drafted (plain step, calibration)."""
+        self.verify[rows] = _ema(self.verify.get(rows), seconds)
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
-        if tokens:
-            per = seconds / tokens
-            old = self.draft_per_token
-            self.draft_per_token = per if old is None else (1 - _EMA) * old + _EMA * per
+    def observe_step(self, drafts: int, seconds: float) -> None:
+        """A whole speculative step: what it cost beyond verifying drafts + 1 rows is the drafting."""
+        verify = self.verify_cost(drafts + 1)
+        if drafts and verify is not None:
+            self.draft_per_token = _ema(self.draft_per_token, max(0.0, seconds - verify) / drafts)
 
     def verify_cost(self, rows: int) -> float | None:
         """Measured cost for `rows`, else interpolated/extrapolated linearly from the measured points."""
@@ -66,42 +76,42 @@ class CostModel:
 
 @dataclass
 class DraftLengthPolicy:
-    k: int = 4
-    adaptive: bool = True
-    k_min: int = 1
-    k_max: int = 8
+    """Chooses each step's draft length within `capacity` (the engine's buffers); costs persist across runs."""
+
+    capacity: int = K_CEILING
     costs: CostModel = field(default_factory=CostModel)
-    alpha: float = 0.6  # running estimate of per-token acceptance (prior: drafts are usually worth a try)
-    pause_steps: int = 0  # plain steps left before speculation is probed again
-    next_pause: int = 4
+    k_min: int = 1
     max_pause: int = 64
+    # Per generation (see `reset`):
+    k: int = START_K
+    pinned: bool = False
     # Timing-based pauses make the step structure depend on the machine's speed; a seeded sampled run must
     # not (the same seed must give the same tokens), so the engine turns them off there.
     cost_aware: bool = True
-    k_limit: int = 16  # the engine's buffer capacity: no k beyond it
+    alpha: float = 0.6  # running estimate of per-token acceptance (prior: drafts are usually worth a try)
+    pause_steps: int = 0  # plain steps left before speculation is probed again
+    next_pause: int = 4
 
-    def __post_init__(self) -> None:
-        self.initial_k = self.k
-        for name in ("k", "k_min", "k_max"):
-            value = getattr(self, name)
-            if not 1 <= value <= self.k_limit:
-                raise GenerationOptionError(f"{name} must be in 1..{self.k_limit}, got {value}")
-        if not self.k_min <= self.k <= self.k_max:
-            raise GenerationOptionError(f"need k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+    @property
+    def k_max(self) -> int:
+        return min(K_CEILING, self.capacity)
 
-    def configure(self, k: int | None) -> None:
-        """A user's draft length: pinned (the engine also stops adapting it), or None for the defaults."""
-        if k is None:
-            self.initial_k, self.k_max = 4, min(8, self.k_limit)
-            return
-        if not 1 <= k <= self.k_limit:
-            raise GenerationOptionError(f"k (draft length) must be in 1..{self.k_limit}, got {k}")
-        self.initial_k, self.k_max = k, max(k, self.k_max)
+    def check_k(self, k: int | None) -> None:
+        """Refuse a user's draft length the engine cannot verify in one step."""
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.capacity):
+            raise GenerationOptionError(f"k (draft length) must be an integer in 1..{self.capacity}, got {k!r}")
 
-    def reset(self, *, adaptive: bool, cost_aware: bool) -> None:
-        """Start of a generation: the first k, a neutral acceptance prior and no pause; costs are kept."""
-        self.k, self.alpha, self.pause_steps, self.next_pause = self.initial_k, 0.6, 0, 4
-        self.adaptive, self.cost_aware = adaptive, cost_aware
+    def reset(self, k: int | None = None, *, cost_aware: bool = True) -> None:
+        """Start of a generation: `k` pins the draft length (None: adapt from START_K); costs are kept."""
+        self.check_k(k)
+        self.pinned = k is not None
+        self.k = k if k is not None else min(START_K, self.k_max)
+        self.alpha, self.pause_steps, self.next_pause = 0.6, 0, 4
+        self.cost_aware = cost_aware
+
+    @property
+    def adaptive(self) -> bool:
+        return not self.pinned
 
     def next_k(self, remaining: int) -> int:
         """Drafts for the next step; 0 = take a plain step. Never drafts past the token budget.

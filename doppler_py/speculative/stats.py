@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from doppler_py.speculative.timing import StepTimes
+
 
 @dataclass
 class SpecStats:
-    """What happened during one generation. Times are host wall-clock seconds."""
+    """What happened during one generation. Times are host wall-clock seconds unless named gpu_*.
+
+    draft_s is the host time of drafting (for a GPU drafter: recording and submitting its work); verify_s runs
+    from there to the step's readback, so it includes waiting for GPU drafting; plain_s is plain steps'. The
+    gpu_* sums come from GPU timestamps (None where the adapter has none): drafting and verification as the GPU
+    ran them.
+    """
 
     drafter: str = ""
     steps: int = 0  # speculative steps (draft + one batched verification)
@@ -20,12 +28,24 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     plain_s: float = 0.0
+    gpu_draft_s: float | None = None
+    gpu_verify_s: float | None = None
     prefill_s: float = 0.0
     total_s: float = 0.0
     k_history: list[int] = field(default_factory=list)
     stopped_by: str = "max_tokens"  # "max_tokens" or "eos"
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, times: StepTimes) -> None:
+        """One step: `drafted` proposals (0: a plain step), `accepted` of them kept, and its times."""
+        if times.gpu_verify_s is not None and drafted:
+            self.gpu_draft_s = (self.gpu_draft_s or 0.0) + times.gpu_draft_s
+            self.gpu_verify_s = (self.gpu_verify_s or 0.0) + times.gpu_verify_s
+        if drafted == 0:
+            self.plain_steps += 1
+            self.plain_s += times.total_s
+            return
+        self.draft_s += times.draft_s
+        self.verify_s += times.verify_s
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -78,6 +98,8 @@ class SpecStats:
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "plain_s": round(self.plain_s, 4),
+            "gpu_draft_s": None if self.gpu_draft_s is None else round(self.gpu_draft_s, 4),
+            "gpu_verify_s": None if self.gpu_verify_s is None else round(self.gpu_verify_s, 4),
             "prefill_s": round(self.prefill_s, 4),
             "total_s": round(self.total_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),

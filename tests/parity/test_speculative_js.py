@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from doppler_py.parity import SpeculativeDecoder
 from doppler_py.rng import Mulberry32
-from doppler_py.speculative import SpeculativeDecoder
 
 pytestmark = pytest.mark.parity
 

@@ -41,14 +41,14 @@ from doppler_py.errors import (
 )
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
-from doppler_py.model.generate import generate as plain_generate
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
+from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
 
 MODEL_ADVICE = "download or convert the model again"
@@ -452,7 +452,7 @@ def guard_engine(models, target: str, drafter: str) -> SpeculativeEngine:
         "draft-model": lambda: DraftModelDrafter(models["draft"], 64),
         "poisoned-draft": lambda: DraftModelDrafter(models["poisoned_draft"], 64),
     }[drafter]
-    return SpeculativeEngine(model, make(), k=3)
+    return SpeculativeEngine(model, make())
 
 
 GREEDY = SamplingParams()
@@ -465,12 +465,12 @@ def test_nan_logits_of_the_target_are_reported_not_sampled(guard_models, drafter
     caches_before = len(target._cache_ops)
     try:
         with pytest.raises(NumericalError, match=r"target model produced NaN/inf logits.*weights='f32'"):
-            engine.generate(POISONED_PROMPT, 12, GREEDY, pin_k=True)
+            engine.generate(POISONED_PROMPT, 12, GREEDY, k=3)
         assert len(target._cache_ops) == caches_before  # the failed generation's caches are gone
         # Prompts that never meet the poisoned row are untouched: the engine gives plain greedy's tokens.
-        expected = plain_generate(target, CLEAN_PROMPT, 12, GREEDY).tokens
+        expected = reference_decode(target, CLEAN_PROMPT, 12, GREEDY)
         assert POISON not in expected
-        assert engine.generate(CLEAN_PROMPT, 12, GREEDY, pin_k=True).tokens == expected
+        assert engine.generate(CLEAN_PROMPT, 12, GREEDY, k=3).tokens == expected
     finally:
         engine.close()
     tally["numerical guard"] += 1
@@ -480,7 +480,7 @@ def test_nan_logits_of_a_sampling_draft_are_reported(guard_models, tally):
     engine = guard_engine(guard_models, "target", "poisoned-draft")
     try:
         with pytest.raises(NumericalError, match="draft model produced NaN/inf logits"):
-            engine.generate(DRAFT_POISONED_PROMPT, 12, SamplingParams(temperature=1.0, seed=3), pin_k=True)
+            engine.generate(DRAFT_POISONED_PROMPT, 12, SamplingParams(temperature=1.0, seed=3), k=3)
     finally:
         engine.close()
     tally["numerical guard"] += 1
@@ -490,10 +490,10 @@ def test_a_greedy_broken_draft_only_costs_rejections(guard_models):
     """Greedy verification never reads the draft's logits: NaN drafts are rejected and the target decides."""
     engine = guard_engine(guard_models, "target", "poisoned-draft")
     try:
-        result = engine.generate(DRAFT_POISONED_PROMPT, 12, GREEDY, pin_k=True)
+        result = engine.generate(DRAFT_POISONED_PROMPT, 12, GREEDY, k=3)
     finally:
         engine.close()
-    assert result.tokens == plain_generate(guard_models["target"], DRAFT_POISONED_PROMPT, 12, GREEDY).tokens
+    assert result.tokens == reference_decode(guard_models["target"], DRAFT_POISONED_PROMPT, 12, GREEDY)
     assert result.stats.drafted > 0
 
 

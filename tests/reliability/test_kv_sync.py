@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from reliability.support import ExampleTally, fuzz_settings
 
 from doppler_py.errors import InternalError
-from doppler_py.model.generate import generate as plain_generate
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
 
 VOCAB = 64
@@ -71,20 +71,20 @@ def make_drafter(name: str, models):
 
 def checked_steps(engine: SpeculativeEngine, vocab: int, log: list[int]):
     """Wrap the engine's step so the caches are checked after every one (log: committed tokens per step)."""
-    step = engine._step
+    step = engine.step
 
-    def run(session, k, stats):
-        new = step(session, k, stats)
-        committed = len(session.tokens)
-        assert session.target_cache.length == committed - 1
+    def run(ctx, k):
+        outcome = step(ctx, k)
+        committed = len(ctx.tokens)
+        assert ctx.target_cache.length == committed - 1
         drafter = engine.drafter
         if isinstance(drafter, DraftModelDrafter):
-            assert drafter.cache.length == drafter.consumed <= committed - 1
-        assert all(0 <= t < vocab for t in new)
+            assert drafter.draft_cache.length == drafter.consumed <= committed - 1
+        assert all(0 <= t < vocab for t in outcome.new)
         log.append(committed)
-        return new
+        return outcome
 
-    engine._step = run
+    engine.step = run
 
 
 PROMPTS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24).map(
@@ -109,13 +109,13 @@ def test_random_speculative_runs_keep_every_cache_in_step(
     models, drafter, k, pin_k, temperature, top_k, top_p, seed, stop, max_new, prompt
 ):
     target = models["target"]
-    engine = SpeculativeEngine(target, make_drafter(drafter, models), k=k, k_max=8)
+    engine = SpeculativeEngine(target, make_drafter(drafter, models))
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     steps: list[int] = []
     checked_steps(engine, VOCAB, steps)
     caches_before = {name: len(m._cache_ops) for name, m in models.items()}
     try:
-        result = engine.generate(prompt, max_new, params, stop_ids=stop, pin_k=pin_k)
+        result = engine.generate(prompt, max_new, params, stop_ids=stop, k=k if pin_k else None)
     finally:
         engine.close()
     tokens = result.tokens
@@ -123,7 +123,7 @@ def test_random_speculative_runs_keep_every_cache_in_step(
     assert steps and steps[-1] >= len(prompt) + len(tokens)
     assert not any(t in stop for t in tokens[:-1]), "generation went on past a stop token"
     if params.greedy:
-        expected = plain_generate(target, prompt, max_new, params, stop_ids=stop).tokens
+        expected = reference_decode(target, prompt, max_new, params, stop_ids=stop)
         assert tokens == expected
     assert {name: len(m._cache_ops) for name, m in models.items()} == caches_before  # every cache released
     EXAMPLES.add(drafter)
@@ -132,10 +132,10 @@ def test_random_speculative_runs_keep_every_cache_in_step(
 def test_a_rollback_that_leaves_the_cache_out_of_step_is_caught(models, monkeypatch):
     """A cache that ignored a truncation would hold rejected drafts as context: the engine stops instead."""
     monkeypatch.setattr(KVCache, "truncate", lambda self, length: None)
-    engine = SpeculativeEngine(models["target"], LayerSkipDrafter(models["target"], 1), k=4)
+    engine = SpeculativeEngine(models["target"], LayerSkipDrafter(models["target"], 1))
     prompt = np.random.default_rng(5).integers(0, VOCAB, 12).tolist()
     try:
         with pytest.raises(InternalError, match=r"target KV cache holds \d+ positions.*report it"):
-            engine.generate(prompt, 30, SamplingParams(), pin_k=True)
+            engine.generate(prompt, 30, SamplingParams(), k=4)
     finally:
         engine.close()

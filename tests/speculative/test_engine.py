@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
-from doppler_py.model.generate import generate
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
+from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.sampling_reference import filtered_probs
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -30,23 +30,26 @@ def drafter_for(name, models):
 
 @pytest.fixture(scope="module")
 def plain_greedy(models):
-    return generate(models["target"], PROMPT, 40, GREEDY).tokens
+    return reference_decode(models["target"], PROMPT, 40, GREEDY)
 
 
 @pytest.mark.parametrize("k", range(1, 9))
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "layer-skip", "draft-model", "padded-draft"])
 def test_greedy_speculative_equals_plain_greedy(models, plain_greedy, drafter, k):
-    engine = SpeculativeEngine(models["target"], drafter_for(drafter, models), k=k, k_max=8)
-    result = engine.generate(PROMPT, 40, GREEDY, pin_k=True)
+    engine = SpeculativeEngine(models["target"], drafter_for(drafter, models))
+    result = engine.generate(PROMPT, 40, GREEDY, k=k)
     engine.close()
     assert result.tokens == plain_greedy
-    assert result.stats.steps + result.stats.plain_steps > 0
+    stats = result.stats
+    assert stats.steps > 0, "nothing was ever drafted"
+    # Every step commits its accepted drafts plus one target token, and a pinned k never overshoots the budget.
+    assert len(result.tokens) == stats.accepted + stats.steps + stats.plain_steps
     assert all(d <= k for d in result.stats.k_history)
 
 
 def test_a_draft_identical_to_the_target_is_always_accepted(models, plain_greedy):
-    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models), k=4, k_max=4)
-    result = engine.generate(PROMPT, 40, GREEDY, pin_k=True)
+    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models))
+    result = engine.generate(PROMPT, 40, GREEDY, k=4)
     engine.close()
     assert result.tokens == plain_greedy
     assert result.stats.accepted == result.stats.drafted > 0
@@ -55,7 +58,7 @@ def test_a_draft_identical_to_the_target_is_always_accepted(models, plain_greedy
 
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model", "layer-skip"])
 def test_same_seed_gives_the_same_tokens_and_another_seed_differs(models, drafter):
-    engine = SpeculativeEngine(models["target"], drafter_for(drafter, models), k=3)
+    engine = SpeculativeEngine(models["target"], drafter_for(drafter, models))
     runs = [engine.generate(PROMPT, 30, SamplingParams(temperature=1.0, top_k=20, seed=s)).tokens for s in (7, 7, 8)]
     engine.close()
     assert runs[0] == runs[1]
@@ -64,17 +67,17 @@ def test_same_seed_gives_the_same_tokens_and_another_seed_differs(models, drafte
 
 def test_stop_token_ends_generation_after_it(models, plain_greedy):
     stop = plain_greedy[10]
-    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models), k=4)
-    result = engine.generate(PROMPT, 40, GREEDY, stop_ids=[stop])
+    engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models))
+    result = engine.generate(PROMPT, 40, GREEDY, k=4, stop_ids=[stop])
     engine.close()
     assert result.tokens == plain_greedy[: plain_greedy.index(stop) + 1]
     assert result.stopped_by == "eos"
 
 
 def test_cancelled_stream_releases_its_caches(models, registry):
-    engine = SpeculativeEngine(models["target"], drafter_for("draft-model", models), k=3)
+    engine = SpeculativeEngine(models["target"], drafter_for("draft-model", models))
     before = len(models["target"]._cache_ops), len(models["draft"]._cache_ops)
-    stats_iter = engine.iter_generate(PROMPT, 40, GREEDY, stats=SpecStats())
+    stats_iter = engine.iter_generate(PROMPT, 40, GREEDY, stats=SpecStats(), k=3)
     next(stats_iter)
     stats_iter.close()
     assert (len(models["target"]._cache_ops), len(models["draft"]._cache_ops)) == before
@@ -93,12 +96,12 @@ def test_layer_skip_depth_is_validated(models):
 
 def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
     lookup = PromptLookupDrafter(max_ngram=3, min_ngram=1)
-    assert lookup.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
-    assert lookup.propose([5, 6, 7], 2) == []
-    assert lookup.propose([4, 4], 3) == [4]
+    assert lookup.propose_ids([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert lookup.propose_ids([5, 6, 7], 2) == []
+    assert lookup.propose_ids([4, 4], 3) == [4]
     # By default a single matching token is not enough evidence to propose anything.
-    assert PromptLookupDrafter().propose([4, 5, 6, 9, 6], 3) == []
-    assert PromptLookupDrafter().propose([4, 5, 6, 9, 5, 6], 3) == [9, 5, 6]
+    assert PromptLookupDrafter().propose_ids([4, 5, 6, 9, 6], 3) == []
+    assert PromptLookupDrafter().propose_ids([4, 5, 6, 9, 5, 6], 3) == [9, 5, 6]
 
 
 def test_two_token_joint_distribution_matches_the_target(models):
@@ -114,11 +117,11 @@ def test_two_token_joint_distribution_matches_the_target(models):
         joint[t1] = p1[t1] * filtered_probs(target.forward([int(t1)], cache), params)
     target.release_cache(cache)
 
-    engine = SpeculativeEngine(target, drafter_for("draft-model", models), k=2, k_max=2)
+    engine = SpeculativeEngine(target, drafter_for("draft-model", models))
     counts = np.zeros_like(joint)
     trials = 800
     for seed in range(trials):
-        t1, t2 = engine.generate(prompt, 2, SamplingParams(temperature=1.5, top_k=6, seed=seed), pin_k=True).tokens
+        t1, t2 = engine.generate(prompt, 2, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=2).tokens
         counts[t1, t2] += 1
     engine.close()
     support = joint > 0

@@ -11,8 +11,12 @@ from doppler_py.speculative.policy import CostModel, DraftLengthPolicy, expected
 CPU_COSTS = {1: 0.040, 2: 0.044, 3: 0.052, 5: 0.074, 9: 0.170}
 
 
-def policy_with(costs: dict[int, float] | None = None, **kwargs) -> DraftLengthPolicy:
-    policy = DraftLengthPolicy(**kwargs)
+def policy_with(costs: dict[int, float] | None = None, *, k: int | None = None, pinned: bool = False):
+    """A policy with the engine's usual capacity of 16 whose generation starts at draft length k."""
+    policy = DraftLengthPolicy(capacity=16)
+    policy.reset(k if pinned else None)
+    if k is not None:
+        policy.k = k
     for rows, seconds in (costs or {}).items():
         policy.costs.observe_verify(rows, seconds)
     return policy
@@ -25,7 +29,7 @@ def test_expected_tokens_per_step_is_the_truncated_geometric_sum():
 
 
 def test_k_grows_by_two_after_full_acceptance_and_shrinks_by_one_after_a_rejection():
-    policy = policy_with(k=2, k_max=8)
+    policy = policy_with(k=2)
     policy.observe(drafted=2, accepted=2)
     assert policy.k == 4
     policy.observe(drafted=4, accepted=4)
@@ -38,20 +42,20 @@ def test_k_grows_by_two_after_full_acceptance_and_shrinks_by_one_after_a_rejecti
 
 
 def test_pinned_k_never_changes():
-    policy = policy_with(k=3, adaptive=False)
+    policy = policy_with(k=3, pinned=True)
     policy.observe(drafted=3, accepted=3)
     policy.observe(drafted=3, accepted=0)
     assert policy.next_k(100) == 3
 
 
 def test_measured_costs_cap_k_at_the_best_predicted_speedup():
-    policy = policy_with(CPU_COSTS, k=8, k_max=8)
+    policy = policy_with(CPU_COSTS, k=8)
     policy.alpha = 0.9
     best = policy.best_k()
     assert best is not None and best < 8  # verifying 9 rows costs 4x one row here
     assert policy.next_k(100) == best
     # On a GPU-like device where verifying 9 rows costs barely more than one, the cap disappears.
-    gpu = policy_with({1: 0.010, 5: 0.0105, 9: 0.011}, k=8, k_max=8)
+    gpu = policy_with({1: 0.010, 5: 0.0105, 9: 0.011}, k=8)
     gpu.alpha = 0.9
     assert gpu.next_k(100) == 8
 
@@ -68,7 +72,7 @@ def test_speculation_pauses_when_acceptance_predicts_a_slowdown_and_the_pause_ba
 
 def test_without_cost_awareness_the_step_structure_depends_on_acceptance_only():
     policy = policy_with(CPU_COSTS, k=4)
-    policy.reset(adaptive=True, cost_aware=False)
+    policy.reset(cost_aware=False)
     for _ in range(5):
         policy.observe(drafted=policy.k, accepted=0)
     assert policy.pause_steps == 0
@@ -76,11 +80,29 @@ def test_without_cost_awareness_the_step_structure_depends_on_acceptance_only():
 
 
 def test_draft_lengths_outside_the_engine_capacity_are_refused():
-    with pytest.raises(GenerationOptionError, match=r"k must be in 1\.\.16"):
-        DraftLengthPolicy(k=17, k_max=17)
-    policy = DraftLengthPolicy()
+    policy = DraftLengthPolicy(capacity=16)
+    with pytest.raises(GenerationOptionError, match=r"draft length\) must be an integer in 1\.\.16"):
+        policy.reset(17)
     with pytest.raises(GenerationOptionError, match="draft length"):
-        policy.configure(0)
+        policy.reset(0)
+
+
+def test_an_unpinned_k_starts_at_the_default_and_stays_within_a_small_capacity():
+    policy = DraftLengthPolicy(capacity=3)
+    policy.reset()
+    assert policy.k == 3 and policy.k_max == 3
+    for _ in range(4):
+        policy.observe(drafted=policy.k, accepted=policy.k)
+    assert policy.next_k(100) <= 3
+
+
+def test_a_step_cost_beyond_the_verification_is_billed_to_drafting():
+    costs = CostModel()
+    costs.observe_verify(1, 1.0)
+    costs.observe_verify(5, 2.0)
+    costs.observe_step(4, 4.0)
+    assert costs.draft_per_token == pytest.approx(0.5)
+    assert costs.speedup(1.0, 4) == pytest.approx(5 * 1.0 / 4.0)
 
 
 def test_verify_costs_are_interpolated_between_measured_sizes():

@@ -8,7 +8,7 @@ from doppler_py.api import load
 from doppler_py.model.catalog import DEFAULT_MODEL
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
@@ -43,8 +43,8 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(setup, drafter, k):
         "layer-skip": lambda: LayerSkipDrafter(target, 10),
         "draft-model": lambda: DraftModelDrafter(draft, target.config.vocab_size),
     }[drafter]
-    engine = SpeculativeEngine(target, make(), k=k, k_max=8)
-    result = engine.generate(ids, NEW_TOKENS, SamplingParams(), stop_ids=(2,), pin_k=True)
+    engine = SpeculativeEngine(target, make())
+    result = engine.generate(ids, NEW_TOKENS, SamplingParams(), stop_ids=(2,), k=k)
     engine.close()
     assert result.tokens == plain[: len(result.tokens)]
     assert len(result.tokens) == len(plain)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from doppler_py.errors import DopplerError, GenerationOptionError
+from doppler_py.parity import SpeculativeDecoder
 from doppler_py.rng import Mulberry32
-from doppler_py.speculative import SpeculativeDecoder
 
 
 class FixedModel:

@@ -1,0 +1,103 @@
+"""The drafter contract: what the engine gives a drafter at each step, and what a drafter gives back.
+
+A drafter owns its GPU buffers and its sampler. Each step the engine hands it a read-only `StepContext` and
+asks for a `Proposal` of at most k tokens; after verification it says how many were accepted, and the drafter
+rolls its own state (a KV cache, a position) back to match. Nothing else passes between them, so a new
+drafter is one new file: implement `Drafter` and hand an instance to `SpeculativeEngine`.
+
+    proposal = drafter.propose(ctx, k)      # tokens d_0..d_{n-1}, n <= k (n = 0: the engine steps plainly)
+    ... the engine verifies them with ONE target forward over [last, d_0..d_{n-1}] ...
+    drafter.commit(ctx, accepted)           # d_0..d_{accepted-1} and one target token were committed
+
+Exactness does not depend on the drafter: whatever it proposes, the verifier keeps the output distributed as
+the target's own sampling. A drafter only decides how often its proposals are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.kv_cache import KVCache
+from doppler_py.model.transformer import Transformer
+from doppler_py.rng import Mulberry32
+from doppler_py.sampling import SamplingParams
+
+
+@dataclass
+class StepContext:
+    """What a drafter may read during one generation. Only the engine changes it (between steps).
+
+    tokens          the committed tokens (prompt + generated); the last one is not in the target cache yet: the
+                    next verification feeds it
+    target          the target model (its config and buffers)
+    target_cache    the target's KV cache, holding tokens[:-1]; positions past its length are scratch that the
+                    next verification overwrites
+    hidden_rows     rows of `target.hidden` (the final residual stream, before the final norm) that hold the
+                    positions len(tokens)-1-hidden_rows .. len(tokens)-2, i.e. the rows the last step verified
+                    and kept; 0 at the start of a generation. Valid until a drafter runs the target itself.
+    params          the sampling parameters of both the target and (for an exact check) the draft
+    rng             the generation's seeded stream: a drafter that samples on the GPU draws one u per sampled
+                    token, in order, so a seed fixes the output
+    capacity        positions this generation may use in any KV cache
+    """
+
+    tokens: list[int]
+    target: Transformer
+    target_cache: KVCache
+    params: SamplingParams
+    rng: Mulberry32
+    capacity: int
+    hidden_rows: int = 0
+
+    @property
+    def hidden(self) -> Tensor:
+        return self.target.x
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A drafter's answer: n tokens proposed to follow the last committed token.
+
+    tokens          the n draft ids: a host sequence (uploaded with the verification) or a GPU u32 tensor holding
+                    them at elements 0..n-1 (copied on the GPU; the host never sees them before verification)
+    draft_logits    f32 [>= n, target vocab] on the GPU: row i is the logits d_i was sampled from, at the same
+                    temperature/top-k/top-p as the target (the verifier filters both alike); None when the
+                    proposal is deterministic (q is one-hot at each d_i, e.g. n-gram lookup or a greedy draft)
+    parents         the tree shape, one parent index per node (-1: the last committed token); None is a chain
+                    (node i's parent is i-1). Only chains are verified today.
+    """
+
+    count: int
+    tokens: Sequence[int] | Tensor = ()
+    draft_logits: Tensor | None = None
+    parents: Sequence[int] | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return isinstance(self.tokens, Tensor)
+
+
+NO_PROPOSAL = Proposal(0)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, ctx: StepContext) -> None:
+        """A new generation: the target has consumed ctx.tokens[:-1]."""
+
+    def propose(self, ctx: StepContext, k: int) -> Proposal:
+        """At most k tokens to follow ctx.tokens (NO_PROPOSAL when there is nothing worth proposing)."""
+
+    def commit(self, ctx: StepContext, accepted: int) -> None:
+        """The last proposal's first `accepted` tokens and one target token were appended to ctx.tokens (a plain
+        step: accepted = 0 of nothing); roll back whatever state ran ahead of that."""
+
+    def finish(self) -> None:
+        """The generation ended (completed, failed or cancelled): free its per-generation state."""
+
+    def close(self) -> None:
+        """Free the drafter's own buffers; it is not used again."""

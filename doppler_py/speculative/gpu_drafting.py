@@ -1,0 +1,106 @@
+"""Drafting with a model on the GPU: one forward per draft token, each token sampled on the GPU and fed to the
+next forward without the host seeing it.
+
+`DraftSampler` is a drafter's own sampling state: the row it samples from (target-vocabulary wide), the
+sampled tokens and the logits rows they came from (which the verifier reads to test and to form the
+residual). `ModelDrafter` is the loop shared by the draft-model and layer-skip drafters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from doppler_py.gpu.kernels import Recorder
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.kv_cache import KVCache
+from doppler_py.model.transformer import Transformer
+from doppler_py.ops.sampling import Sampler
+from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
+
+
+class DraftSampler:
+    """Samples draft token i from a model's last logits row into tokens[i], keeping the row in logits[i].
+
+    row:    f32 [1, vocab]   the model's row, -inf beyond the model's own vocabulary (never proposed)
+    u:      f32 [1]          this token's uniform, drawn from the generation's rng
+    pick:   u32 [1]          the sampled id (a buffer of its own: a copy may not read and write one buffer)
+    tokens: u32 [max_drafts] the draft ids (the proposal's tokens)
+    logits: f32 [max_drafts, vocab]  the rows they were sampled from (the proposal's draft_logits)
+    """
+
+    def __init__(self, model: Transformer, vocab: int, max_drafts: int = MAX_DRAFT_TOKENS):
+        gpu = model.gpu
+        self.registry = model.registry
+        self.vocab = vocab
+        self.row_bytes = min(model.config.vocab_size, vocab) * 4
+        self.row = Tensor.from_numpy(gpu, np.full((1, vocab), -np.inf, np.float32), "f32", "draft_row")
+        self.u = Tensor.empty(gpu, 1, "f32", "draft_u")
+        self.tokens = Tensor.empty(gpu, max_drafts, "u32", "draft_tokens")
+        self.logits = Tensor.empty(gpu, (max_drafts, vocab), "f32", "draft_logits")
+        self.pick = Tensor.empty(gpu, 1, "u32", "draft_pick")
+        self.sampler = Sampler(self.registry, self.row, self.u, self.pick, vocab=vocab, max_rows=1)
+        self.max_drafts = max_drafts
+
+    def record(self, rec: Recorder, model: Transformer, i: int, params: SamplingParams) -> None:
+        """Sample token i from `model.logits[0]`, copy it to the model's next input and keep its row."""
+        rec.copy(model.logits, self.row, self.row_bytes)
+        self.sampler.record(rec, rows=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        rec.copy(self.pick, self.tokens, 4, dst_offset=4 * i)
+        rec.copy(self.pick, model.ids, 4)
+        rec.copy(self.row, self.logits, self.vocab * 4, dst_offset=i * self.vocab * 4)
+
+    def submit(self, rec: Recorder, u: float) -> None:
+        self.u.write(np.array([u], dtype=np.float32))
+        rec.submit()
+
+    def close(self) -> None:
+        self.registry.release_slot(self.sampler.bound.params)
+        self.registry.release_tensors(self.row, self.u, self.pick, self.tokens, self.logits)
+
+
+class ModelDrafter:
+    """Drafts k tokens with `model` (its first `num_layers` layers) on its KV cache, one forward per token."""
+
+    name = ""
+
+    def __init__(self, model: Transformer, vocab: int, num_layers: int | None = None):
+        self.model = model
+        self.num_layers = num_layers
+        self.sampling = DraftSampler(model, vocab)
+
+    def cache(self, ctx: StepContext) -> KVCache:
+        raise NotImplementedError
+
+    def pending(self, ctx: StepContext) -> list[int]:
+        """Committed tokens the draft cache has not consumed yet (at least the last token)."""
+        raise NotImplementedError
+
+    def propose(self, ctx: StepContext, k: int) -> Proposal:
+        model, cache, pending = self.model, self.cache(ctx), self.pending(ctx)
+        k = min(k, self.sampling.max_drafts)
+        if len(pending) + k - 1 > model.max_rows or cache.free < len(pending) + k:
+            return NO_PROPOSAL
+        model.ids.view((len(pending),)).write(model.check_ids(pending))
+        rows, pos = len(pending), cache.length
+        for i in range(k):
+            rec = model.registry.recorder()
+            model.record_forward(rec, rows, cache, pos, logits="last", num_layers=self.num_layers)
+            self.sampling.record(rec, model, i, ctx.params)
+            self.sampling.submit(rec, ctx.rng.random())
+            pos, rows = pos + rows, 1
+        return Proposal(k, self.sampling.tokens, self.sampling.logits)
+
+    def close(self) -> None:
+        self.finish()
+        self.sampling.close()
+
+    def start(self, ctx: StepContext) -> None:
+        pass
+
+    def commit(self, ctx: StepContext, accepted: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass

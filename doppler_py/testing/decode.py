@@ -1,0 +1,43 @@
+"""A reference decoder for tests: the target's logits read back to the host and a token picked by the numpy
+reference of the sampler contract. Independent of the engine's GPU token choice, so "speculative == plain"
+tests compare the engine with something it does not share (beyond the forward pass itself)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from doppler_py.model.transformer import Transformer
+from doppler_py.rng import Mulberry32
+from doppler_py.sampling import SamplingParams
+from doppler_py.testing.sampling_reference import sample_reference
+
+
+def reference_decode(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    *,
+    stop_ids: Sequence[int] = (),
+) -> list[int]:
+    """Decode one token per forward, stopping after any of `stop_ids` (u drawn as the engine's plain step).
+
+    The prompt is fed as the engine feeds it (all but its last token, then the last token alone), so the same
+    kernels produce every logit the engine's plain steps see.
+    """
+    ids = model.check_ids(prompt_ids).tolist()
+    cache = model.new_cache(len(ids) + max_new_tokens)
+    rng = Mulberry32(params.seed or 0)
+    out: list[int] = []
+    try:
+        if len(ids) > 1:
+            model.forward(ids[:-1], cache, 0, logits="none")
+        logits = model.forward(ids[-1:], cache)
+        while True:
+            token = sample_reference(logits, rng.random(), params)
+            out.append(token)
+            if token in stop_ids or len(out) == max_new_tokens:
+                return out
+            logits = model.forward([token], cache)
+    finally:
+        model.release_cache(cache)
