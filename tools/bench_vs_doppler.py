@@ -39,6 +39,7 @@ from doppler_py.ops.linear import Linear
 from doppler_py.ops.sampling import Sampler
 from doppler_py.parity.npm import fetch_package
 from doppler_py.sampling import SamplingParams
+from doppler_py.testing import references
 from doppler_py.testing.ops import Softmax
 from doppler_py.testing.sampling_reference import sample_reference
 
@@ -163,9 +164,7 @@ def mlp(b: Bench) -> list[Case]:
 
 def softmax(b: Bench) -> list[Case]:
     x = (b.rng.standard_normal((1, VOCAB)) * 3).astype(np.float32)
-    s = x.astype(np.float64) / np.float32(TEMPERATURE)
-    expected = np.exp(s - s.max())
-    expected /= expected.sum()
+    expected = references.softmax(x, TEMPERATURE)
     x_t = b.tensor(x)
     ours_out, theirs_out = Tensor.empty(b.gpu, (1, VOCAB)), Tensor.empty(b.gpu, (1, VOCAB))
     op = Softmax(b.registry, x_t, ours_out, cols=VOCAB, max_rows=1)
@@ -227,7 +226,7 @@ def attention(b: Bench) -> list[Case]:
         (f"prefill {PREFILL_ROWS} tokens", PREFILL_ROWS, 0, ("prefill_small",)),
     ):
         q = b.rng.standard_normal((rows, n_heads * head_dim)).astype(np.float32)
-        expected = dop.attention_reference(q, k, v, rows, start_pos, n_heads, n_kv)
+        expected = references.attention(q, k, v, start_pos)
         q_t = b.tensor(q)
         ours_out = Tensor.empty(b.gpu, (rows, n_heads * head_dim))
         op = Attention(b.registry, q_t, k_t, v_t, ours_out, max_seq=DECODE_CONTEXT, max_rows=rows, **HEADS)

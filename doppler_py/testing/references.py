@@ -54,6 +54,11 @@ def swiglu(gate: np.ndarray, up: np.ndarray, *, dtype: DType = np.float64) -> np
     return silu(gate, dtype=dtype) * np.asarray(up, dtype)
 
 
+def _width(x: np.ndarray) -> int:
+    """Elements per row (a -1 in reshape cannot be inferred from zero rows)."""
+    return math.prod(np.shape(x)[1:])
+
+
 # -- rotary embeddings ---------------------------------------------------------------------------------------
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -> np.ndarray:
     """HF's inverse frequencies [hd // 2] in float64, element by element as its docstrings describe them:
@@ -87,7 +92,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, dtype: DType = np.f
     rotated heads shaped like x.
     """
     half = cos.shape[-1]
-    heads = np.asarray(x, dtype).reshape(len(x), -1, 2 * half)
+    heads = np.asarray(x, dtype).reshape(len(x), _width(x) // (2 * half), 2 * half)
     c, s = np.asarray(cos, dtype)[:, None, :], np.asarray(sin, dtype)[:, None, :]
     x1, x2 = heads[..., :half], heads[..., half:]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(np.shape(x))
@@ -130,13 +135,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, *, dt
     rows, context = len(q), start_pos + len(q)
     _, n_kv, head_dim = k.shape
     # Query heads sharing a KV head side by side: [n_kv, group, T, hd].
-    qg = np.asarray(q, dtype).reshape(rows, n_kv, -1, head_dim).transpose(1, 2, 0, 3)
+    qg = np.asarray(q, dtype).reshape(rows, n_kv, _width(q) // (n_kv * head_dim), head_dim).transpose(1, 2, 0, 3)
     keys = np.asarray(k[:context], dtype).transpose(1, 2, 0)[:, None]  # [n_kv, 1, hd, context]
     values = np.asarray(v[:context], dtype).transpose(1, 0, 2)[:, None]  # [n_kv, 1, context, hd]
     scores = qg @ keys / np.sqrt(dtype(head_dim))
     scores[..., np.arange(context)[None, :] > start_pos + np.arange(rows)[:, None]] = -np.inf
     out = softmax(scores, dtype=dtype) @ values  # [n_kv, group, T, hd]
-    return out.transpose(2, 0, 1, 3).reshape(rows, -1)
+    return out.transpose(2, 0, 1, 3).reshape(rows, _width(q))
 
 
 # -- the whole model -----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Causal GQA attention over the KV cache (shaders/attention.wgsl, attention_reduce.wgsl) vs numpy float64.
+"""Causal GQA attention over the KV cache (shaders/attention.wgsl, attention_reduce.wgsl) vs numpy float64
+(`doppler_py.testing.references.attention`).
 
 Tolerance: |gpu - reference| <= 1e-5 * max|v|. Each output is a convex combination of value rows, so its
 error is the error of the weights times |v|. The kernel computes scores, exponentials and sums in f32
@@ -15,32 +16,16 @@ import pytest
 from doppler_py.errors import DeviceLimitError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.attention import Attention
+from doppler_py.testing.references import attention
 
 TOLERANCE = 1e-5
 SMOLLM2 = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
-
-
-def reference(q, k, v, rows, start_pos, n_heads, n_kv_heads):
-    """Causal GQA softmax attention in float64; reads only cache positions < start_pos + rows."""
-    head_dim = k.shape[-1]
-    group = n_heads // n_kv_heads
-    context = start_pos + rows
-    qh = q[:rows].reshape(rows, n_heads, head_dim).astype(np.float64)
-    kh = np.repeat(k[:context].astype(np.float64), group, axis=1)  # kv head h // group for query head h
-    vh = np.repeat(v[:context].astype(np.float64), group, axis=1)
-    scores = np.einsum("rhd,jhd->hrj", qh, kh) / np.sqrt(head_dim)
-    future = np.arange(context)[None, :] > (start_pos + np.arange(rows))[:, None]
-    scores[:, future] = -np.inf
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("hrj,jhd->rhd", p, vh).reshape(rows, n_heads * head_dim)
 
 
 class Case:
     """Random queries and a KV cache whose positions past start_pos + rows hold `garbage`."""
 
     def __init__(self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, garbage=np.nan):
-        self.shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads}
         self.q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
         self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
         self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
@@ -77,7 +62,7 @@ class Case:
         return self.out.numpy()
 
     def expected(self, rows, start_pos):
-        return reference(self.q, self.k, self.v, rows, start_pos, **self.shape)
+        return attention(self.q[:rows], self.k, self.v, start_pos)
 
     def check(self, got, rows, start_pos):
         atol = TOLERANCE * np.abs(self.v).max()
@@ -217,5 +202,5 @@ def test_queries_are_read_from_fused_qkv_rows(gpu, registry, rng):
     rec = registry.recorder()
     op.record(rec, rows, start_pos)
     rec.submit()
-    expected = reference(qkv[:, : n_heads * head_dim], k, v, rows, start_pos, n_heads, n_kv_heads)
+    expected = attention(qkv[:, : n_heads * head_dim], k, v, start_pos)
     np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=TOLERANCE * np.abs(v).max())

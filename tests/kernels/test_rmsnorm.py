@@ -1,4 +1,4 @@
-"""RMSNorm kernel against HF LlamaRMSNorm (numpy, float64).
+"""RMSNorm kernel against HF LlamaRMSNorm (`doppler_py.testing.references.rmsnorm`, float64).
 
 Tolerance: rtol 2e-6. The kernel rounds the sum of squares (a tree of f32 partial sums: relative error
 ~1e-7 for 8192 terms), inverseSqrt (WGSL allows 2 ulp) and two products, i.e. a handful of f32 ulps (6e-8).
@@ -11,14 +11,9 @@ import pytest
 
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.norms import RMSNorm
+from doppler_py.testing.references import rmsnorm
 
 EPS = 1e-5
-
-
-def hf_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    x = x.astype(np.float64)
-    variance = np.mean(x * x, axis=-1, keepdims=True)
-    return weight.astype(np.float64) * (x / np.sqrt(variance + eps))
 
 
 def run_rmsnorm(gpu, registry, x, weight, *, rows, max_rows, eps=EPS, fill=0.0):
@@ -38,14 +33,14 @@ def test_matches_hf_llama_rms_norm(gpu, registry, rng, dim):
     x = (rng.standard_normal((3, dim)) * 2).astype(np.float32)
     weight = rng.standard_normal(dim).astype(np.float32)
     out = run_rmsnorm(gpu, registry, x, weight, rows=3, max_rows=3)
-    np.testing.assert_allclose(out, hf_rms_norm(x, weight, EPS), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(out, rmsnorm(x, weight, EPS), rtol=2e-6, atol=1e-7)
 
 
 def test_only_the_recorded_rows_are_written(gpu, registry, rng):
     x = rng.standard_normal((5, 300)).astype(np.float32)
     weight = rng.standard_normal(300).astype(np.float32)
     out = run_rmsnorm(gpu, registry, x, weight, rows=2, max_rows=5, fill=-7.0)
-    np.testing.assert_allclose(out[:2], hf_rms_norm(x[:2], weight, EPS), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(out[:2], rmsnorm(x[:2], weight, EPS), rtol=2e-6, atol=1e-7)
     assert (out[2:] == -7.0).all()
 
 
@@ -56,7 +51,7 @@ def test_eps_keeps_tiny_and_all_zero_rows_finite(gpu, registry, rng):
     weight = rng.standard_normal(64).astype(np.float32)
     out = run_rmsnorm(gpu, registry, x, weight, rows=3, max_rows=3)
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out[:2], hf_rms_norm(x[:2], weight, EPS), rtol=2e-6, atol=1e-12)
+    np.testing.assert_allclose(out[:2], rmsnorm(x[:2], weight, EPS), rtol=2e-6, atol=1e-12)
     np.testing.assert_allclose(out[2], weight * 1e-20 / np.sqrt(EPS), rtol=2e-6)
 
 
@@ -72,7 +67,7 @@ def test_one_op_serves_decode_and_prefill_row_counts(gpu, registry, rng):
         op.record(rec, rows=rows)
         rec.submit()
         got = out.numpy()
-        np.testing.assert_allclose(got[:rows], hf_rms_norm(x[:rows], weight, EPS), rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(got[:rows], rmsnorm(x[:rows], weight, EPS), rtol=2e-6, atol=1e-7)
         assert (got[rows:] == 0).all()
 
 

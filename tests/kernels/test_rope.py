@@ -1,6 +1,6 @@
 """RoPE: the host cos/sin table against HF's documented formulas, and the fused kernel (RoPE + KV-cache write
 over the [q | k | v] projection output) against HF's `apply_rotary_pos_emb` (q * cos + rotate_half(q) * sin),
-both written here in numpy.
+both restated in numpy in `doppler_py.testing.references` (`rope_inv_freq`, `rope`).
 
 Tolerances:
 * inverse frequencies: the table reproduces HF's float32 arithmetic; against the same formula in float64 it
@@ -13,7 +13,6 @@ Tolerances:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 from doppler_py.errors import UnsupportedModelError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.rope import RoPE, rope_inv_freq, rope_table
+from doppler_py.testing import references
 
 K_FILL, V_FILL = -1.0, -2.0  # cache sentinels: positions the kernel must not write keep them
 
@@ -34,37 +34,9 @@ LLAMA_3_2_SCALING = {
 }
 
 
-def reference_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """HF's inverse frequencies in float64, element by element as its docstrings describe them."""
-    inv_freq = [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)]
-    if scaling is None:
-        return np.array(inv_freq)
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return np.array(inv_freq) / factor
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    scaled = []
-    for f in inv_freq:
-        wavelen = 2 * math.pi / f
-        if wavelen < old_context / high:  # high frequency: kept
-            scaled.append(f)
-        elif wavelen > old_context / low:  # low frequency: interpolated by the full factor
-            scaled.append(f / factor)
-        else:  # in between: a smooth blend of the two
-            smooth = (old_context / wavelen - low) / (high - low)
-            scaled.append((1 - smooth) * f / factor + smooth * f)
-    return np.array(scaled)
-
-
-def hf_rotary(x: np.ndarray, n_heads: int, head_dim: int, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """HF apply_rotary_pos_emb in float64 with cos/sin = cat(freqs, freqs).cos()/.sin() taken from `table`."""
-    x = x.reshape(len(positions), n_heads, head_dim).astype(np.float64)
-    cos = np.concatenate([table[positions, :, 0]] * 2, axis=-1)[:, None, :]
-    sin = np.concatenate([table[positions, :, 1]] * 2, axis=-1)[:, None, :]
-    half = head_dim // 2
-    rotated_half = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x * cos + rotated_half * sin).reshape(len(positions), n_heads * head_dim)
+def rotated(x: np.ndarray, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """x [len(positions), heads * head_dim] rotated at `positions` with the cos/sin of the kernel's table."""
+    return references.rope(x, table[positions, :, 0], table[positions, :, 1])
 
 
 @dataclass
@@ -122,7 +94,7 @@ class FusedRope:
         positions = np.arange(start_pos, start_pos + written_rows)
         assert_q_rotated_in_place(self.shape, qkv, self.qkv.numpy(), self.table, positions)
         _, k, v = self.shape.split(qkv[:written_rows])
-        self.expected_k[positions] = hf_rotary(k, self.shape.n_kv_heads, self.shape.head_dim, self.table, positions)
+        self.expected_k[positions] = rotated(k, self.table, positions)
         self.expected_v[positions] = v
 
     def assert_caches_as_expected(self) -> None:
@@ -138,7 +110,7 @@ def assert_q_rotated_in_place(shape: Shape, before, after, table, positions) -> 
     n = len(positions)
     q_before, _, _ = shape.split(before[:n])
     q_after, _, _ = shape.split(after[:n])
-    expected_q = hf_rotary(q_before, shape.n_heads, shape.head_dim, table, positions)
+    expected_q = rotated(q_before, table, positions)
     np.testing.assert_allclose(q_after, expected_q, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(after[:n, shape.q_size :], before[:n, shape.q_size :])
     np.testing.assert_array_equal(after[n:], before[n:])
@@ -149,12 +121,12 @@ def assert_q_rotated_in_place(shape: Shape, before, after, table, positions) -> 
 def test_inverse_frequencies_follow_the_default_formula(head_dim, theta):
     inv_freq = rope_inv_freq(head_dim, theta)
     assert inv_freq.dtype == np.float32 and inv_freq.shape == (head_dim // 2,)
-    np.testing.assert_allclose(inv_freq, reference_inv_freq(head_dim, theta), rtol=1e-6)
+    np.testing.assert_allclose(inv_freq, references.rope_inv_freq(head_dim, theta), rtol=1e-6)
 
 
 def test_llama_3_2_scaling_follows_hf_llama3_formula():
     inv_freq = rope_inv_freq(64, 5e5, LLAMA_3_2_SCALING)
-    np.testing.assert_allclose(inv_freq, reference_inv_freq(64, 5e5, LLAMA_3_2_SCALING), rtol=1e-6)
+    np.testing.assert_allclose(inv_freq, references.rope_inv_freq(64, 5e5, LLAMA_3_2_SCALING), rtol=1e-6)
     # All three regimes occur for head_dim 64: kept, divided by 32 (exactly: a power of two), and blended.
     default = rope_inv_freq(64, 5e5)
     wavelen = 2 * np.pi / default.astype(np.float64)

@@ -17,6 +17,7 @@ from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.sampling import Sampler
 from doppler_py.sampling import SamplingParams
+from doppler_py.testing.distribution import assert_histograms_converge
 from doppler_py.testing.sampling_reference import (
     clean_logits,
     filtered_probs,
@@ -136,6 +137,16 @@ def test_each_u_of_a_grid_gets_the_reference_token_and_the_histogram_matches(gpu
     # A grid of n points puts within one of n * p_i points into each token's CDF interval.
     counts = np.bincount(ids, minlength=vocab)
     assert np.abs(counts - n * probs).max() <= 1 + near_ties
+
+
+def test_random_u_gives_tokens_that_follow_the_filtered_distribution(gpu, registry, rng):
+    # What generation does: one uniform draw per row. The grid test above pins each u's token; this one checks
+    # the statistical consequence with the criterion every sampler test shares.
+    vocab, n = 64, 8192
+    options = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+    logits = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    ids = gpu_sample(gpu, registry, np.tile(logits, (n, 1)), rng.random(n), **options)
+    assert_histograms_converge(ids, filtered_probs(logits, SamplingParams(**options)), rng)
 
 
 def test_top_k_keeps_exactly_k_tokens_with_boundary_ties_to_the_lowest_indices(gpu, registry, rng):

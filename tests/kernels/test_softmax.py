@@ -1,4 +1,5 @@
-"""Softmax / log-softmax with temperature against a float64 numpy reference.
+"""Softmax / log-softmax with temperature (`doppler_py.testing.ops.Softmax`) against the float64 references in
+`doppler_py.testing.references`.
 
 Tolerances: probabilities rtol 1e-5 (WGSL allows exp an error of 3 + 2|x| ulp, ~4e-6 relative at
 |x| = 30; the f32 sum over 49152 columns adds ~1e-6), atol 1e-12 for the far tail; log-probabilities
@@ -13,20 +14,11 @@ import pytest
 from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.testing.ops import Softmax
+from doppler_py.testing.references import log_softmax, softmax
 
 
 def reference(logits: np.ndarray, temperature: float, log: bool) -> np.ndarray:
-    """Row-wise (log-)softmax in float64 of the f32 scaled logits (the kernel divides in f32, as the JS does);
-    rows without a finite entry give all-zero probabilities / all -inf log-probabilities."""
-    scaled = (logits / np.float32(temperature)).astype(np.float64)
-    out = np.full(scaled.shape, -np.inf if log else 0.0)
-    for r, row in enumerate(scaled):
-        if np.isneginf(row).all():
-            continue
-        shifted = row - row.max()
-        log_sum = np.log(np.exp(shifted).sum())
-        out[r] = shifted - log_sum if log else np.exp(shifted) / np.exp(log_sum)
-    return out
+    return (log_softmax if log else softmax)(logits, temperature)
 
 
 def run_softmax(gpu, registry, logits, *, log, temperature=1.0, rows=None):

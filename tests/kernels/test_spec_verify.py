@@ -31,6 +31,7 @@ from doppler_py.ops.speculative import (
     result_size,
 )
 from doppler_py.sampling import SamplingParams
+from doppler_py.testing.distribution import assert_histograms_converge, total_variation
 from doppler_py.testing.sampling_reference import (
     clean_logits,
     filtered_probs,
@@ -275,30 +276,6 @@ def emitted_tokens(results: np.ndarray) -> list[np.ndarray]:
     return [np.append(r[3 : 3 + r[0]], r[1]) for r in results]
 
 
-def total_variation(counts: np.ndarray, p: np.ndarray) -> float:
-    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
-
-
-def assert_histograms_converge_to(p: np.ndarray, samples: np.ndarray, rng) -> None:
-    """The histogram of `samples` converges to p: never a token outside p's support; the distance to p shrinks
-    ~1/sqrt(n) over decades of n and ends near its expected value; Pearson's chi-square fits; and p is far
-    closer than random distributions are."""
-    vocab, n = p.size, samples.size
-    counts = np.bincount(samples, minlength=vocab)
-    assert not counts[p == 0].any(), "a token that top-k/top-p (or -inf) excludes was emitted"
-    distances = [total_variation(np.bincount(samples[:size], minlength=vocab), p) for size in (10, 100, 1000, n)]
-    assert distances[0] > distances[1] > distances[2], distances
-    # E|count_j / n - p_j| <= sqrt(p_j (1 - p_j) / n), so E TV <= sum_j sqrt(p_j (1 - p_j)) / (2 sqrt(n)).
-    expected = float(np.sqrt(p * (1 - p)).sum()) / (2 * np.sqrt(n))
-    assert distances[-1] < 1.5 * expected, (distances, expected)
-    support = p > 0
-    chi2 = float((((counts - n * p) ** 2)[support] / (n * p[support])).sum())
-    df = int(support.sum()) - 1
-    assert chi2 < df + 5 * np.sqrt(2 * df), (chi2, df)  # ~5 standard deviations of the chi-square(df) law
-    others = rng.dirichlet(np.ones(vocab), size=200)
-    assert min(total_variation(counts, other) for other in others) > 10 * distances[-1]
-
-
 STATISTICAL_CASES = [
     pytest.param({"temperature": 1.0}, False, 32, id="draft-T1"),
     pytest.param({"temperature": 0.7, "top_k": 15, "top_p": 0.9}, False, 12, id="draft-T0.7-topk-topp"),
@@ -322,7 +299,7 @@ def test_the_first_emitted_token_follows_the_target_distribution(gpu, registry, 
         drafts = rng.integers(vocab, size=(batch, 1)) if onehot else rng.choice(vocab, size=(batch, 1), p=q)
         results = trials.run(drafts, rng.random((batch, 3)), onehot=onehot, **options)
         first.append(np.where(results[:, 0] == 1, results[:, 3], results[:, 1]))
-    assert_histograms_converge_to(p, np.concatenate(first), rng)
+    assert_histograms_converge(np.concatenate(first), p, rng)
 
 
 def test_every_emitted_token_of_multi_token_steps_follows_the_target_distribution(gpu, registry, rng):
@@ -341,7 +318,7 @@ def test_every_emitted_token_of_multi_token_steps_follows_the_target_distributio
         emitted += emitted_tokens(results)
     samples = np.concatenate(emitted)
     assert samples.size > 2 * batch * submits  # steps emit several tokens: drafts were accepted
-    assert_histograms_converge_to(p, samples, rng)
+    assert_histograms_converge(samples, p, rng)
 
 
 # -- greedy -------------------------------------------------------------------------------------------------

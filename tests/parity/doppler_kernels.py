@@ -14,7 +14,7 @@ naga (wgpu-py's compiler) rejects `enable subgroups;`, which Tint requires; like
 is stripped before compiling (the builtins still work). Any other naga error is raised as `DopplerShaderError`
 with the compiler's message. Also here: a numpy packer and reader of the package's Q4_K weight format (ggml's
 block_q4_K, 144 bytes per 256 weights), written from the format's definition, so a matrix can be quantised
-for its fused Q4 kernels, and the float64 attention reference that the parity test and the benchmark share.
+for its fused Q4 kernels.
 """
 
 from __future__ import annotations
@@ -478,18 +478,3 @@ def attention(
         dk.pipeline("attention", variant), grid, uniforms,
         b1=q, b2=k, b3=v, b4=out, b5=dk.placeholder(), b6=dk.placeholder(),
     )  # fmt: skip
-
-
-def attention_reference(q, k, v, rows, start_pos, n_heads, n_kv_heads) -> np.ndarray:
-    """Causal GQA softmax attention in float64 over cache positions < start_pos + rows."""
-    head_dim = k.shape[-1]
-    context = start_pos + rows
-    group = n_heads // n_kv_heads
-    qh = q.reshape(rows, n_heads, head_dim).astype(np.float64)
-    kh = np.repeat(k[:context].astype(np.float64), group, axis=1)
-    vh = np.repeat(v[:context].astype(np.float64), group, axis=1)
-    scores = np.einsum("rhd,jhd->hrj", qh, kh) / np.sqrt(head_dim)
-    scores[:, np.arange(context)[None, :] > (start_pos + np.arange(rows))[:, None]] = -np.inf
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("hrj,jhd->rhd", p, vh).reshape(rows, n_heads * head_dim)

@@ -45,6 +45,7 @@ from doppler_py.ops.norms import RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 from doppler_py.ops.sampling import Sampler
 from doppler_py.sampling import SamplingParams
+from doppler_py.testing import references
 from doppler_py.testing.ops import Residual, Softmax
 from doppler_py.testing.sampling_reference import sample_reference
 
@@ -203,9 +204,7 @@ def test_softmax_both_match_float64(gpu, registry, doppler, rng, variant, cols):
     rows, temperature = 3, 0.7
     x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
     x[0, ::7] = -np.inf  # masked tokens: probability exactly 0
-    s = x.astype(np.float64) / np.float32(temperature)
-    expected = np.exp(s - s.max(axis=1, keepdims=True))
-    expected /= expected.sum(axis=1, keepdims=True)
+    expected = references.softmax(x, temperature)
 
     ours = Tensor.empty(gpu, (rows, cols))
     run_ours(registry, Softmax(registry, upload(gpu, x), ours, cols=cols, max_rows=rows), rows, temperature)
@@ -338,8 +337,7 @@ def test_rmsnorm_both_match_float64(gpu, registry, doppler, rng, variant, dim):
     rows, eps = 3, 1e-5
     x = rng.standard_normal((rows, dim)).astype(np.float32)
     w = rng.standard_normal(dim).astype(np.float32)
-    xd = x.astype(np.float64)
-    expected = xd / np.sqrt((xd**2).mean(axis=1, keepdims=True) + np.float32(eps)) * w
+    expected = references.rmsnorm(x, w, eps)
 
     ours = Tensor.empty(gpu, (rows, dim))
     run_ours(registry, RMSNorm(registry, upload(gpu, x), upload(gpu, w), ours, dim=dim, eps=eps, max_rows=rows), rows)
@@ -362,13 +360,13 @@ def test_rope_both_match_float64(gpu, registry, doppler, rng):
     q = qkv[:, : n_heads * head_dim].reshape(rows, n_heads, head_dim)
     k = qkv[:, n_heads * head_dim : (n_heads + n_kv) * head_dim].reshape(rows, n_kv, head_dim)
 
+    angles = table[start_pos : start_pos + rows].astype(np.float64)  # [rows, half, (cos, sin)]
+
     def expected(x):
-        c = table[start_pos : start_pos + rows, None, :, 0].astype(np.float64)
-        s = table[start_pos : start_pos + rows, None, :, 1].astype(np.float64)
-        x0, x1 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
-        value = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
-        scale = np.concatenate([np.abs(x0 * c) + np.abs(x1 * s), np.abs(x0 * s) + np.abs(x1 * c)], axis=-1)
-        return value, 4 * U * scale
+        c, s = np.abs(angles[:, None, :, 0]), np.abs(angles[:, None, :, 1])
+        x0, x1 = np.abs(x[..., :half].astype(np.float64)), np.abs(x[..., half:].astype(np.float64))
+        scale = np.concatenate([x0 * c + x1 * s, x0 * s + x1 * c], axis=-1)
+        return references.rope(x, angles[..., 0], angles[..., 1]), 4 * U * scale
 
     qkv_t = upload(gpu, qkv)
     k_cache = Tensor.empty(gpu, (max_seq, n_kv, head_dim))
@@ -410,7 +408,6 @@ def test_swiglu_ours_matches_float64_and_doppler_silu_clamps_below_minus_15(gpu,
     gate = rng.uniform(-40, 40, (rows, ffn)).astype(np.float32)
     up = rng.standard_normal((rows, ffn)).astype(np.float32)
     g = gate.astype(np.float64)
-    silu_exact = g / (1 + np.exp(-g))
     silu_clamped = g / (1 + np.exp(-np.clip(g, -SIGMOID_CLAMP, SIGMOID_CLAMP)))
     size = rows * ffn
 
@@ -421,7 +418,7 @@ def test_swiglu_ours_matches_float64_and_doppler_silu_clamps_below_minus_15(gpu,
     run_theirs(gpu, dop.silu(doppler, upload(gpu, up), theirs_gated, size, gate=upload(gpu, gate)))
     run_theirs(gpu, dop.silu(doppler, upload(gpu, gate), theirs_plain, size))
 
-    swiglu_exact = silu_exact * up
+    swiglu_exact = references.swiglu(gate, up)
     ours_err = np.abs(ours.numpy() - swiglu_exact)
     theirs_err = np.abs(theirs_gated.numpy().reshape(rows, ffn) - swiglu_exact)
     ours_rel, theirs_rel = ours_err / np.abs(swiglu_exact), theirs_err / np.abs(swiglu_exact)
@@ -500,7 +497,7 @@ def test_attention_both_match_float64(gpu, registry, doppler, rng, variant, rows
     q = rng.standard_normal((rows, n_heads * head_dim)).astype(np.float32)
     k = rng.standard_normal((context, n_kv, head_dim)).astype(np.float32)
     v = rng.standard_normal((context, n_kv, head_dim)).astype(np.float32)
-    expected = dop.attention_reference(q, k, v, rows, start_pos, n_heads, n_kv)
+    expected = references.attention(q, k, v, start_pos)
     q_t, k_t, v_t = upload(gpu, q), upload(gpu, k), upload(gpu, v)
 
     ours = Tensor.empty(gpu, (rows, n_heads * head_dim))
