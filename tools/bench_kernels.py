@@ -1,14 +1,18 @@
-"""Time every WGSL kernel on SmolLM2-135M shapes next to numpy doing the same op in the same run.
+"""Time every WGSL kernel the model runs, on SmolLM2-135M shapes, next to numpy doing the same op in the same run.
 
     python tools/bench_kernels.py [--json out.json] [--only lm_head rmsnorm ...] [--list] [--rounds 9]
                                   [--dispatches 10] [--min-ms 30]
 
-Cases: matmul (LM head per weight format and at verification row counts, MLP, prefill GEMM), embedding, and
-every other op of a decoder step at one row and at a verification batch (5 rows): RMSNorm, RoPE fused with
-the KV-cache write, SwiGLU, residual add, softmax and log-softmax, the sampler (argmax, temperature, top-k 50,
-top-p 0.9), attention (decode at contexts 64/512/2048, verification T=5 at 512, prefill of 128 rows) and the
-speculative verification of k=4 drafts (greedy, and temperature 1 with a draft model's logits). `--only`
-keeps the cases whose name, or whose group's name, contains one of its words; `--list` prints the names.
+Cases, as the forward pass (doppler_py/model/transformer.py) records them: a layer's matmuls per weight format
+(qkv and gate_up with their RMSNorm fused in, o and down accumulating into the residual stream), the LM head
+(after the separate final RMSNorm) per weight format and at verification row counts, a 128-row prefill of
+gate_up (the tiled GEMM behind its separate norm dispatch, as GPUs run it, and the register kernel with the
+norm fused, as CPU adapters run it), the embedding, and every other op of a decoder step at one row and at a
+verification batch (5 rows): the final RMSNorm, RoPE fused with the KV-cache write, SwiGLU, the sampler
+(argmax, temperature, top-k 50, top-p 0.9), attention (decode at contexts 64/512/2048, verification T=5 at
+512, prefill of 128 rows) and the speculative verification of k=4 drafts (greedy, and temperature 1 with a
+draft model's logits). Kernels the model never runs (residual add, softmax) are not timed. `--only` keeps the
+cases whose name, or whose group's name, contains one of its words; `--list` prints the names.
 
 Before timing, each case runs once on its inputs and its GPU result is compared with numpy's (token ids: the
 token must be one the sampling contract allows for its u, up to float rounding), so the table never times a
@@ -22,8 +26,8 @@ threads keep spinning after a call and would slow the next GPU op. The per-dispa
 kernel that does almost nothing, the same way. GB/s counts the bytes an op must read and write (weights at
 their stored size, activations in f32; a KV cache once); numpy always multiplies by the f32 matrix. GFLOP/s
 counts the arithmetic of the op's formula (an exp counts as one operation; comparisons and selection count
-none, so argmax, greedy verification and gathers show 0). Ops that update a buffer in place (RoPE, residual)
-keep doing so while they are timed, on both sides.
+none, so argmax, greedy verification and gathers show 0). Ops that update a buffer in place (RoPE, the
+accumulating matmuls) keep doing so while they are timed.
 
 To add a kernel, write a function returning `Op`s and list it in CASES.
 """
@@ -51,13 +55,13 @@ from doppler_py.gpu.weights import Weight, dequantize_blocks, quantize_blocks
 from doppler_py.ops.attention import Attention
 from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.embedding import Embedding
-from doppler_py.ops.linear import Linear
+from doppler_py.ops.linear import InputNorm, Linear
 from doppler_py.ops.norms import RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.speculative import SpecVerify, result_size
 from doppler_py.sampling import SamplingParams
-from doppler_py.testing.ops import Residual, Softmax
+from doppler_py.testing import references
 from doppler_py.testing.sampling_reference import filtered_weights, sample_reference
 from doppler_py.testing.verify_reference import verify_reference
 
@@ -83,7 +87,7 @@ CHECK_TOLERANCE = 1e-3
 # and numpy sum 49152 weights in float32 in different orders.
 CDF_SLACK = 1e-4
 # Table columns (title, format width); the numeric ones print these keys of a result row.
-COLUMNS = [("op", "24s"), ("kernel", "10s"), ("shape", "18s"), ("format", "6s")] + [
+COLUMNS = [("op", "28s"), ("kernel", "11s"), ("shape", "18s"), ("format", "6s")] + [
     (title, ">9s") for title in ("ms", "cpu ms", "GB/s", "GFLOP/s", "numpy ms", "ms/numpy")
 ]
 NUMERIC_KEYS = ("ms", "cpu_ms", "GB/s", "GFLOP/s", "numpy_ms", "ratio")
@@ -146,25 +150,43 @@ class Bench:
     def normal(self, *shape: int, scale: float = 1.0) -> np.ndarray:
         return (self.rng.standard_normal(shape) * scale).astype(np.float32)
 
-    def linear(self, name: str, n: int, k: int, fmt: str, rows: int, **kwargs) -> Op:
+    def linear(
+        self, name: str, n: int, k: int, fmt: str, rows: int, *, norm: bool = False, accumulate: bool = False, **kwargs
+    ) -> Op:
+        """`Linear` over the seeded [n, k] matrix: `norm` fuses the RMSNorm of its input (the model's qkv and
+        gate_up), `accumulate` adds into the output (o and down, into the residual stream)."""
         weight = self.weight(n, k, fmt)
         x_host = self.normal(rows, k)
         x = Tensor.from_numpy(self.gpu, x_host)
-        out = Tensor.empty(self.gpu, (rows, n))
-        op = Linear(self.registry, weight, x, out, max_rows=rows, **kwargs)
+        acc_host = self.normal(rows, n) if accumulate else None
+        out = Tensor.from_numpy(self.gpu, acc_host) if accumulate else Tensor.empty(self.gpu, (rows, n))
+        input_norm = (1 + self.normal(k, scale=0.1), RMS_EPS) if norm else None
+        if norm:
+            gain = Tensor.from_numpy(self.gpu, input_norm[0])
+            kwargs["norm"] = InputNorm(gain, RMS_EPS, Tensor.empty(self.gpu, (rows, k)))
+        op = Linear(self.registry, weight, x, out, max_rows=rows, accumulate=accumulate, **kwargs)
         w32 = self.matrix(n, k)
-        numpy = (lambda: w32 @ x_host[0]) if rows == 1 else (lambda: x_host @ w32.T)
+
+        def numpy() -> np.ndarray:
+            xn = x_host if input_norm is None else references.rmsnorm(x_host, *input_norm, dtype=np.float32)
+            y = w32 @ xn[0] if rows == 1 else xn @ w32.T  # numpy's GEMV for one row
+            return y if acc_host is None else acc_host + y
+
+        def expected() -> np.ndarray:
+            y = references.linear(x_host, self.dequantized(n, k, fmt), norm=input_norm)
+            return y if acc_host is None else acc_host + y
+
         return Op(
             name,
-            "matmul",
+            "matmul+norm" if norm else "matmul",
             f"{n}x{k} T={rows}",
             fmt,
             lambda rec: op.record(rec, rows),
-            weight.nbytes + 4 * rows * (n + k),
-            2 * rows * n * k,
+            weight.nbytes + 4 * rows * (n + k) + (4 * rows * n if accumulate else 0) + (4 * k if norm else 0),
+            2 * rows * n * k + (4 * rows * k if norm else 0),  # the norm: square-and-add, scale, gain per input
             numpy,
             result=out.numpy,
-            expected=lambda: x_host @ self.dequantized(n, k, fmt).T,
+            expected=expected,
         )
 
     def time_op(self, op: Op, dispatches: int) -> tuple[float, float]:
@@ -193,38 +215,19 @@ class Bench:
         return error
 
 
-# -- numpy equivalents: vectorised float32, the same work as the kernel --------------------------------------
-def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + np.float32(RMS_EPS)) * weight
-
-
-def swiglu(gate_up: np.ndarray) -> np.ndarray:
-    gate, up = gate_up[:, :MLP], gate_up[:, MLP:]
-    return gate / (1 + np.exp(-gate)) * up
-
-
+# -- numpy equivalents: vectorised float32, the same work as the kernel (doppler_py.testing.references where a
+# formula has one) ----------------------------------------------------------------------------------------
 def rope_and_cache_write(
     qkv: np.ndarray, table: np.ndarray, start_pos: int, k_cache: np.ndarray, v_cache: np.ndarray
 ) -> None:
     """Rotate q in place in `qkv` (rows of [q | k | v]), write rotated k and plain v to the caches' rows."""
-    rows, half = len(qkv), HEAD_DIM // 2
-    angles = table[start_pos : start_pos + rows, None]  # [rows, 1, half, 2]
-    cos, sin = angles[..., 0], angles[..., 1]
-    heads = qkv[:, : Q_SIZE + KV_SIZE].reshape(rows, N_HEADS + N_KV_HEADS, HEAD_DIM)
-    x1, x2 = heads[..., :half], heads[..., half:]
-    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    rows = len(qkv)
+    angles = table[start_pos : start_pos + rows]  # [rows, half, (cos, sin)]
+    rotated = references.rope(qkv[:, : Q_SIZE + KV_SIZE], angles[..., 0], angles[..., 1], dtype=np.float32)
     positions = slice(start_pos, start_pos + rows)
-    qkv[:, :Q_SIZE] = rotated[:, :N_HEADS].reshape(rows, Q_SIZE)
-    k_cache[positions] = rotated[:, N_HEADS:].reshape(rows, KV_SIZE)
+    qkv[:, :Q_SIZE] = rotated[:, :Q_SIZE]
+    k_cache[positions] = rotated[:, Q_SIZE:]
     v_cache[positions] = qkv[:, Q_SIZE + KV_SIZE :]
-
-
-def softmax_rows(logits: np.ndarray, temperature: float, log: bool) -> np.ndarray:
-    scaled = logits / np.float32(temperature)
-    shifted = scaled - scaled.max(axis=1, keepdims=True)
-    exp = np.exp(shifted)
-    total = exp.sum(axis=1, keepdims=True)
-    return shifted - np.log(total) if log else exp / total
 
 
 def first_above(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -261,30 +264,13 @@ def verify_step(
         accepted = drafts == best[:k]
         n = int(np.argmin(np.append(accepted, False)))
         return n, int(best[n])
-    p, q = softmax_rows(target, 1.0, False), softmax_rows(draft, 1.0, False)
+    p, q = references.softmax(target, dtype=np.float32), references.softmax(draft, dtype=np.float32)
     rows = np.arange(k)
     accepted = randoms[k : 2 * k] * q[rows, drafts] < p[rows, drafts]
     n = int(np.argmin(np.append(accepted, False)))
     residuals = np.concatenate([np.maximum(p[:k] - q, 0), p[k:]])
     tokens = first_above(np.cumsum(residuals, axis=1), np.full(k + 1, randoms[2 * k]))
     return n, int(tokens[n])
-
-
-def attention_rows(
-    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int, future: np.ndarray
-) -> np.ndarray:
-    """Causal GQA attention of q [rows, Q_SIZE] over cache positions < start_pos + rows; `future` masks
-    [rows * group, context] scores of keys after each query."""
-    rows, group, context = len(q), N_HEADS // N_KV_HEADS, start_pos + len(q)
-    # Query heads sharing a kv head side by side: [kv head, rows * group, HEAD_DIM].
-    qg = q.reshape(rows, N_KV_HEADS, group, HEAD_DIM).transpose(1, 0, 2, 3).reshape(N_KV_HEADS, -1, HEAD_DIM)
-    k = k_cache[:context].reshape(context, N_KV_HEADS, HEAD_DIM).transpose(1, 2, 0)
-    v = v_cache[:context].reshape(context, N_KV_HEADS, HEAD_DIM).transpose(1, 0, 2)
-    scores = qg @ k * np.float32(1 / np.sqrt(HEAD_DIM))
-    scores[:, future] = -np.inf
-    weights = np.exp(scores - scores.max(axis=2, keepdims=True))
-    out = (weights @ v) / weights.sum(axis=2, keepdims=True)
-    return out.reshape(N_KV_HEADS, rows, group, HEAD_DIM).transpose(1, 0, 2, 3).reshape(rows, Q_SIZE)
 
 
 # -- token checks -------------------------------------------------------------------------------------------
@@ -321,17 +307,23 @@ def lm_head_rows(b: Bench) -> list[Op]:
     return [b.linear(f"lm_head f16 T={rows}", VOCAB, HIDDEN, "f16", rows) for rows in (2, 5, 8, 16)]
 
 
-def mlp(b: Bench) -> list[Op]:
-    ops = []
-    for fmt in ("f32", "q4_1"):
-        ops.append(b.linear(f"mlp_up {fmt}", MLP, HIDDEN, fmt, 1))
-        ops.append(b.linear(f"mlp_down {fmt}", HIDDEN, MLP, fmt, 1))
-    return ops
+def layer(b: Bench) -> list[Op]:
+    """A layer's four projections at one row, as the model builds them."""
+    return [
+        op
+        for fmt in ("f32", "q4_1")
+        for op in (
+            b.linear(f"qkv {fmt}", QKV_SIZE, HIDDEN, fmt, 1, norm=True),
+            b.linear(f"o {fmt}", HIDDEN, Q_SIZE, fmt, 1, accumulate=True),
+            b.linear(f"gate_up {fmt}", 2 * MLP, HIDDEN, fmt, 1, norm=True),
+            b.linear(f"down {fmt}", HIDDEN, MLP, fmt, 1, accumulate=True),
+        )
+    ]
 
 
 def prefill(b: Bench) -> list[Op]:
     return [
-        b.linear(f"prefill {fmt} {kind}", MLP, HIDDEN, fmt, 128, tiled_gemm=kind == "tiled")
+        b.linear(f"prefill gate_up {fmt} {kind}", 2 * MLP, HIDDEN, fmt, 128, norm=True, tiled_gemm=kind == "tiled")
         for fmt in ("f32", "q4_1")
         for kind in ("tiled", "register")
     ]
@@ -374,7 +366,7 @@ def rmsnorm_op(b: Bench, rows: int, weight_host: np.ndarray, weight: Tensor) -> 
         lambda rec: op.record(rec, rows),
         4 * (2 * rows * HIDDEN + HIDDEN),
         4 * rows * HIDDEN,  # square-and-add, scale, weight
-        lambda: rms_norm(x_host, weight_host),
+        lambda: references.rmsnorm(x_host, weight_host, RMS_EPS, dtype=np.float32),
         result=out.numpy,
     )
 
@@ -435,51 +427,13 @@ def swiglu_op(b: Bench, rows: int) -> Op:
         lambda rec: op.record(rec, rows),
         4 * 3 * rows * MLP,
         4 * rows * MLP,  # exp, add, divide, multiply
-        lambda: swiglu(gate_up_host),
+        lambda: references.swiglu(gate_up_host[:, :MLP], gate_up_host[:, MLP:], dtype=np.float32),
         result=out.numpy,
     )
 
 
-def residual_op(b: Bench, rows: int) -> Op:
-    delta_host, acc_host = b.normal(rows, HIDDEN), b.normal(rows, HIDDEN)
-    acc = Tensor.from_numpy(b.gpu, acc_host)
-    op = Residual(b.registry, Tensor.from_numpy(b.gpu, delta_host), acc, dim=HIDDEN, max_rows=rows)
-    return Op(
-        f"residual T={rows}",
-        "residual",
-        f"{HIDDEN} T={rows}",
-        "f32",
-        lambda rec: op.record(rec, rows),
-        4 * 3 * rows * HIDDEN,
-        rows * HIDDEN,
-        lambda: np.add(acc_host, delta_host, out=acc_host),
-        result=acc.numpy,
-    )
-
-
-def elementwise(b: Bench) -> list[Op]:
-    return [make(b, rows) for make in (swiglu_op, residual_op) for rows in (1, VERIFY_ROWS)]
-
-
-def softmax_op(b: Bench, rows: int, log: bool) -> Op:
-    logits_host = b.normal(rows, VOCAB, scale=LOGIT_SCALE)
-    out = Tensor.empty(b.gpu, (rows, VOCAB))
-    op = Softmax(b.registry, Tensor.from_numpy(b.gpu, logits_host), out, cols=VOCAB, max_rows=rows, log=log)
-    return Op(
-        f"{'log_' if log else ''}softmax T={rows}",
-        "softmax",
-        f"{VOCAB} T={rows}",
-        "f32",
-        lambda rec: op.record(rec, rows),
-        4 * 2 * rows * VOCAB,
-        5 * rows * VOCAB,  # scale, subtract the max, exp, sum, normalise
-        lambda: softmax_rows(logits_host, 1.0, log),
-        result=out.numpy,
-    )
-
-
-def softmax(b: Bench) -> list[Op]:
-    return [softmax_op(b, rows, log) for log in (False, True) for rows in (1, VERIFY_ROWS)]
+def swiglu(b: Bench) -> list[Op]:
+    return [swiglu_op(b, rows) for rows in (1, VERIFY_ROWS)]
 
 
 def sample_op(b: Bench, rows: int, label: str, params: SamplingParams) -> Op:
@@ -531,8 +485,7 @@ def attention_op(
         b.registry, q_tensor, k_cache, v_cache, out, **heads, max_seq=MAX_SEQ, max_rows=rows, q_row_stride=QKV_SIZE
     )
     q = np.ascontiguousarray(qkv[:rows, :Q_SIZE])
-    query_pos = np.repeat(start_pos + np.arange(rows), N_HEADS // N_KV_HEADS)
-    future = np.arange(context)[None, :] > query_pos[:, None]
+    k, v = (host.reshape(MAX_SEQ, N_KV_HEADS, HEAD_DIM) for host in (k_host, v_host))
     attended = rows * start_pos + rows * (rows + 1) // 2  # keys summed over query rows (causal)
     label = "prefill" if start_pos == 0 else f"ctx={context}"
     return Op(
@@ -543,7 +496,7 @@ def attention_op(
         lambda rec: op.record(rec, rows, start_pos),
         4 * (2 * context * KV_SIZE + 2 * rows * Q_SIZE),
         4 * N_HEADS * HEAD_DIM * attended,  # q.k and p.v: a multiply and an add per dim and key
-        lambda: attention_rows(q, k_host, v_host, start_pos, future),
+        lambda: references.attention(q, k, v, start_pos, dtype=np.float32),
         result=out.numpy,
     )
 
@@ -609,13 +562,12 @@ def spec_verify(b: Bench) -> list[Op]:
 CASES: dict[str, Callable[[Bench], list[Op]]] = {
     "lm_head": lm_head_formats,
     "lm_head_rows": lm_head_rows,
-    "mlp": mlp,
+    "layer": layer,
     "prefill": prefill,
     "embedding": embedding,
     "rmsnorm": rmsnorm,
     "rope": rope,
-    "elementwise": elementwise,
-    "softmax": softmax,
+    "swiglu": swiglu,
     "sample": sample,
     "attention": attention,
     "spec_verify": spec_verify,
