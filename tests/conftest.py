@@ -14,6 +14,9 @@ import pytest
 
 from doppler_py.gpu.device import default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.model.loader import load_weights
+from doppler_py.model.transformer import Transformer
+from doppler_py.testing.tiny import TinySpec, write_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +33,40 @@ def registry(gpu, request):
 
         install_replay(registry, request.config)
     return registry
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """The one tiny-model writer: TinySpec -> its HF folder, written once per session."""
+    folders = {}
+
+    def write(spec: TinySpec):
+        key = repr(spec)  # specs may hold a dict (rope_scaling), so they are not hashable
+        if key not in folders:
+            folders[key] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{spec.arch}-{spec.seed}"), spec)
+        return folders[key]
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_folder, registry):
+    """The one tiny-model builder: (TinySpec or folder, precision="f32", **Transformer options) -> Transformer,
+    loaded once per session for the same arguments and closed at its end. Tests must release the KV caches
+    they make."""
+    models = {}
+
+    def load(source, precision: str = "f32", **options) -> Transformer:
+        folder = tiny_folder(source) if isinstance(source, TinySpec) else source
+        key = (str(folder), precision, tuple(sorted(options.items())))
+        if key not in models:
+            models[key] = Transformer(load_weights(folder, registry.gpu, precision), registry, **options)
+        return models[key]
+
+    yield load
+    for model in models.values():
+        model.close()
+        model.weights.destroy()
 
 
 @pytest.fixture

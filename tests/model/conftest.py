@@ -6,37 +6,13 @@ import os
 
 import pytest
 
-from doppler_py.model.loader import load_weights
-from doppler_py.model.transformer import Transformer
-from doppler_py.testing.tiny import TINY_SPECS, write_tiny_model
+from doppler_py.testing.tiny import TINY_SPECS
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
+def named_folder(tiny_folder):
     """A function name -> folder of that TINY_SPECS model, each written once per session."""
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            made[name] = write_tiny_model(tmp_path_factory.mktemp(name), TINY_SPECS[name])
-        return made[name]
-
-    return make
-
-
-@pytest.fixture
-def build(registry):
-    """A function (folder, precision="f32", **Transformer options) -> Transformer, closed after the test."""
-    models = []
-
-    def make(folder, precision: str = "f32", **kwargs) -> Transformer:
-        model = Transformer(load_weights(folder, registry.gpu, precision), registry, **kwargs)
-        models.append(model)
-        return model
-
-    yield make
-    for model in models:
-        model.close()
+    return lambda name: tiny_folder(TINY_SPECS[name])
 
 
 @pytest.fixture(scope="session")

@@ -31,22 +31,22 @@ def our_logits(model, ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", sorted(TINY_SPECS))
-def test_f32_logits_match_transformers_through_prefill_and_decode(build, tiny_folder, reference, name):
-    folder = tiny_folder(name)
+def test_f32_logits_match_transformers_through_prefill_and_decode(tiny_model, named_folder, reference, name):
+    folder = named_folder(name)
     ids = sequence(TINY_SPECS[name].vocab_size, PREFILL + DECODE)
-    model = build(folder, "f32", max_rows=32)
+    model = tiny_model(folder, "f32", max_rows=32)
     ours = our_logits(model, ids)
     ref = reference.hf_logits(folder, ids)
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
 
 
-def test_chunked_prefill_equals_one_pass(build, tiny_folder):
+def test_chunked_prefill_equals_one_pass(tiny_model, named_folder):
     """A prompt longer than max_rows is run in chunks; the logits must not depend on the chunking."""
-    folder = tiny_folder("llama-tied-gqa")
+    folder = named_folder("llama-tied-gqa")
     ids = sequence(TINY_SPECS["llama-tied-gqa"].vocab_size, 45, seed=5)
-    small = build(folder, max_rows=8)
-    big = build(folder, max_rows=64)
+    small = tiny_model(folder, max_rows=8)
+    big = tiny_model(folder, max_rows=64)
     c1, c2 = small.new_cache(64), big.new_cache(64)
     np.testing.assert_allclose(small.forward(ids, c1), big.forward(ids, c2), atol=1e-4)
     assert c1.length == c2.length == 45

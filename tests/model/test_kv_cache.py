@@ -12,8 +12,8 @@ NAME = "llama-tied-gqa"
 
 
 @pytest.fixture
-def model(build, tiny_folder):
-    return build(tiny_folder(NAME), max_rows=16, max_positions=64)
+def model(tiny_model, named_folder):
+    return tiny_model(named_folder(NAME), max_rows=16, max_positions=64)
 
 
 def test_truncate_only_moves_the_length_and_later_writes_overwrite(model):

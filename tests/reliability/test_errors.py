@@ -42,8 +42,6 @@ from doppler_py.errors import (
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.kv_cache import KVCache
-from doppler_py.model.loader import load_weights
-from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
@@ -427,20 +425,13 @@ def poison(folder: Path, token: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def guard_models(tmp_path_factory, registry):
+def guard_models(tmp_path_factory, tiny_model):
     """name -> Transformer: "target" and "draft" (healthy), "poisoned_target" and "poisoned_draft"."""
     folders = {}
     for name, spec, token in (("target", GUARD_TARGET, POISON), ("draft", GUARD_DRAFT, DRAFT_POISON)):
-        folders[name] = write_tiny_model(tmp_path_factory.mktemp(name), spec)
+        folders[name] = spec
         folders[f"poisoned_{name}"] = poison(write_tiny_model(tmp_path_factory.mktemp(f"poisoned_{name}"), spec), token)
-    models = {
-        name: Transformer(load_weights(folder, registry.gpu, "f32"), registry, max_rows=16, max_positions=128)
-        for name, folder in folders.items()
-    }
-    yield models
-    for model in models.values():
-        model.close()
-        model.weights.destroy()
+    return {name: tiny_model(source, max_rows=16, max_positions=128) for name, source in folders.items()}
 
 
 def guard_engine(models, target: str, drafter: str) -> SpeculativeEngine:

@@ -17,13 +17,11 @@ from reliability.support import ExampleTally, fuzz_settings
 
 from doppler_py.errors import InternalError
 from doppler_py.model.kv_cache import KVCache
-from doppler_py.model.loader import load_weights
-from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.testing.decode import reference_decode
-from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
+from doppler_py.testing.tiny import TinySpec, draft_spec
 
 VOCAB = 64
 TARGET = TinySpec(vocab_size=VOCAB, num_hidden_layers=3, weight_std=0.25, max_position_embeddings=256, seed=41)
@@ -36,20 +34,8 @@ EXAMPLES = ExampleTally()
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, registry):
-    specs = {"target": TARGET, **DRAFTS}
-    loaded = {
-        name: Transformer(
-            load_weights(write_tiny_model(tmp_path_factory.mktemp(name), spec), registry.gpu, "f32"),
-            registry,
-            max_rows=32,
-        )
-        for name, spec in specs.items()
-    }
-    yield loaded
-    for model in loaded.values():
-        model.close()
-        model.weights.destroy()
+def models(tiny_model):
+    return {name: tiny_model(spec, max_rows=32) for name, spec in {"target": TARGET, **DRAFTS}.items()}
 
 
 @pytest.fixture(scope="module", autouse=True)

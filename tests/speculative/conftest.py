@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from doppler_py.model.loader import load_weights
-from doppler_py.model.transformer import Transformer
-from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
+from doppler_py.testing.tiny import TinySpec, draft_spec
 
 TARGET = TinySpec(
     vocab_size=48,
@@ -24,12 +22,7 @@ PADDED_DRAFT = draft_spec(vocab_size=64, seed=13)
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory, registry):
+def models(tiny_model):
     """name -> Transformer for "target", "draft", "padded_draft", loaded once per session."""
-    loaded = {}
-    for name, spec in (("target", TARGET), ("draft", DRAFT), ("padded_draft", PADDED_DRAFT)):
-        folder = write_tiny_model(tmp_path_factory.mktemp(name), spec)
-        loaded[name] = Transformer(load_weights(folder, registry.gpu, "f32"), registry, max_rows=32, max_positions=256)
-    yield loaded
-    for model in loaded.values():
-        model.close()
+    specs = {"target": TARGET, "draft": DRAFT, "padded_draft": PADDED_DRAFT}
+    return {name: tiny_model(spec, max_rows=32, max_positions=256) for name, spec in specs.items()}
