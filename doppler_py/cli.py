@@ -58,6 +58,9 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = all)")
     group.add_argument("--seed", type=int, help="seed of the sampling random numbers")
+    group.add_argument(
+        "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable, up to 4)"
+    )
 
 
 def _load(args: argparse.Namespace):
@@ -86,6 +89,7 @@ def _generation_options(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "speculative": args.speculative,
         "k": args.k,
+        "stop": getattr(args, "stop", None),
     }
 
 
@@ -100,7 +104,7 @@ def format_stats(result) -> str:
     )
     if result.time_saved_s is not None:
         verb = "saved" if result.time_saved_s >= 0 else "lost"
-        line += f" | {verb} {abs(result.time_saved_s):.2f} s vs plain decoding"
+        line += f" | {verb} {abs(result.time_saved_s):.2f} ± {result.time_saved_s_err:.2f} s vs plain decoding"
     return line + "]"
 
 
@@ -356,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_cmd_bench)
 
-    check = sub.add_parser("selfcheck", help="run a kernel once against numpy")
+    check = sub.add_parser(
+        "selfcheck", help="run a one-layer tiny model on the GPU against a numpy forward, stage by stage"
+    )
     check.set_defaults(func=_cmd_selfcheck)
     return parser
 

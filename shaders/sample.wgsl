@@ -1,11 +1,11 @@
 // sample: token choice from rows of logits. Two kernel families share one definition of the filtered
 // distribution (temperature, exact top-k, top-p), whose contract and numpy reference are in
-// doppler_py/sampling.py:
+// doppler_py/testing/sampling_reference.py:
 // * `main`, the sampler: one token id per row — the argmax (temperature 0), or a draw from the filtered
 //   distribution by inverse CDF with a host-drawn uniform u.
 // * `spec_draft_filter`, `spec_rows`, `spec_finalize`: the verification of a speculative step (exact
 //   speculative sampling: accept draft d_i iff u_i * q_i(d_i) < p_i(d_i), then a draw from max(0, p_n - q_n) or
-//   the bonus draw from p_k); doppler_py/speculative/reference.py is its numpy reference and states the
+//   the bonus draw from p_k); doppler_py/testing/verify_reference.py is its numpy reference and states the
 //   contract, doppler_py/ops/speculative.py records it.
 //
 // Bindings (each entry point binds only the ones it uses):

@@ -7,6 +7,7 @@ Each op binds its tensors ONCE (at model build time) and records dispatches many
     op.record(rec, rows=5)          # per-call values (rows, positions) go into the op's uniform slot
     rec.submit()
 
-An op instance owns one uniform slot, so it must be recorded at most once per submit; a forward pass
-builds one op per layer and call site.
+An op instance owns one uniform slot, holding one set of values per submit: recording it again in the same
+submit is allowed only with the same values (the Recorder raises otherwise), so a forward pass builds one op
+per layer and call site.
 """

@@ -12,8 +12,8 @@ The accept test is u < p(d)/q(d) with p and q at the SAME temperature/top-k/top-
 residual max(0, p − q), full acceptance samples the bonus token from p's last row; temperature 0 reduces to
 "accept while equal to the target's argmax". So the output is distributed exactly as the target's own
 sampling and, greedy, identical to plain decoding. A plain step is the same step with n = 0: the verifier
-samples row 0 exactly as the sampler contract says (`doppler_py.sampling`) — the only way a target token is
-chosen.
+samples row 0 exactly as the sampler contract says (`doppler_py.testing.sampling_reference`) — the only way
+a target token is chosen.
 
 Random numbers come from the seeded mulberry32 stream in a fixed order per step: one per GPU-sampled draft
 token while drafting (the drafter draws them), then n accept draws and one final draw uploaded with the
@@ -215,7 +215,7 @@ class SpeculativeEngine:
         """One step with its timing, statistics, policy update and the KV-cache invariant check around it."""
         if self.closed:  # a stream still iterated after its engine was closed: its buffers are gone
             raise DopplerError("the engine was closed during this generation", advice="load the model again")
-        self.clock.start(self.registry.recorder())
+        self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.step(ctx, k)
         times = self.clock.stop()
         stats.record(outcome.drafted, outcome.accepted, times)

@@ -49,11 +49,15 @@ class StepClock:
                 size=8 * _STAMPS, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, label="stamps"
             )
         self._marks: list[float] = []
+        self._stamping = False
 
-    def start(self, recorder: Recorder) -> None:
-        """Before drafting. `recorder` is submitted at once, holding only the first stamp."""
+    def start(self, recorder: Recorder, drafting: bool) -> None:
+        """Before drafting. GPU stamps are taken only for steps that draft (a plain step has nothing to split,
+        and its extra submit and readback measurably slowed plain decoding on lavapipe); `recorder` is then
+        submitted at once, holding only the first stamp."""
         self._marks = [time.perf_counter()]
-        if self.gpu_timing:
+        self._stamping = self.gpu_timing and drafting
+        if self._stamping:
             recorder.write_timestamp(self._query_set, 0)
             recorder.submit()
 
@@ -62,7 +66,7 @@ class StepClock:
 
     def stamp_verify(self, rec: Recorder, done: bool) -> None:
         """The verification's first (done=False) and last (done=True) commands."""
-        if not self.gpu_timing:
+        if not self._stamping:
             return
         rec.write_timestamp(self._query_set, 2 if done else 1)
         if done:
@@ -72,7 +76,7 @@ class StepClock:
         """After the step's readback."""
         start, drafted, end = *self._marks, time.perf_counter()
         times = StepTimes(drafted - start, end - drafted, None, None)
-        if self.gpu_timing:
+        if self._stamping:
             stamps = np.frombuffer(self.gpu.queue.read_buffer(self._resolved, 0, 8 * _STAMPS), np.uint64)
             t0, t1, t2 = (int(s) for s in stamps)
             if not t0 <= t1 <= t2 or (t2 - t0) * 1e-9 > (end - start) * 1.05 + 1e-3:
