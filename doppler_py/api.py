@@ -10,6 +10,8 @@ The CLI and the HTTP server are thin layers over `Engine`; nothing lives only th
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
 SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip")
+MAX_STOP_SEQUENCES = 4  # as OpenAI
 Messages = Sequence[dict]
 
 
@@ -39,9 +42,12 @@ class GenerationResult:
     """Text plus what it cost; speculation figures are zero when it was not used."""
 
     text: str
+    # With a stop string: the tokens whose text ends before the stop string starts. A token that straddles
+    # it (text before the stop and the stop's first characters in one token) is dropped, though its text
+    # before the stop is kept in `text`; so `text` may hold a few characters more than decode(tokens).
     tokens: list[int]
     prompt_tokens: int
-    finish_reason: str  # "stop" (end of sequence) or "length"
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
     speculative: str | None  # the drafter used, or None for plain decoding
     drafted: int
     accepted: int
@@ -49,8 +55,14 @@ class GenerationResult:
     mean_accepted_per_step: float
     tokens_per_s: float
     elapsed_s: float
-    # Measured plain-decoding cost per token on this device × tokens, minus the decode time actually spent.
+    # Estimated plain-decoding time of the tokens generated minus the decoding steps' time actually spent
+    # (negative: speculation was slower). The plain cost per token is the median of live plain steps measured
+    # in this process (not calibration, not a generation's first step, not the first steps after loading);
+    # None where fewer than PlainStepCosts.MIN_SAMPLES such steps exist, or for plain decoding itself.
     time_saved_s: float | None
+    # One standard error of time_saved_s: the median's own uncertainty times the tokens, plus the spread of a
+    # sum of that many plain steps (1.4826·MAD per step); None when time_saved_s is.
+    time_saved_s_err: float | None = None
     stats: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -77,6 +89,7 @@ class Engine:
         self.weights = weights
         self.draft = draft
         self._spec: dict[str, SpeculativeEngine] = {}
+        self.plain_costs = PlainStepCosts()
         self.last_result: GenerationResult | None = None
         self.owns_registry = owns_registry
         self.closed = False
@@ -166,14 +179,19 @@ class Engine:
         speculative: str | None = None,
         k: int | None = None,
         chat: bool | None = None,
+        stop: str | Sequence[str] | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
 
-        Closing the iterator early cancels the generation and frees its KV caches.
+        stop: up to 4 strings (or one string); generation ends at the first occurrence of any of them, which is
+        not part of the text (finish_reason "stop"). Text that could be the start of a stop string is held back
+        until it is known not to be one. Closing the iterator early cancels the generation and frees its KV
+        caches; a matched stop string does the same at once.
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
         check_max_tokens(max_tokens)
+        stops = check_stop(stop)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode_prompt(prompt, chat)
         self.model.check_ids(ids)
@@ -183,18 +201,39 @@ class Engine:
         engine.policy.check_k(k)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        stop_ids = tuple(self.tokenizer.eos_token_ids) + tuple(self.model.config.eos_token_ids)
+        matcher = StopMatcher(stops)
+        eos_ids = tuple(self.tokenizer.eos_token_ids) + tuple(self.model.config.eos_token_ids)
         tokens: list[int] = []
+        ends: list[int | None] = []  # [i] = length of the text once token i is decoded (None: not yet known)
         start = time.perf_counter()
-        for new in engine.iter_generate(ids, max_tokens, params, stats=stats, k=k, stop_ids=stop_ids):
-            tokens.extend(new)
-            piece = "".join(decoder.push(t) for t in new)
-            if piece:
-                yield piece
-        tail = decoder.flush()
-        if tail:
-            yield tail
-        self.last_result = self._result(tokens, ids, stats, mode, engine, time.perf_counter() - start)
+        steps = engine.iter_generate(ids, max_tokens, params, stats=stats, k=k, stop_ids=eos_ids)
+        try:
+            for new in self.plain_costs.watch(steps, stats):
+                piece = ""
+                for token in new:
+                    tokens.append(token)
+                    piece += decoder.push(token)
+                    ends.append(None)
+                    if piece:  # this token completes the text so far (and so do earlier tokens still pending)
+                        end = len(matcher.text) + len(piece)
+                        ends[:] = [end if e is None else e for e in ends]
+                released = matcher.push(piece)
+                if matcher.stop_at is not None:
+                    steps.close()  # frees the KV caches before the last piece is handed over
+                if released:
+                    yield released
+                if matcher.stop_at is not None:
+                    break
+            else:
+                released = matcher.push(decoder.flush()) + (matcher.finish() if matcher.stop_at is None else "")
+                if released:
+                    yield released
+        finally:
+            steps.close()
+        if matcher.stop_at is not None:
+            kept = sum(1 for e in ends if e is not None and e <= matcher.stop_at)
+            del tokens[kept:]
+        self.last_result = self._result(tokens, ids, stats, mode, elapsed=time.perf_counter() - start, stop=matcher)
 
     def generate(self, prompt: str | Messages, **options) -> GenerationResult:
         """Generate to completion; same options as `stream`."""
@@ -203,17 +242,21 @@ class Engine:
         return self.last_result
 
     def _result(
-        self, tokens: list[int], ids: list[int], stats: SpecStats, mode: str, engine: SpeculativeEngine, elapsed: float
+        self, tokens: list[int], ids: list[int], stats: SpecStats, mode: str, *, elapsed: float, stop: StopMatcher
     ) -> GenerationResult:
-        plain_cost = engine.policy.costs.verify_cost(1)
-        if plain_cost is None or mode == "none":
-            saved = None
-        elif stats.drafted == 0:  # every step was a plain one: nothing to compare, only timing noise
-            saved = 0.0
+        saved = saved_err = None
+        if mode != "none" and stats.drafted == 0:  # every step was a plain one: nothing to compare
+            saved = saved_err = 0.0
+        elif mode != "none" and (cost := self.plain_costs.estimate()) is not None:
+            per_step, spread, samples = cost
+            n = stats.generated
+            saved = per_step * n - (stats.plain_s + stats.draft_s + stats.verify_s)
+            saved_err = math.hypot(n * 1.2533 * spread / math.sqrt(samples), spread * math.sqrt(n))
+        if stop.stop_at is not None:
+            finish, text = "stop", stop.text[: stop.stop_at]
         else:
-            saved = plain_cost * len(tokens) - stats.decode_s
-        finish = "stop" if stats.stopped_by == "eos" else "length"
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            finish = "stop" if stats.stopped_by == "eos" else "length"
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(
             text=text,
             tokens=tokens,
@@ -224,11 +267,101 @@ class Engine:
             accepted=stats.accepted,
             acceptance_rate=stats.acceptance_rate,
             mean_accepted_per_step=stats.mean_accepted_per_step,
-            tokens_per_s=len(tokens) / stats.decode_s if stats.decode_s > 0 else 0.0,
+            tokens_per_s=stats.generated / stats.decode_s if stats.decode_s > 0 else 0.0,
             elapsed_s=elapsed,
             time_saved_s=saved,
+            time_saved_s_err=saved_err,
             stats=stats.as_dict(),
         )
+
+
+def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The stop strings of a request: None, one string, or a list of at most 4 non-empty strings."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise GenerationOptionError(f"stop must be a string or a list of strings, got {stop!r}")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise GenerationOptionError(f"at most {MAX_STOP_SEQUENCES} stop strings are allowed, got {len(stops)}")
+    if any(not s for s in stops):
+        raise GenerationOptionError("stop strings must not be empty")
+    return tuple(stops)
+
+
+class StopMatcher:
+    """Finds the first stop string in text that arrives in pieces, releasing only text that cannot be part of
+    one: the longest tail of the unreleased text that is a prefix of a stop string is held back. A match can
+    therefore never start inside released text, and the search starts where the released text ends."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.text = ""  # everything pushed
+        self.released = 0  # text[:released] has been handed out
+        self.stop_at: int | None = None  # where the first stop string starts, once found
+
+    def push(self, piece: str) -> str:
+        """Add a piece; return the text now known to precede any stop string."""
+        if self.stop_at is not None:
+            return ""
+        self.text += piece
+        hits = [i for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
+        if hits:
+            self.stop_at = min(hits)
+            return self._release(self.stop_at)
+        pending = len(self.text) - self.released
+        hold = next(
+            (
+                n
+                for n in range(min(pending, max(map(len, self.stops), default=1) - 1), 0, -1)
+                if any(s.startswith(self.text[-n:]) for s in self.stops)
+            ),
+            0,
+        )
+        return self._release(len(self.text) - hold)
+
+    def finish(self) -> str:
+        """The held-back tail, at the end of a stream that met no stop string."""
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        out, self.released = self.text[self.released : end], end
+        return out
+
+
+class PlainStepCosts:
+    """Wall times of live plain decoding steps (one token each) measured in this process, for `time_saved_s`.
+
+    Excluded: calibration (it never goes through `watch`), each generation's first step, and the first
+    WARMUP plain steps after loading (pipelines, bind groups and buffers are created on first use).
+    """
+
+    WARMUP = 3
+    MIN_SAMPLES = 8
+    KEEP = 512  # the most recent steps only
+
+    def __init__(self):
+        self.seen = 0
+        self.samples: list[float] = []
+
+    def watch(self, steps: Iterator[list[int]], stats: SpecStats) -> Iterator[list[int]]:
+        """Pass a generation's steps through, recording each plain step's time from `stats`."""
+        plain_steps, plain_s, first = stats.plain_steps, stats.plain_s, True
+        for new in steps:
+            if stats.plain_steps == plain_steps + 1:
+                self.seen += 1
+                if not first and self.seen > self.WARMUP:
+                    self.samples = [*self.samples[-self.KEEP + 1 :], stats.plain_s - plain_s]
+            plain_steps, plain_s, first = stats.plain_steps, stats.plain_s, False
+            yield new
+
+    def estimate(self) -> tuple[float, float, int] | None:
+        """(median seconds per plain step, robust spread of one step, samples), or None with too few."""
+        if len(self.samples) < self.MIN_SAMPLES:
+            return None
+        median = statistics.median(self.samples)
+        spread = 1.4826 * statistics.median(abs(x - median) for x in self.samples)
+        return median, spread, len(self.samples)
 
 
 def load(

@@ -7,10 +7,11 @@ Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/c
 `"stream": true` for server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET /health.
 Every response carries `usage` and a `doppler` object with the speculation figures of the generation.
 
-Extra request fields: `top_k`, `seed`, `speculative` ("auto", "prompt-lookup", "draft-model", "layer-skip",
-"none") and `k` (pinned draft length). Options a request leaves out take the server's defaults (the `serve`
-command's flags). Features that would silently change results (n > 1, stop sequences, logprobs, penalties,
-tools) are refused with 400 rather than ignored.
+`stop` (a string or up to 4) ends the text before the first stop string, with finish_reason "stop"; streamed
+text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto", "prompt-lookup",
+"draft-model", "layer-skip", "none") and `k` (pinned draft length). Options a request leaves out take the
+server's defaults (the `serve` command's flags). Features that would silently change results (n > 1,
+logprobs, penalties, tools) are refused with 400 rather than ignored.
 
 The engine is not thread safe, so every generation runs on ONE worker thread, one at a time; requests wait
 in a bounded queue and a full queue answers 429. A client that disconnects (mid-stream or while queued)
@@ -38,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from doppler_py.api import SPECULATIVE_MODES, Engine, GenerationResult
+from doppler_py.api import SPECULATIVE_MODES, Engine, GenerationResult, check_stop
 from doppler_py.errors import (
     CapacityError,
     DopplerError,
@@ -58,7 +59,6 @@ _UNSUPPORTED_UNLESS = {
     "n": (1,),
     "best_of": (1,),
     "echo": (False,),
-    "stop": ("", []),
     "suffix": ("",),
     "logprobs": (False, 0),
     "top_logprobs": (0,),
@@ -138,6 +138,16 @@ def _int_field(body: dict, name: str, low: int, high: int) -> int | None:
     return value
 
 
+def _stop_field(body: dict) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None or stop == [] or stop == "":  # what clients send to mean "no stop strings"
+        return None
+    try:
+        return list(check_stop(stop))
+    except GenerationOptionError as exc:
+        raise RequestError(400, f"'stop': {exc}", param="stop") from None
+
+
 @dataclass
 class GenerationRequest:
     prompt: str | list[dict]
@@ -167,6 +177,7 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
         "seed": _field(body, "seed", (int,), "an integer"),
         "speculative": speculative,
         "k": _int_field(body, "k", 1, MAX_DRAFT_TOKENS),
+        "stop": _stop_field(body),
     }
     options = dict(defaults) | {name: value for name, value in given.items() if value is not None}
     sampling = {name: options[name] for name in ("temperature", "top_k", "top_p", "seed") if name in options}
@@ -339,6 +350,7 @@ def doppler_stats(result: GenerationResult) -> dict[str, Any]:
         "tokens_per_s": round(result.tokens_per_s, 2),
         "elapsed_s": round(result.elapsed_s, 4),
         "time_saved_s": None if result.time_saved_s is None else round(result.time_saved_s, 4),
+        "time_saved_s_err": None if result.time_saved_s_err is None else round(result.time_saved_s_err, 4),
     }
 
 

@@ -24,7 +24,7 @@ from doppler_py.testing.tiny import write_tiny_model
 STATS_LINE = re.compile(
     r"^\[(?P<tokens>\d+) tokens \(prompt (?P<prompt>\d+)\), [\d.]+ tok/s"
     r"( \| (?P<method>[a-z-]+): \d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
-    r"( \| (saved|lost) [\d.]+ s vs plain decoding)?|, no speculation)\]$"
+    r"( \| (saved|lost) [\d.]+ ± [\d.]+ s vs plain decoding)?|, no speculation)\]$"
 )
 PROMPT = "Tell me about the sea."
 CHAT_INPUT = "Hello there\nAnd again\n/reset\nHello there\n/exit\nnever read\n"
@@ -79,7 +79,7 @@ def runs(tmp_path_factory, env) -> dict[str, subprocess.CompletedProcess]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return done
+    return done | {"model": model}
 
 
 def ok(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -116,6 +116,15 @@ def test_streamed_text_is_the_generated_text(runs):
     assert runs["generate"].stdout == (text if text.endswith("\n") or not text else text + "\n")
     stats = stats_lines(runs["generate"].stderr)[0]
     assert int(stats["prompt"]) == json.loads(runs["generate_json"].stdout)["prompt_tokens"]
+
+
+def test_generate_stop_ends_the_text_before_the_stop_string(runs, tmp_path_factory, env):
+    full = json.loads(ok(runs["generate_json"]).stdout)["text"]
+    stop = full[4:7]
+    assert len(stop) == 3, full
+    args = ["generate", PROMPT, "--model", runs["model"], "--max-tokens", "24", "--no-progress", "--json"]
+    record = json.loads(ok(run_cli([*args, "--stop", "never-there", "--stop", stop], env)).stdout)
+    assert record["text"] == full[: full.find(stop)] and record["finish_reason"] == "stop"
 
 
 # --- chat ----------------------------------------------------------------------------------------------------------

@@ -178,6 +178,30 @@ def test_the_openai_client_library_works_against_the_server(server):
         api.chat.completions.create(model="tiny-chat0", messages=STORY, temperature=-0.5)
 
 
+def choice_text(choice: dict) -> str:
+    """A choice's text: completion text, chat message content, or a chat chunk's delta content."""
+    if "text" in choice:
+        return choice["text"]
+    return (choice["message"] if "message" in choice else choice["delta"]).get("content") or ""
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stop_ends_the_text_before_the_stop_string_streamed_or_not(client, path):
+    request = {"max_tokens": 20} | ({"messages": STORY} if "chat" in path else {"prompt": "The sea"})
+    text = lambda body: choice_text(body["choices"][0])  # noqa: E731
+    full = text(client.post(path, json=request).json())
+    stop = full[5:8]
+    assert len(stop) == 3, full
+    for value in (stop, [stop, "never-there"]):
+        body = client.post(path, json=request | {"stop": value}).json()
+        assert text(body) == full[: full.find(stop)] and body["choices"][0]["finish_reason"] == "stop"
+    with client.stream("POST", path, json=request | {"stop": [stop], "stream": True}) as response:
+        events = sse_events(response)
+    pieces = [choice_text(c["choices"][0]) for c in events[:-1] if c["choices"]]
+    assert "".join(pieces) == full[: full.find(stop)] and all(stop not in p for p in pieces)
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
 # --- bad requests ----------------------------------------------------------------------------------------------
 CHAT = "/v1/chat/completions"
 DONE = "/v1/completions"
@@ -214,7 +238,8 @@ BAD_REQUESTS = {
     "draft-model-without-draft": (DONE, {"prompt": "hi", "speculative": "draft-model"}, 400, "draft"),
     "stream-not-bool": (DONE, {"prompt": "hi", "stream": "yes"}, 400, "'stream'"),
     "n-above-one": (DONE, {"prompt": "hi", "n": 2}, 400, "'n' is not supported"),
-    "stop-sequences": (CHAT, {"messages": STORY, "stop": ["\n"]}, 400, "'stop' is not supported"),
+    "stop-too-many": (CHAT, {"messages": STORY, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
+    "stop-not-strings": (DONE, {"prompt": "hi", "stop": [1]}, 400, "'stop'"),
     "unknown-model": (CHAT, {"model": "gpt-4", "messages": STORY}, 404, "gpt-4"),
     "model-not-a-string": (CHAT, {"model": 7, "messages": STORY}, 400, "'model'"),
     "oversize-body": (DONE, {"prompt": "x" * (MAX_BODY + 1)}, 413, "larger than"),
