@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -295,6 +296,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         max_body_bytes=args.max_body_bytes,
         model_id=args.model_id,
+        api_key=args.api_key or os.environ.get("DOPPLER_API_KEY") or None,
         defaults=_generation_options(args),
     )
     with _load(args) as engine:
@@ -334,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the GPU (default 8)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     serve.add_argument("--model-id", help="the model name clients use (default: derived from --model)")
+    serve.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $DOPPLER_API_KEY, else none)"
+    )
     _add_model_options(serve)
     _add_generation_options(serve)
     serve.set_defaults(func=_cmd_serve)

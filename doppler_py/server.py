@@ -13,6 +13,10 @@ text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto
 server's defaults (the `serve` command's flags). Features that would silently change results (n > 1,
 logprobs, penalties, tools) are refused with 400 rather than ignored.
 
+With an API key (`serve --api-key KEY`, or the DOPPLER_API_KEY environment variable), every /v1/* request
+needs `Authorization: Bearer KEY` (compared in constant time; otherwise 401 with an OpenAI-style error body);
+/health stays open. Binding a non-loopback address without a key prints a warning.
+
 The engine is not thread safe, so every generation runs on ONE worker thread, one at a time; requests wait
 in a bounded queue and a full queue answers 429. A client that disconnects (mid-stream or while queued)
 cancels its generation, which closes the engine's stream iterator and so frees its KV cache.
@@ -22,7 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
+import sys
 import threading
 import time
 import uuid
@@ -35,6 +42,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -77,6 +85,7 @@ class ServerConfig:
     queue_size: int = 8  # requests that may wait while one generates; one more gets 429
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     model_id: str | None = None  # the name clients use; default: derived from the engine's model
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
     # Engine.stream options for requests that leave them out (max_tokens, temperature, speculative, ...).
     defaults: dict[str, Any] = field(default_factory=lambda: {"max_tokens": 256, "speculative": "auto"})
 
@@ -407,6 +416,33 @@ def _sse(payload: dict | str) -> str:
 
 
 # --- HTTP ---------------------------------------------------------------------------------------------------------
+class ApiKeyCheck:
+    """ASGI middleware: /v1/* requests must carry `Authorization: Bearer <key>`; anything else passes."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(given.strip(), self.expected):
+                message = "missing or incorrect API key: send 'Authorization: Bearer <key>'"
+                body = _error_body(message, "invalid_request_error", code="invalid_api_key")
+                await JSONResponse(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 _DISCONNECTED = object()
 
 
@@ -451,6 +487,7 @@ class OpenAIServer:
                 Exception: self._internal_error,
             },
             lifespan=self._lifespan,
+            middleware=[Middleware(ApiKeyCheck, key=config.api_key)] if config.api_key else None,
         )
 
     @contextlib.asynccontextmanager
@@ -582,5 +619,12 @@ def serve(engine: Engine, config: ServerConfig = ServerConfig(), *, log_level: s
     import uvicorn
 
     server = OpenAIServer(engine, config)
+    if not config.api_key and not is_loopback(config.host):
+        print(
+            f"doppler-py: warning: serving on {config.host} without an API key: anyone who can reach this address "
+            "can use the model (set --api-key or DOPPLER_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(f"doppler-py: serving {server.model_id!r} at http://{config.host}:{config.port}/v1", flush=True)
     uvicorn.run(server.app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)

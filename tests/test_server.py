@@ -7,6 +7,7 @@ reproducible instead of a race.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -18,7 +19,7 @@ import pytest
 import uvicorn
 
 from doppler_py.api import load
-from doppler_py.server import OpenAIServer, ServerConfig
+from doppler_py.server import OpenAIServer, ServerConfig, is_loopback, serve
 from doppler_py.testing.tiny import write_tiny_model
 
 MAX_BODY = 16_384
@@ -48,10 +49,9 @@ def engine(tmp_path_factory):
         yield GatedEngine(engine)
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    config = ServerConfig(queue_size=1, max_body_bytes=MAX_BODY, defaults={"max_tokens": 12, "speculative": "auto"})
-    app = OpenAIServer(engine, config).app
+@contextlib.contextmanager
+def serving(app):
+    """`app` served by uvicorn on a free loopback port; yields its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,6 +65,13 @@ def server(engine):
     yield f"http://127.0.0.1:{port}"
     uv.should_exit = True
     thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    config = ServerConfig(queue_size=1, max_body_bytes=MAX_BODY, defaults={"max_tokens": 12, "speculative": "auto"})
+    with serving(OpenAIServer(engine, config).app) as url:
+        yield url
 
 
 @pytest.fixture
@@ -327,3 +334,42 @@ def test_disconnecting_mid_stream_cancels_the_generation_and_the_next_request_wo
     assert status["completed"] == before["completed"]
     response = client.post(CHAT, json={"messages": STORY, "max_tokens": 5})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+
+
+# --- API key -------------------------------------------------------------------------------------------------------
+API_KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(engine):
+    config = ServerConfig(api_key=API_KEY, defaults={"max_tokens": 4, "speculative": "none"})
+    with serving(OpenAIServer(engine, config).app) as url:
+        yield url
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}],
+    ids=["none", "wrong-key", "no-scheme", "basic"],
+)
+def test_with_an_api_key_v1_needs_the_bearer_key_and_health_stays_open(keyed_server, headers):
+    with httpx.Client(base_url=keyed_server, timeout=60) as client:
+        for method, path in (("GET", "/v1/models"), ("POST", CHAT), ("POST", DONE), ("GET", "/v1/models/x")):
+            response = client.request(method, path, headers=headers, json={"prompt": "hi"})
+            assert response.status_code == 401, (path, response.text)
+            error = response.json()["error"]
+            assert set(error) >= {"message", "type", "code"} and error["code"] == "invalid_api_key"
+        assert client.get("/health").status_code == 200
+        good = {"Authorization": f"Bearer {API_KEY}"}
+        assert client.get("/v1/models", headers=good).status_code == 200
+        assert client.post(DONE, headers=good, json={"prompt": "hi"}).status_code == 200
+
+
+def test_serving_a_public_address_without_a_key_warns(engine, monkeypatch, capsys):
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    serve(engine, ServerConfig(host="0.0.0.0"))
+    assert "without an API key" in capsys.readouterr().err
+    for quiet in (ServerConfig(host="127.0.0.1"), ServerConfig(host="0.0.0.0", api_key="k")):
+        serve(engine, quiet)
+        assert "warning" not in capsys.readouterr().err
+    assert is_loopback("::1") and is_loopback("localhost") and not is_loopback("example.com")
