@@ -1,0 +1,51 @@
+"""`time_saved_s` is measured, not guessed: it comes from live plain steps of this process, carries its
+uncertainty, is None without enough of them, and is negative when speculation was slower."""
+
+from __future__ import annotations
+
+import pytest
+
+from doppler_py.api import PlainStepCosts, load
+from doppler_py.testing.tiny import TinySpec
+
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def step_seconds(result) -> float:
+    """The decoding steps' own time in a result (what time_saved_s compares against)."""
+    return result.stats["plain_s"] + result.stats["draft_s"] + result.stats["verify_s"]
+
+
+def test_saving_matches_the_measured_difference_and_is_negative_when_speculation_is_slower(tiny_folder):
+    with load(tiny_folder(TinySpec()), weights="f32", progress=False) as engine:
+        # Layer-skip on a tiny random model is almost never accepted: speculation can only cost time here.
+        options = dict(max_tokens=40, chat=False, speculative="layer-skip", k=4)
+        early = engine.generate(PROMPT, **options)
+        assert early.drafted > 0 and early.time_saved_s is None  # no live plain step measured yet: no guess
+        engine.generate(PROMPT, max_tokens=8, chat=False)  # first use of the plain pipelines: warm-up only
+        plain = engine.generate(PROMPT, max_tokens=40, chat=False)
+        assert plain.time_saved_s is None and plain.speculative is None  # nothing to save in plain decoding
+        assert len(engine.plain_costs.samples) >= PlainStepCosts.MIN_SAMPLES
+        spec = engine.generate(PROMPT, **options)
+        assert spec.drafted > 0 and spec.time_saved_s is not None and spec.time_saved_s_err > 0
+        # What the same process measured: plain steps per token × tokens, minus the speculative steps' time.
+        per_token = plain.stats["plain_s"] / plain.stats["generated"]
+        measured = per_token * spec.stats["generated"] - step_seconds(spec)
+        # Other processes share the CPU: allow 3 standard errors plus 25% of the plain estimate for drift.
+        tolerance = 3 * spec.time_saved_s_err + 0.25 * per_token * spec.stats["generated"]
+        assert abs(spec.time_saved_s - measured) <= tolerance, (spec.time_saved_s, measured, tolerance)
+        assert spec.acceptance_rate < 0.5
+        assert measured < 0 and spec.time_saved_s < 0, (spec.time_saved_s, measured)
+
+
+def test_no_plain_cost_without_enough_live_plain_steps():
+    assert PlainStepCosts().estimate() is None
+
+
+@pytest.mark.parametrize("samples", [[0.01] * 8, [0.01, 0.012, 0.011, 0.013, 0.009, 0.01, 0.05, 0.011]])
+def test_the_estimate_is_the_median_with_a_robust_spread(samples):
+    costs = PlainStepCosts()
+    costs.samples = list(samples)
+    median, spread, n = costs.estimate()
+    assert median == pytest.approx(sorted(samples)[3] / 2 + sorted(samples)[4] / 2) and n == 8
+    assert 0 <= spread < 0.01  # one slow outlier does not blow the spread up
