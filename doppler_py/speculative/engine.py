@@ -32,6 +32,7 @@ from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError
 from doppler_py.gpu.kernels import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.logprobs import LogProbs, check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS, STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
@@ -79,6 +80,9 @@ class SpeculativeEngine:
         # One verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
         self._verifiers: dict[int | None, tuple[Tensor | None, _Verifier]] = {}
         self.clock = StepClock(gpu)
+        self.logprobs: int | None = None  # top alternatives per token while a generation asks for log-probs
+        self.last_logprobs = None  # the last step's committed tokens' TokenLogprobs (None when not asked)
+        self._logprob_op: LogProbs | None = None
         self.closed = False
 
     # -- the algorithm ------------------------------------------------------------------------------------
@@ -102,12 +106,15 @@ class SpeculativeEngine:
         # logits [n+1, V]: row i scores d_i (i < n), row n gives the token after the last accepted draft
         target.record_forward(rec, n + 1, cache, pos, logits="all" if n else "last")
         self._verifier(proposal.draft_logits).record(rec, n, params)
+        if self.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
+            self._logprobs().record(rec, n + 1, params, self.logprobs)
         self.clock.stamp_verify(rec, done=True)
         rec.submit()
         accepted, final, status, *drafts = np.frombuffer(
             self.registry.gpu.queue.read_buffer(self.result.buffer, 0, 4 * (3 + n)), np.uint32
         ).tolist()
         check_status(status, pos, n)
+        self.last_logprobs = None if self.logprobs is None else self._logprobs().read(accepted + 1, self.logprobs)
         cache.truncate(pos + 1 + accepted)  # rejected drafts' K/V stay behind the length, overwritten later
         new = [*drafts[:accepted], final]
         ctx.tokens.extend(new)
@@ -141,6 +148,12 @@ class SpeculativeEngine:
             self._verifiers[key] = (draft_logits, _Verifier(op, onehot=draft_logits is None))
         return self._verifiers[key][1]
 
+    def _logprobs(self) -> LogProbs:
+        if self._logprob_op is None:
+            vocab, rows = self.target.config.vocab_size, self.capacity + 1
+            self._logprob_op = LogProbs(self.registry, self.target.logits, self.result, vocab=vocab, max_rows=rows)
+        return self._logprob_op
+
     # -- generation and bookkeeping -----------------------------------------------------------------------
     def generate(
         self,
@@ -170,11 +183,15 @@ class SpeculativeEngine:
         stats: SpecStats,
         k: int | None = None,
         stop_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> Iterator[list[int]]:
         """Yield each step's new tokens as soon as they are verified; `stats` is filled in as it goes.
 
-        Closing the generator early (a cancelled stream) releases the step's KV caches.
+        logprobs: top alternatives per token (0..20; None: off); each step's log-probs are then in
+        `last_logprobs` when its tokens are yielded (`doppler_py.ops.logprobs`). Closing the generator early
+        (a cancelled stream) releases the step's KV caches.
         """
+        check_top_logprobs(logprobs)
         target = self.target
         tokens = target.check_ids(prompt_ids).tolist()
         check_fits(len(tokens), max_new_tokens, target.max_positions)
@@ -183,6 +200,7 @@ class SpeculativeEngine:
         cache = target.new_cache(capacity)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity)
         stats.drafter = self.drafter.name
+        self.logprobs = logprobs
         start = time.perf_counter()
         produced = 0
         try:
@@ -208,6 +226,7 @@ class SpeculativeEngine:
                     break
         finally:
             stats.total_s = time.perf_counter() - start
+            self.logprobs = None
             self.drafter.finish()
             target.release_cache(cache)
 
@@ -271,6 +290,8 @@ class SpeculativeEngine:
         self.drafter.close()
         for _, verifier in self._verifiers.values():
             verifier.op.release(self.registry)
+        if self._logprob_op is not None:
+            self._logprob_op.release(self.registry)
         self.registry.release_tensors(self.spec_tokens, self.randoms, self.result)
         self.clock.close()
         self.closed = True

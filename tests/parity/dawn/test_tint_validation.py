@@ -58,6 +58,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "attention": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
+    "logprobs": {"main": []},
     "matmul": {"main": _MATMUL_REGISTER, "main_subgroups": _MATMUL_SUBGROUPS, "gemm_tiled": _MATMUL_FLAGS},
     "residual": {"main": []},
     "rmsnorm": {"main": []},

@@ -1,0 +1,90 @@
+"""Log-probabilities of a step's committed tokens and their top alternatives (`shaders/logprobs.wgsl`).
+
+Recorded after the verifier into the same command encoder, it reads the target's logits rows the step just
+verified and the verifier's result vector (which says which token each row committed), and writes one small
+row per position; `read` fetches the rows that were committed, once, after the step's result.
+
+Which distribution: log_softmax(logits / T) of the target's raw logits over the whole vocabulary, T being the
+request's temperature (1 for greedy requests, so they report the model's own probabilities, as OpenAI does),
+before top-k/top-p filtering: a token those filters would never sample still gets its log-probability here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from doppler_py.errors import GenerationOptionError
+from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.sampling import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs; the shader's MAX_TOP
+_ROW_WORDS = 2 + 2 * MAX_TOP_LOGPROBS
+_NO_TOKEN = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token: its id, its log-probability, and the row's most likely tokens (id, log-prob)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def check_top_logprobs(top_n: int | None) -> None:
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= 20):
+        raise GenerationOptionError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {top_n!r}")
+
+
+def logprob_temperature(params: SamplingParams) -> float:
+    """The temperature the reported distribution uses: the request's, or 1 for greedy decoding."""
+    return params.temperature if params.temperature > 0 else 1.0
+
+
+class LogProbs:
+    """logits: f32 [>= max_rows * vocab] (the target's verified rows); result: the verifier's u32 result
+    ([accepted, token, status, d_0 ..]); one workgroup per row."""
+
+    def __init__(self, registry: KernelRegistry, logits: Tensor, result: Tensor, *, vocab: int, max_rows: int):
+        if logits.dtype != "f32" or logits.numel < max_rows * vocab:
+            raise ValueError(f"LogProbs logits: need f32 >= {max_rows * vocab} elements, got {logits.shape}")
+        self.max_rows = max_rows
+        self.out = Tensor.empty(registry.gpu, (max_rows, _ROW_WORDS), "u32", label="logprobs")
+        params = {"vocab": vocab, "temperature": 1.0, "top_n": 0}
+        self.bound = registry.bind(
+            registry.kernel("logprobs"), params=params, logits=logits, result=result, out=self.out
+        )
+        self.registry = registry
+
+    def record(self, rec: Recorder, rows: int, params: SamplingParams, top_n: int) -> None:
+        """Log-probs of the first `rows` rows at the request's temperature, with `top_n` alternatives each."""
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"LogProbs.record: rows must be in [1, {self.max_rows}], got {rows}")
+        check_top_logprobs(top_n)
+        self.bound.params.set(temperature=logprob_temperature(params), top_n=top_n)
+        rec.dispatch(self.bound, rows)
+
+    def read(self, rows: int, top_n: int) -> list[TokenLogprob]:
+        """The first `rows` rows written by the last recorded dispatch (the GPU has finished it)."""
+        raw = self.registry.gpu.queue.read_buffer(self.out.buffer, 0, 4 * _ROW_WORDS * rows)
+        words = np.frombuffer(raw, np.uint32).reshape(rows, _ROW_WORDS)
+        values = words.view(np.float32)
+        return [
+            TokenLogprob(
+                int(words[r, 0]),
+                float(values[r, 1]),
+                [
+                    (int(words[r, 2 + 2 * j]), float(values[r, 3 + 2 * j]))
+                    for j in range(top_n)
+                    if words[r, 2 + 2 * j] != _NO_TOKEN
+                ],
+            )
+            for r in range(rows)
+        ]
+
+    def release(self, registry: KernelRegistry) -> None:
+        registry.release_tensors(self.out)
+        registry.release_slot(self.bound.params)
