@@ -24,6 +24,7 @@ from doppler_py.model.catalog import DEFAULT_MODEL, resolve_model
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.draft_model import DraftModelDrafter, check_vocabularies
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
@@ -64,9 +65,16 @@ class GenerationResult:
     # sum of that many plain steps (1.4826·MAD per step); None when time_saved_s is.
     time_saved_s_err: float | None = None
     stats: dict = field(default_factory=dict)
+    # With logprobs=N: one entry per token of `tokens` (see `Engine.stream`); None when not asked for.
+    logprobs: list[TokenLogprob] | None = None
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "tokens"} | {"completion_tokens": len(self.tokens)}
+        record = {k: v for k, v in self.__dict__.items() if k not in ("tokens", "logprobs")}
+        if self.logprobs is not None:
+            record["logprobs"] = [
+                {"token": e.token, "logprob": e.logprob, "top": [list(t) for t in e.top]} for e in self.logprobs
+            ]
+        return record | {"completion_tokens": len(self.tokens)}
 
 
 class Engine:
@@ -180,6 +188,7 @@ class Engine:
         k: int | None = None,
         chat: bool | None = None,
         stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
 
@@ -187,11 +196,18 @@ class Engine:
         not part of the text (finish_reason "stop"). Text that could be the start of a stop string is held back
         until it is known not to be one. Closing the iterator early cancels the generation and frees its KV
         caches; a matched stop string does the same at once.
+
+        logprobs: None (off) or N in 0..20: `last_result.logprobs` then holds, per returned token, its
+        log-probability and the N most likely tokens of its position. They are log_softmax(logits / T) of the
+        target model's raw logits over the whole vocabulary, T the request's temperature (1 when greedy, so
+        greedy requests report the model's own probabilities, as OpenAI does), before top-k/top-p filtering;
+        computed on the GPU from the rows each step already verified (no extra forward).
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
         check_max_tokens(max_tokens)
         stops = check_stop(stop)
+        check_top_logprobs(logprobs)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode_prompt(prompt, chat)
         self.model.check_ids(ids)
@@ -204,11 +220,14 @@ class Engine:
         matcher = StopMatcher(stops)
         eos_ids = tuple(self.tokenizer.eos_token_ids) + tuple(self.model.config.eos_token_ids)
         tokens: list[int] = []
+        token_logprobs: list[TokenLogprob] = []
         ends: list[int | None] = []  # [i] = length of the text once token i is decoded (None: not yet known)
         start = time.perf_counter()
-        steps = engine.iter_generate(ids, max_tokens, params, stats=stats, k=k, stop_ids=eos_ids)
+        steps = engine.iter_generate(ids, max_tokens, params, stats=stats, k=k, stop_ids=eos_ids, logprobs=logprobs)
         try:
             for new in self.plain_costs.watch(steps, stats):
+                if logprobs is not None:
+                    token_logprobs.extend(engine.last_logprobs[: len(new)])
                 piece = ""
                 for token in new:
                     tokens.append(token)
@@ -232,8 +251,10 @@ class Engine:
             steps.close()
         if matcher.stop_at is not None:
             kept = sum(1 for e in ends if e is not None and e <= matcher.stop_at)
-            del tokens[kept:]
+            del tokens[kept:], token_logprobs[kept:]
         self.last_result = self._result(tokens, ids, stats, mode, elapsed=time.perf_counter() - start, stop=matcher)
+        if logprobs is not None:
+            self.last_result.logprobs = token_logprobs
 
     def generate(self, prompt: str | Messages, **options) -> GenerationResult:
         """Generate to completion; same options as `stream`."""
