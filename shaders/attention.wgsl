@@ -1,6 +1,8 @@
 // attention: causal grouped-query attention of new tokens' queries over one layer's KV cache.
-//   out[row, h, :] = softmax_j(q[row, h, :] · k[j, g, :] / sqrt(HEAD_DIM)) · v[j, g, :]
-//   over keys j = 0 ..= start_pos + row, with kv head g = h / (n_heads / n_kv_heads).
+//   out[row, h, :] = softmax_j(q[row, h, :] · k[j, g, :] * scale) · v[j, g, :]
+//   over keys j in (p - window, p] (all j <= p when window == 0), p = start_pos + row, with kv head
+//   g = h / (n_heads / n_kv_heads). The cache keeps every position; a sliding window only masks (and skips
+//   the key steps that lie wholly before every query's window).
 //
 // Work split. The (row, head) pairs that share kv head g are packed four to a "block"; a lane holds its
 // block's four queries and accumulators for one 16-dim slice of the head as mat4x4s (column c = dim c of
@@ -22,7 +24,8 @@
 //           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
 //           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split.
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
-//         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s).
+//         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
+//         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA).
 // Overrides: HEAD_DIM (a multiple of 16, at most 256).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
@@ -37,6 +40,8 @@ struct Params {
   split_len: u32,
   n_splits: u32,
   q_stride: u32,
+  window: u32,
+  scale: f32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -150,16 +155,24 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
   // The workgroup's last pair sits on its latest row, which bounds the keys any of its lanes needs.
   let last_pair = min(n_pairs, 4u * (wid.x + 1u) * blocks_per_wg) - 1u;
-  let key_begin = split * params.split_len;
-  let key_end = min(key_begin + params.split_len, params.start_pos + last_pair / group + 1u);
+  // Its first pair sits on its earliest row: keys before that row's window are masked for every lane.
+  let first_pos = params.start_pos + (4u * wid.x * blocks_per_wg) / group;
+  var window_begin = 0u;
+  if (params.window > 0u && first_pos + 1u > params.window) {
+    window_begin = first_pos + 1u - params.window;
+  }
+  let key_begin = max(split * params.split_len, window_begin);
+  let key_end = min((split + 1u) * params.split_len, params.start_pos + last_pair / group + 1u);
   var n_steps = 0u;
   if (key_end > key_begin) {
     n_steps = (key_end - key_begin + key_lanes * STEP - 1u) / (key_lanes * STEP);
   }
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
-  // j < limit[c]. An empty slot (past the last pair) keeps limit 0 and reads pair 0's query harmlessly.
+  // lower[c] <= j < limit[c]. An empty slot (past the last pair) keeps limit 0 and reads pair 0's query
+  // harmlessly.
   var limit = vec4<u32>(0u);
+  var lower = vec4<u32>(0u);
   var row_head = vec4<u32>(0u);
   var q_head = vec4<u32>(0u);
   for (var c = 0u; c < 4u; c++) {
@@ -167,11 +180,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (has_block && pair < n_pairs) {
       let head = kv_head * group + pair % group;
       limit[c] = params.start_pos + pair / group + 1u;
+      if (params.window > 0u && limit[c] > params.window) {
+        lower[c] = limit[c] - params.window;
+      }
       row_head[c] = (pair / group) * params.n_heads + head;
       q_head[c] = (pair / group) * params.q_stride + head * hd4;
     }
   }
-  let scale = inverseSqrt(f32(HEAD_DIM));
+  let scale = params.scale;
   let q_at = q_head + vec4<u32>(4u * slice);
   var q0 = mat4x4<f32>();
   var q1 = mat4x4<f32>();
@@ -204,7 +220,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         for (var d = 0u; d < slices; d++) {
           s += exchange[(lane_group * slices + d) * STEP + u];
         }
-        let visible = vec4<u32>(j) < limit;
+        let visible = (vec4<u32>(j) < limit) & (vec4<u32>(j) >= lower);
         let m = max(st.m, select(vec4<f32>(NEG), s, visible));
         let rescale = exp(st.m - m);
         let p = select(vec4<f32>(0.0), exp(s - m), visible);
@@ -233,7 +249,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     workgroupBarrier();
   }
 
-  if (has_block && key_lane == 0u && n_steps > 0u) {
+  // A split whose keys all lie before the workgroup's windows has no steps; it still writes its (empty)
+  // partials, which attention_reduce reads for every split up to the row's position.
+  if (has_block && key_lane == 0u && (n_steps > 0u || params.n_splits > 1u)) {
     let r0 = transpose(st.a0);
     let r1 = transpose(st.a1);
     let r2 = transpose(st.a2);

@@ -1,4 +1,4 @@
-// embedding: out[t, :] = table[ids[t], :] for t < rows, dequantising one row of a weight table in any format
+// embedding: out[t, :] = table[ids[t], :] * scale for t < rows (scale: Gemma's sqrt(hidden), else 1), dequantising one row of a weight table in any format
 // of doppler_py/gpu/weights.py (tied embeddings share the LM head's weight). An id at or past `vocab` gives a
 // row of zeros and never reads out of bounds.
 //
@@ -10,7 +10,7 @@
 //   3 scales  (read)        packed f16 block scales (block formats; a 4-byte dummy otherwise)
 //   4 out     (read_write)  f32 [rows, k] as vec4
 // Params: rows, k (multiple of 32), row_start, part_rows, vocab (rows of the whole table), zero_missing
-//   (1 for the part that writes zeros for ids >= vocab: exactly one part per table).
+//   (1 for the part that writes zeros for ids >= vocab: exactly one part per table), scale.
 // Overrides: FORMAT (0 f32, 1 f16, 2 q4_0, 3 q4_1, 4 q8_0).
 // Dispatch: (ceil(k / 4 / 64), rows, 1) workgroups of 64; invocation (e, t) writes out[t] vec4 e. Each part
 //   writes only the rows whose id it holds.
@@ -22,6 +22,7 @@ struct Params {
   part_rows: u32,
   vocab: u32,
   zero_missing: u32,
+  scale: f32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -76,7 +77,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   if (e < params.k / 4u && t < params.rows) {
     let id = ids[t];
     if (id >= params.row_start && id < params.row_start + params.part_rows) {
-      out[t * (params.k / 4u) + e] = weight_vec4(id - params.row_start, e);
+      out[t * (params.k / 4u) + e] = weight_vec4(id - params.row_start, e) * params.scale;
     } else if (id >= params.vocab && params.zero_missing == 1u) {
       out[t * (params.k / 4u) + e] = vec4<f32>(0.0);
     }

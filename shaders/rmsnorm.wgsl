@@ -1,32 +1,40 @@
-// rmsnorm: out[t, i] = x[t, i] / sqrt(mean_j(x[t, j]^2) + eps) * weight[i] (HF LlamaRMSNorm, all in f32).
-// Bindings: 0 params (uniform Params), 1 x (read, [rows, dim]), 2 weight (read, [dim]),
-//           3 out (read_write, [rows, dim]).
-// Params: dim = row length, eps = variance epsilon.
-// Dispatch: (rows, 1, 1) workgroups of 256; one workgroup per row, each invocation strides over the row
-// and the partial sums of squares meet in a tree reduction in workgroup memory.
+// rmsnorm: out[t, i] (+)= src[t, i] / sqrt(mean_j(src[t, j]^2) + eps) * weight[i] (HF LlamaRMSNorm, all in f32;
+// Gemma's (1 + w) is folded into the weight at load time).
+//   main:  rows of src into out; with ACCUMULATE, added to out (Gemma's post-attention / post-MLP norms added
+//          to the residual stream: x += rmsnorm(y)).
+//   heads: per-head norm in place (Qwen3 / Gemma 3 q_norm and k_norm): in each row of `out` (row_stride
+//          floats), heads 0 .. n_heads - 1 of `dim` floats each, normalised with weight[0 .. dim) for the
+//          first q_heads heads (q) and weight[dim .. 2 dim) for the others (k).
+// Bindings: 0 params (uniform Params), 1 src (read, [rows, dim]; main only; not `x`, which
+//           would clash with the `.x` swizzles in the registry's scan of what an entry point uses), 2 weight (read, [dim], heads:
+//           [2 dim]), 3 out (read_write, [rows, dim]; heads: [rows, row_stride]).
+// Params: dim = row (head) length, eps = variance epsilon; heads only: q_heads, row_stride.
+// Overrides: ACCUMULATE (main: add to out instead of writing it).
+// Dispatch: main (rows, 1, 1), heads (n_heads, rows, 1) workgroups of 256; one workgroup per row (head),
+// each invocation strides over it and the partial sums of squares meet in a tree reduction in workgroup
+// memory.
 
 const WG: u32 = 256u;
 
 struct Params {
   dim: u32,
   eps: f32,
+  q_heads: u32,
+  row_stride: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read> weight: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
+override ACCUMULATE: bool = false;
+
 var<workgroup> partial: array<f32, WG>;
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-  let base = wid.x * params.dim;
-  var sum_sq = 0.0;
-  for (var i = lid; i < params.dim; i += WG) {
-    let v = x[base + i];
-    sum_sq += v * v;
-  }
+// 1 / sqrt(mean of squares + eps) of a row whose squares this invocation summed into sum_sq (all invocations
+// of the workgroup call it: it holds barriers).
+fn inverse_rms(lid: u32, sum_sq: f32) -> f32 {
   partial[lid] = sum_sq;
   workgroupBarrier();
   for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
@@ -35,9 +43,40 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
   }
-  // HF multiplies x by the reciprocal square root first and the weight second; keep that rounding order.
-  let scale = inverseSqrt(partial[0] / f32(params.dim) + params.eps);
+  return inverseSqrt(partial[0] / f32(params.dim) + params.eps);
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let base = wid.x * params.dim;
+  var sum_sq = 0.0;
   for (var i = lid; i < params.dim; i += WG) {
-    out[base + i] = weight[i] * (x[base + i] * scale);
+    let v = src[base + i];
+    sum_sq += v * v;
+  }
+  // HF multiplies x by the reciprocal square root first and the weight second; keep that rounding order.
+  let scale = inverse_rms(lid, sum_sq);
+  for (var i = lid; i < params.dim; i += WG) {
+    let y = weight[i] * (src[base + i] * scale);
+    if (ACCUMULATE) {
+      out[base + i] += y;
+    } else {
+      out[base + i] = y;
+    }
+  }
+}
+
+@compute @workgroup_size(256)
+fn heads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let base = wid.y * params.row_stride + wid.x * params.dim;
+  let w_base = select(params.dim, 0u, wid.x < params.q_heads);
+  var sum_sq = 0.0;
+  for (var i = lid; i < params.dim; i += WG) {
+    let v = out[base + i];
+    sum_sq += v * v;
+  }
+  let scale = inverse_rms(lid, sum_sq);
+  for (var i = lid; i < params.dim; i += WG) {
+    out[base + i] = weight[w_base + i] * (out[base + i] * scale);
   }
 }

@@ -1,7 +1,11 @@
-// swiglu: out[t, j] = silu(gate_up[t, j]) * gate_up[t, ffn_dim + j], silu(x) = x * sigmoid(x) — the LLaMA
-// MLP activation applied to the output of ONE matmul over the concatenated [gate; up] weights.
+// swiglu: out[t, j] = act(gate_up[t, j]) * gate_up[t, ffn_dim + j] — the gated MLP activation applied to the
+// output of ONE matmul over the concatenated [gate; up] weights. act is
+//   ACTIVATION 0: silu(x) = x * sigmoid(x) (LLaMA's SwiGLU),
+//   ACTIVATION 1: gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) = x * sigmoid(2 sqrt(2 / pi)
+//                 (x + 0.044715 x^3)) (Gemma's GeGLU, torch's gelu(approximate="tanh")).
 // Bindings: 0 params (uniform Params), 1 gate_up (read, [rows, 2 * ffn_dim]), 2 out (read_write, [rows, ffn_dim]).
 // Params: ffn_dim = MLP width.
+// Overrides: ACTIVATION (0 silu, 1 gelu_tanh).
 // Dispatch: (ceil(ffn_dim / 256), rows, 1) workgroups of 256; one invocation per output element.
 
 struct Params {
@@ -15,6 +19,8 @@ struct Params {
 // exp() only ever sees -|x| in (-87, 0]: it cannot overflow (x / (1 + exp(-x)) meets inf at x = -1e4, and WGSL
 // leaves infinities implementation-defined) and WGSL's error bound for exp, 3 + 2|x| ulp, stays small. Below
 // -87, exp(-|x|) would be subnormal; it is taken as exactly 0.
+override ACTIVATION: u32 = 0u;
+
 fn sigmoid(x: f32) -> f32 {
   let a = abs(x);
   let e = select(0.0, exp(-a), a < 87.0);
@@ -29,5 +35,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   }
   let g = gate_up[gid.y * 2u * params.ffn_dim + j];
   let u = gate_up[gid.y * 2u * params.ffn_dim + params.ffn_dim + j];
-  out[gid.y * params.ffn_dim + j] = g * sigmoid(g) * u;
+  var z = g;
+  if (ACTIVATION == 1u) {
+    z = 1.5957691216057308 * (g + 0.044715 * g * g * g);  // 2 * sqrt(2 / pi) * (...)
+  }
+  out[gid.y * params.ffn_dim + j] = g * sigmoid(z) * u;
 }

@@ -15,6 +15,8 @@ from pathlib import Path
 from types import EllipsisType
 from typing import Any
 
+import numpy as np
+
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
 from doppler_py.gpu.weights import BLOCK
 from doppler_py.ops.attention import MAX_HEAD_DIM
@@ -25,14 +27,22 @@ from doppler_py.ops.sampling import MAX_VOCAB
 class _Architecture:
     model_type: str
     max_position_embeddings: int  # transformers' default when config.json omits it
-    qkv_bias: bool  # q/k/v projections always carry biases (Qwen2)
+    qkv_bias: bool = False  # q/k/v projections always carry biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    head_dim: int | None = None  # transformers' default head_dim (None: hidden_size / num_attention_heads)
+    gemma: bool = False  # the Gemma 3 block: see ModelConfig.norm_offset, sandwich_norms, embed_scale, ...
 
 
 ARCHITECTURES: dict[str, _Architecture] = {
-    "LlamaForCausalLM": _Architecture("llama", 2048, qkv_bias=False),
-    "MistralForCausalLM": _Architecture("mistral", 131072, qkv_bias=False),
+    "LlamaForCausalLM": _Architecture("llama", 2048),
+    "MistralForCausalLM": _Architecture("mistral", 131072),
     "Qwen2ForCausalLM": _Architecture("qwen2", 32768, qkv_bias=True),
+    "Qwen3ForCausalLM": _Architecture("qwen3", 32768, qk_norm=True, head_dim=128),
+    "Gemma3ForCausalLM": _Architecture("gemma3_text", 131072, qk_norm=True, head_dim=256, gemma=True),
 }
+# Activations of the gated MLP, act(gate) * up, by their transformers names.
+HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GEMMA_SLIDING_WINDOW_PATTERN = 6  # Gemma 3 configs without layer_types: every 6th layer is global
 
 # Parameters each RoPE scaling type needs besides its name ("default" means no scaling).
 ROPE_SCALING_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -50,7 +60,11 @@ HEAD_DIM_MULTIPLE = 16
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A validated LLaMA-family configuration (LLaMA, SmolLM, Mistral, Qwen2)."""
+    """A validated LLaMA-family configuration (LLaMA, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3 text).
+
+    The fields after `torch_dtype` describe how Qwen3 and Gemma 3 depart from LLaMA; their defaults are
+    LLaMA's, so a LLaMA config leaves them alone.
+    """
 
     architecture: str
     model_type: str
@@ -71,6 +85,27 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    qk_norm: bool = False  # q_norm / k_norm: RMSNorm weights [head_dim] applied to every q and k head
+    norm_offset: float = 0.0  # RMSNorms scale by (norm_offset + w): Gemma's (1 + w), folded in at load time
+    sandwich_norms: bool = False  # Gemma: attention and MLP outputs are normalised before the residual add
+    embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden_size), rounded to f32)
+    hidden_act: str = "silu"  # the gated MLP's activation (HIDDEN_ACTIVATIONS)
+    attention_scale: float | None = None  # scores are q.k * this; None = 1 / sqrt(head_dim)
+    sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), plain RoPE; None = rope_theta
+
+    def layer_window(self, layer: int) -> int:
+        """Keys the queries of `layer` see (0 = every earlier position)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window or 0
+        return 0
+
+    def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of the RoPE `layer` uses."""
+        if self.layer_window(layer) and self.rope_local_theta is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -99,7 +134,7 @@ class ModelConfig:
             raise ModelFormatError(
                 f"{source}: field 'num_key_value_heads' = {kv_heads} does not divide num_attention_heads = {heads}"
             )
-        head_dim = fields.positive_int("head_dim", default=None)
+        head_dim = fields.positive_int("head_dim", default=arch.head_dim)
         if head_dim is None:
             if ints["hidden_size"] % heads:
                 raise ModelFormatError(
@@ -112,13 +147,19 @@ class ModelConfig:
         _check_engine_limits(ints, heads, head_dim, explicit_head_dim=data.get("head_dim") is not None, source=source)
 
         max_positions = fields.positive_int("max_position_embeddings", default=arch.max_position_embeddings)
-        _reject_sliding_window(data, max_positions, source)
-        if fields.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
+        if arch.gemma:
+            gemma = _gemma(fields, ints, source)
+            rope_theta, rope_scaling = gemma.pop("rope")
+        else:
+            _reject_sliding_window(data, max_positions, source)
+            hidden_act = fields.get("hidden_act", "silu")
+            if hidden_act != "silu":
+                raise UnsupportedModelError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+            gemma = {}
+            rope_theta, rope_scaling = _rope(fields, source)
         if fields.boolean("mlp_bias", default=False):
             raise UnsupportedModelError(f"{source}: mlp_bias = true is not supported")
         bias_flag = fields.boolean("attention_bias", default=False)
-        rope_theta, rope_scaling = _rope(fields, source)
 
         return cls(
             architecture=architecture,
@@ -134,12 +175,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False),
+            tie_word_embeddings=fields.boolean("tie_word_embeddings", default=arch.gemma),
             attention_bias=arch.qkv_bias or bias_flag,
             attention_out_bias=bias_flag and not arch.qkv_bias,
             bos_token_id=fields.token_id("bos_token_id", ints["vocab_size"]),
             eos_token_ids=fields.token_ids("eos_token_id", ints["vocab_size"]),
             torch_dtype=fields.get("torch_dtype", None) or fields.get("dtype", None),
+            qk_norm=arch.qk_norm,
+            **gemma,
         )
 
 
@@ -225,6 +268,62 @@ def _reject_sliding_window(data: dict[str, Any], max_positions: int, source: str
             f"{source}: sliding-window attention (sliding_window = {window} < max_position_embeddings = "
             f"{max_positions}) is not supported"
         )
+
+
+def _gemma(fields: _Fields, ints: dict[str, int], source: str) -> dict[str, Any]:
+    """The Gemma 3 text fields of ModelConfig (transformers' Gemma3TextConfig defaults), plus "rope":
+    (theta, scaling) of the global layers."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if fields.get(name, None) is not None:
+            raise UnsupportedModelError(f"{source}: field {name!r} (logit soft-capping) is not supported")
+    if fields.boolean("use_bidirectional_attention", default=False):
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention = true is not supported")
+    hidden_act = fields.get("hidden_activation", None) or fields.get("hidden_act", "gelu_pytorch_tanh")
+    if hidden_act not in HIDDEN_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{source}: hidden_activation {hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTIVATIONS)})"
+        )
+    layers = ints["num_hidden_layers"]
+    layer_types = fields.get("layer_types", None)
+    if layer_types is None:
+        pattern = fields.positive_int("sliding_window_pattern", default=GEMMA_SLIDING_WINDOW_PATTERN)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(kind not in ("full_attention", "sliding_attention") for kind in layer_types)
+    ):
+        raise ModelFormatError(
+            f"{source}: field 'layer_types' must list 'full_attention' or 'sliding_attention' for each of the "
+            f"{layers} layers, got {layer_types!r:.120}"
+        )
+    window = fields.positive_int("sliding_window", default=4096)
+
+    # transformers 5 nests the RoPE of each layer type in rope_parameters; transformers 4 spells the global
+    # base rope_theta (+ rope_scaling) and the local one rope_local_base_freq.
+    nested = fields.get("rope_parameters", None)
+    if isinstance(nested, dict) and "full_attention" in nested:
+        full = _rope(_Fields({"rope_parameters": nested["full_attention"], "rope_theta": 1_000_000.0}, source), source)
+        local = _rope(
+            _Fields({"rope_parameters": nested.get("sliding_attention"), "rope_theta": 10_000.0}, source), source
+        )
+    else:
+        full = _rope(_Fields({"rope_theta": 1_000_000.0, **fields.data}, source), source)
+        local = (fields.positive_float("rope_local_base_freq", default=10_000.0), None)
+    if local[1] is not None:
+        raise UnsupportedModelError(f"{source}: RoPE scaling on sliding-window layers is not supported")
+    scalar = fields.positive_float("query_pre_attn_scalar", default=256.0)
+    return {
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embed_scale": float(np.float32(math.sqrt(ints["hidden_size"]))),
+        "hidden_act": hidden_act,
+        "attention_scale": scalar**-0.5,
+        "sliding_window": window,
+        "layer_types": tuple(layer_types),
+        "rope_local_theta": local[0],
+        "rope": full,
+    }
 
 
 def _rope(fields: _Fields, source: str) -> tuple[float, dict[str, Any] | None]:

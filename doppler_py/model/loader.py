@@ -29,14 +29,34 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 @dataclass
 class LayerWeights:
+    """One layer's weights. RMSNorm weights already include the config's norm_offset (Gemma's 1 + w)."""
+
     attn_norm: Tensor
     qkv: Weight  # [q; k; v] rows: (n_heads + 2 n_kv_heads) * head_dim
     qkv_bias: Tensor | None
     o: Weight
     o_bias: Tensor | None
-    mlp_norm: Tensor
+    mlp_norm: Tensor  # before the MLP (LLaMA post_attention_layernorm, Gemma pre_feedforward_layernorm)
     gate_up: Weight  # [gate; up] rows: 2 * intermediate_size
     down: Weight
+    qk_norm: Tensor | None = None  # [q_norm; k_norm]: 2 * head_dim (Qwen3, Gemma 3)
+    post_attn_norm: Tensor | None = None  # on the attention output (Gemma post_attention_layernorm)
+    post_mlp_norm: Tensor | None = None  # on the MLP output (Gemma post_feedforward_layernorm)
+
+    def vectors(self) -> list[Tensor]:
+        return [
+            t
+            for t in (
+                self.attn_norm,
+                self.mlp_norm,
+                self.qkv_bias,
+                self.o_bias,
+                self.qk_norm,
+                self.post_attn_norm,
+                self.post_mlp_norm,
+            )
+            if t is not None
+        ]
 
 
 @dataclass
@@ -57,12 +77,7 @@ class ModelWeights:
             *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
         ]:
             seen[id(w)] = w.nbytes
-        small = [self.norm] + [
-            t
-            for layer in self.layers
-            for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias, layer.o_bias)
-            if t is not None
-        ]
+        small = [self.norm] + [t for layer in self.layers for t in layer.vectors()]
         return sum(seen.values()) + sum(t.nbytes for t in small)
 
     def destroy(self) -> None:
@@ -71,9 +86,8 @@ class ModelWeights:
         for layer in self.layers:
             for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 w.destroy()
-            for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias, layer.o_bias):
-                if t is not None:
-                    t.destroy()
+            for t in layer.vectors():
+                t.destroy()
         self.norm.destroy()
 
 
@@ -157,6 +171,13 @@ def _vector(gpu: Gpu, reader: _Reader, name: str, size: int) -> Tensor:
     return Tensor.from_numpy(gpu, reader.dense(name, (size,)), "f32", label=name)
 
 
+def _norm(gpu: Gpu, reader: _Reader, config: ModelConfig, names: list[str], size: int) -> Tensor:
+    """RMSNorm weights `names` (each [size]) concatenated, with the config's norm_offset added in float32 as
+    transformers does (Gemma: `1.0 + weight.float()`)."""
+    parts = [reader.dense(n, (size,)) + np.float32(config.norm_offset) for n in names]
+    return Tensor.from_numpy(gpu, np.concatenate(parts).astype(np.float32), "f32", label="+".join(names))
+
+
 def load_weights(
     folder: str | Path,
     gpu: Gpu,
@@ -189,9 +210,17 @@ def load_weights(
                 for x, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
             ]
             bias = Tensor.from_numpy(gpu, np.concatenate(bias_parts), "f32", label=p + "qkv_bias")
+        a = p + "self_attn."
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention output
+            mlp_norm = _norm(gpu, reader, config, [p + "pre_feedforward_layernorm.weight"], h)
+            post_attn_norm = _norm(gpu, reader, config, [p + "post_attention_layernorm.weight"], h)
+            post_mlp_norm = _norm(gpu, reader, config, [p + "post_feedforward_layernorm.weight"], h)
+        else:
+            mlp_norm = _norm(gpu, reader, config, [p + "post_attention_layernorm.weight"], h)
+            post_attn_norm = post_mlp_norm = None
         layers.append(
             LayerWeights(
-                attn_norm=_vector(gpu, reader, p + "input_layernorm.weight", h),
+                attn_norm=_norm(gpu, reader, config, [p + "input_layernorm.weight"], h),
                 qkv=_matrix(
                     gpu,
                     reader,
@@ -202,14 +231,19 @@ def load_weights(
                 qkv_bias=bias,
                 o=_matrix(gpu, reader, [p + "self_attn.o_proj.weight"], [(h, q_rows)], precision),
                 o_bias=_vector(gpu, reader, p + "self_attn.o_proj.bias", h) if config.attention_out_bias else None,
-                mlp_norm=_vector(gpu, reader, p + "post_attention_layernorm.weight", h),
+                mlp_norm=mlp_norm,
                 gate_up=_matrix(
                     gpu, reader, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(ffn, h), (ffn, h)], precision
                 ),
                 down=_matrix(gpu, reader, [p + "mlp.down_proj.weight"], [(h, ffn)], precision),
+                qk_norm=_norm(gpu, reader, config, [a + "q_norm.weight", a + "k_norm.weight"], hd)
+                if config.qk_norm
+                else None,
+                post_attn_norm=post_attn_norm,
+                post_mlp_norm=post_mlp_norm,
             )
         )
-    norm = _vector(gpu, reader, "model.norm.weight", h)
+    norm = _norm(gpu, reader, config, ["model.norm.weight"], h)
     if config.tie_word_embeddings:
         lm_head = embed
     else:

@@ -1,15 +1,20 @@
 """The LLaMA-family forward pass on the GPU, recorded into one command encoder per call.
 
     ids ─ embedding ─▶ x ─┬─ for each layer ────────────────────────────────────────────────┐
-                          │ qkv = rmsnorm(x)·Wqkv (+b)                                       │
+                          │ qkv = rmsnorm(x)·Wqkv (+b)   (Qwen3, Gemma 3: rmsnorm per q/k head) │
                           │ rope(q); cache[pos] = rope(k), v        a = attention(q, cache)  │
                           │ x += a·Wo                  gu = rmsnorm(x)·[Wg;Wu]               │
                           │ h = silu(g)·u              x += h·Wd                             │
                           └──────────────────────────────────────────────────────────────────┘
     x ─ rmsnorm ─ LM head ─▶ logits       (stay on the GPU: the speculative engine's verifier picks tokens)
 
+Gemma 3 departs from this in a few places, all set by the config: embeddings × sqrt(H); (1 + w) norms (the
+loader folds the 1 in); the attention and MLP outputs are normalised before the residual add (y = a·Wo;
+x += rmsnorm(y), the same after the MLP); gelu_tanh(g)·u instead of silu(g)·u; scores scaled by
+query_pre_attn_scalar^-1/2; sliding-window layers, with their own RoPE base, see only the last W positions.
+
 Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·hd; KV = n_kv_heads·hd):
-    x, xn [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]   act [T, F]
+    x, xn, y [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]   act [T, F]
     logits [L, V] with L = 1 ("last") or T ("all", T ≤ max_logit_rows)
 
 The layers' RMSNorms run inside the projections that follow them (Linear's `norm`; xn is only written when a
@@ -29,12 +34,12 @@ from doppler_py.errors import CapacityError, GenerationOptionError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
-from doppler_py.model.loader import ModelWeights
+from doppler_py.model.loader import LayerWeights, ModelWeights
 from doppler_py.ops.attention import Attention
 from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import InputNorm, Linear
-from doppler_py.ops.norms import RMSNorm
+from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 
 LOGITS_MODES = ("last", "all", "none")
@@ -43,15 +48,22 @@ LOGITS_MODES = ("last", "all", "none")
 @dataclass
 class _LayerOps:
     qkv: Linear  # normalises x first (input_layernorm)
-    o: Linear
-    gate_up: Linear  # normalises x first (post_attention_layernorm)
-    down: Linear
+    qk_norm: HeadRMSNorm | None  # q_norm / k_norm of every head, in place in qkv (Qwen3, Gemma 3)
+    o: Linear  # into x (residual add), or into y when post_attn normalises it
+    post_attn: RMSNorm | None  # x += rmsnorm(y) (Gemma post_attention_layernorm)
+    gate_up: Linear  # normalises x first (LLaMA post_attention_layernorm, Gemma pre_feedforward_layernorm)
+    down: Linear  # into x, or into y when post_mlp normalises it
+    post_mlp: RMSNorm | None  # x += rmsnorm(y) (Gemma post_feedforward_layernorm)
 
 
 @dataclass
 class _CacheOps:
     rope: list[RoPE]  # rotates q in place, writes rotated k and v into the layer's cache
     attention: list[Attention]
+
+
+def _rope_key(theta: float, scaling: dict | None) -> tuple:
+    return (theta, tuple(sorted((scaling or {}).items())))
 
 
 class Transformer:
@@ -82,6 +94,8 @@ class Transformer:
         self.ids = Tensor.empty(gpu, max_rows, "u32", "ids")
         self.x = Tensor.empty(gpu, (max_rows, h), "f32", "x")
         self.xn = Tensor.empty(gpu, (max_rows, h), "f32", "xn")
+        # A sub-block's output before its norm and residual add (Gemma); without those norms, nothing uses it.
+        self.y = Tensor.empty(gpu, (max_rows, h) if cfg.sandwich_norms else (1, 4), "f32", "y")
         self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size), "f32", "qkv")
         self.attn = Tensor.empty(gpu, (max_rows, self.q_size), "f32", "attn")
         self.gate_up = Tensor.empty(gpu, (max_rows, 2 * ffn), "f32", "gate_up")
@@ -95,35 +109,20 @@ class Transformer:
             f"the RoPE table for {self.max_positions} positions",
             advice="load the model with a smaller max_seq",
         )
-        self.rope_table = Tensor.from_numpy(
-            gpu, rope_table(hd, self.max_positions, cfg.rope_theta, cfg.rope_scaling), "f32", "rope"
+        # One cos/sin table per RoPE the layers use (Gemma 3: global and sliding layers differ); layer i's is
+        # rope_tables[layer_rope[i]].
+        self.layer_rope = [cfg.layer_rope(i) for i in range(len(weights.layers))]
+        self.rope_tables: dict[tuple, Tensor] = {}
+        for theta, scaling in self.layer_rope:
+            key = _rope_key(theta, scaling)
+            if key not in self.rope_tables:
+                table = rope_table(hd, self.max_positions, theta, scaling)
+                self.rope_tables[key] = Tensor.from_numpy(gpu, table, "f32", f"rope {theta:g}")
+        self.embed = Embedding(registry, weights.embed, self.ids, self.x, max_rows=max_rows, scale=cfg.embed_scale)
+        self.swiglu = SwiGLU(
+            registry, self.gate_up, self.act, ffn_dim=ffn, max_rows=max_rows, activation=cfg.hidden_act
         )
-        self.embed = Embedding(registry, weights.embed, self.ids, self.x, max_rows=max_rows)
-        self.swiglu = SwiGLU(registry, self.gate_up, self.act, ffn_dim=ffn, max_rows=max_rows)
-        self.layers = [
-            _LayerOps(
-                qkv=Linear(
-                    registry,
-                    lw.qkv,
-                    self.x,
-                    self.qkv,
-                    max_rows=max_rows,
-                    bias=lw.qkv_bias,
-                    norm=InputNorm(lw.attn_norm, cfg.rms_norm_eps, self.xn),
-                ),
-                o=Linear(registry, lw.o, self.attn, self.x, max_rows=max_rows, bias=lw.o_bias, accumulate=True),
-                gate_up=Linear(
-                    registry,
-                    lw.gate_up,
-                    self.x,
-                    self.gate_up,
-                    max_rows=max_rows,
-                    norm=InputNorm(lw.mlp_norm, cfg.rms_norm_eps, self.xn),
-                ),
-                down=Linear(registry, lw.down, self.act, self.x, max_rows=max_rows, accumulate=True),
-            )
-            for lw in weights.layers
-        ]
+        self.layers = [self._layer_ops(lw) for lw in weights.layers]
         # Final norm + LM head over all rows ("all") or over the last row copied into x_last ("last").
         self.final_norm_all = RMSNorm(
             registry, self.x, weights.norm, self.xn_head, dim=h, eps=cfg.rms_norm_eps, max_rows=self.max_logit_rows
@@ -134,6 +133,49 @@ class Transformer:
         self.lm_head = Linear(registry, weights.lm_head, self.xn_head, self.logits, max_rows=self.max_logit_rows)
         self._cache_ops: dict[int, tuple[KVCache, _CacheOps]] = {}
         self.closed = False
+
+    def _layer_ops(self, lw: LayerWeights) -> _LayerOps:
+        cfg, reg, rows, eps = self.config, self.registry, self.max_rows, self.config.rms_norm_eps
+        # Gemma normalises the o and down outputs (in y) before adding them to x; LLaMA adds them directly.
+        out = self.y if cfg.sandwich_norms else self.x
+
+        def post_norm(weight) -> RMSNorm | None:
+            if weight is None:
+                return None
+            return RMSNorm(reg, self.y, weight, self.x, dim=cfg.hidden_size, eps=eps, max_rows=rows, accumulate=True)
+
+        qk_norm = None
+        if lw.qk_norm is not None:
+            qk_norm = HeadRMSNorm(
+                reg,
+                self.qkv,
+                lw.qk_norm,
+                q_heads=cfg.num_attention_heads,
+                k_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                row_stride=self.qkv.shape[1],
+                eps=eps,
+                max_rows=rows,
+            )
+        return _LayerOps(
+            qkv=Linear(
+                reg,
+                lw.qkv,
+                self.x,
+                self.qkv,
+                max_rows=rows,
+                bias=lw.qkv_bias,
+                norm=InputNorm(lw.attn_norm, eps, self.xn),
+            ),
+            qk_norm=qk_norm,
+            o=Linear(reg, lw.o, self.attn, out, max_rows=rows, bias=lw.o_bias, accumulate=out is self.x),
+            post_attn=post_norm(lw.post_attn_norm),
+            gate_up=Linear(
+                reg, lw.gate_up, self.x, self.gate_up, max_rows=rows, norm=InputNorm(lw.mlp_norm, eps, self.xn)
+            ),
+            down=Linear(reg, lw.down, self.act, out, max_rows=rows, accumulate=out is self.x),
+            post_mlp=post_norm(lw.post_mlp_norm),
+        )
 
     @property
     def num_layers(self) -> int:
@@ -156,12 +198,25 @@ class Transformer:
                 max_seq=cache.max_seq,
                 max_rows=self.max_rows,
             )
-            layers = list(zip(cache.keys, cache.values, strict=True))
+            layers = list(enumerate(zip(cache.keys, cache.values, strict=True)))
             ops = _CacheOps(
-                rope=[RoPE(reg, self.qkv, self.rope_table, k, v, **shape) for k, v in layers],
+                rope=[
+                    RoPE(reg, self.qkv, self.rope_tables[_rope_key(*self.layer_rope[i])], k, v, **shape)
+                    for i, (k, v) in layers
+                ],
                 attention=[
-                    Attention(reg, self.qkv, k, v, self.attn, q_row_stride=self.qkv.shape[1], **shape)
-                    for k, v in layers
+                    Attention(
+                        reg,
+                        self.qkv,
+                        k,
+                        v,
+                        self.attn,
+                        q_row_stride=self.qkv.shape[1],
+                        window=cfg.layer_window(i),
+                        scale=cfg.attention_scale,
+                        **shape,
+                    )
+                    for i, (k, v) in layers
                 ],
             )
             entry = (cache, ops)
@@ -206,12 +261,14 @@ class Transformer:
         *,
         logits: str = "last",
         num_layers: int | None = None,
+        embedded: bool = False,
     ) -> None:
         """Record one forward over `rows` tokens whose ids are already in `self.ids`.
 
         Writes K/V for positions start_pos..start_pos+rows-1 into `cache` and, unless logits == "none",
         the logits of the last row (or of all rows) into `self.logits`. `num_layers` runs only the first
-        layers (layer-skip drafting) before the final norm and head.
+        layers (layer-skip drafting) before the final norm and head. `embedded`: the caller already wrote the
+        layer input into `self.x` (an EAGLE head, whose input mixes a token's embedding with a feature).
         """
         if not 1 <= rows <= self.max_rows:
             raise CapacityError(f"a forward takes 1..{self.max_rows} tokens, got {rows}")
@@ -219,29 +276,36 @@ class Transformer:
             raise CapacityError(f"logits for {rows} rows requested; at most {self.max_logit_rows} per forward")
         cache.check_room(start_pos, rows)
         cache_ops = self._ops_for(cache)
-        self.embed.record(rec, rows=rows)
+        if not embedded:
+            self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
         for i, layer in enumerate(self.layers[:num_layers]):
-            layer.qkv.record(rec, rows=rows)
-            cache_ops.rope[i].record(rec, rows=rows, start_pos=start_pos)
-            cache_ops.attention[i].record(rec, rows=rows, start_pos=start_pos)
-            layer.o.record(rec, rows=rows)
-            layer.gate_up.record(rec, rows=rows)
-            self.swiglu.record(rec, rows=rows)
-            layer.down.record(rec, rows=rows)
+            layer.qkv.record(rec, rows=rows)  # matmul: qkv = rmsnorm(x)·Wqkv (+ b)
+            if layer.qk_norm:
+                layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
+            cache_ops.rope[i].record(rec, rows=rows, start_pos=start_pos)  # rope: q, k rotated; k, v → cache
+            cache_ops.attention[i].record(rec, rows=rows, start_pos=start_pos)  # attention: attn = softmax(q·K)·V
+            layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
+            if layer.post_attn:
+                layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
+            layer.gate_up.record(rec, rows=rows)  # matmul: gate_up = rmsnorm(x)·[Wg; Wu]
+            self.swiglu.record(rec, rows=rows)  # swiglu: act = silu(gate)·up (Gemma: gelu_tanh)
+            layer.down.record(rec, rows=rows)  # matmul: x += act·Wd (Gemma: y = act·Wd)
+            if layer.post_mlp:
+                layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
         cache.advance_to(max(cache.length, start_pos + rows))
         if logits == "all":
-            self.final_norm_all.record(rec, rows=rows)
-            self.lm_head.record(rec, rows=rows)
+            self.final_norm_all.record(rec, rows=rows)  # rmsnorm: xn_head = rmsnorm(x)
+            self.lm_head.record(rec, rows=rows)  # matmul: logits = xn_head·Wlm
         elif logits == "last":
             row_bytes = self.config.hidden_size * 4
-            rec.copy(
+            rec.copy(  # copy: x_last = x[rows - 1]
                 self.x.view((1, self.config.hidden_size), offset_bytes=0),
                 self.x_last,
                 row_bytes,
                 src_offset=(rows - 1) * row_bytes,
             )
-            self.final_norm_last.record(rec, rows=1)
-            self.lm_head.record(rec, rows=1)
+            self.final_norm_last.record(rec, rows=1)  # rmsnorm: xn_head = rmsnorm(x[last])
+            self.lm_head.record(rec, rows=1)  # matmul: logits = xn_head·Wlm
 
     def forward(
         self,
@@ -289,7 +353,7 @@ class Transformer:
         if self.closed:
             return
         self.registry.release_tensors(
-            self.ids, self.x, self.xn, self.qkv, self.attn, self.gate_up, self.act, self.x_last, self.xn_head,
-            self.logits, self.rope_table,
+            self.ids, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
+            self.xn_head, self.logits, *self.rope_tables.values(),
         )  # fmt: skip
         self.closed = True

@@ -45,8 +45,9 @@ class Attention:
 
     Shapes (f32): q, out [max_rows, n_heads * head_dim]; k_cache, v_cache [max_seq, n_kv_heads, head_dim],
     holding keys/values for positions 0..start_pos + rows - 1 when the op runs (later positions may hold
-    anything). Query head h reads kv head h // (n_heads // n_kv_heads); the scale is 1 / sqrt(head_dim).
-    head_dim must be a multiple of 16, at most 256.
+    anything). Query head h reads kv head h // (n_heads // n_kv_heads); scores are q·k * scale (default
+    1 / sqrt(head_dim)). With `window` > 0 the query at position p sees only keys in (p - window, p] (sliding-
+    window layers; the cache still holds every position). head_dim must be a multiple of 16, at most 256.
     """
 
     def __init__(
@@ -63,6 +64,8 @@ class Attention:
         max_seq: int,
         max_rows: int,
         q_row_stride: int | None = None,
+        window: int = 0,
+        scale: float | None = None,
     ):
         width = n_heads * head_dim
         q_row_stride = width if q_row_stride is None else q_row_stride
@@ -72,6 +75,8 @@ class Attention:
             )
         if n_kv_heads < 1 or n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={n_kv_heads}")
+        if window < 0:
+            raise ValueError(f"window={window} must be >= 0 (0 = no sliding window)")
         if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 16 in 16..{MAX_HEAD_DIM}")
         for name, tensor, need in [
@@ -96,7 +101,13 @@ class Attention:
         self.part_stats = Tensor.empty(registry.gpu, (MAX_SPLITS, split_rows, n_heads, 2), label="attn partial stats")
         self.bound = registry.bind(
             registry.kernel("attention", HEAD_DIM=head_dim),
-            params={"n_heads": n_heads, "n_kv_heads": n_kv_heads, "q_stride": q_row_stride // 4},
+            params={
+                "n_heads": n_heads,
+                "n_kv_heads": n_kv_heads,
+                "q_stride": q_row_stride // 4,
+                "window": window,
+                "scale": head_dim**-0.5 if scale is None else scale,
+            },
             q=q,
             k_cache=k_cache,
             v_cache=v_cache,

@@ -1,4 +1,4 @@
-"""The element-wise op of a transformer block (SwiGLU) and the shape checks all ops share.
+"""The element-wise op of a transformer block (SwiGLU / GeGLU) and the shape checks all ops share.
 
 The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op the tests
 use is `doppler_py.testing.ops.Residual`.
@@ -23,15 +23,34 @@ def require_rows(rows: int, max_rows: int, what: str) -> None:
         raise ValueError(f"{what}: rows must be in 1..{max_rows} (the op's max_rows), got {rows}")
 
 
-class SwiGLU:
-    """out[t, j] = silu(gate_up[t, j]) * gate_up[t, ffn_dim + j]: gate in columns [0, ffn_dim), up after it."""
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the ACTIVATION override of shaders/swiglu.wgsl
 
-    def __init__(self, registry: KernelRegistry, gate_up: Tensor, out: Tensor, *, ffn_dim: int, max_rows: int):
+
+class SwiGLU:
+    """out[t, j] = act(gate_up[t, j]) * gate_up[t, ffn_dim + j]: gate in columns [0, ffn_dim), up after it.
+
+    act is silu (SwiGLU) or, with activation="gelu_pytorch_tanh", the tanh-approximated GELU (Gemma's GeGLU)."""
+
+    def __init__(
+        self,
+        registry: KernelRegistry,
+        gate_up: Tensor,
+        out: Tensor,
+        *,
+        ffn_dim: int,
+        max_rows: int,
+        activation: str = "silu",
+    ):
         require_f32(gate_up, max_rows * 2 * ffn_dim, "SwiGLU gate_up")
         require_f32(out, max_rows * ffn_dim, "SwiGLU out")
         self.ffn_dim = ffn_dim
         self.max_rows = max_rows
-        self.bound = registry.bind(registry.kernel("swiglu"), params={"ffn_dim": ffn_dim}, gate_up=gate_up, out=out)
+        self.bound = registry.bind(
+            registry.kernel("swiglu", ACTIVATION=ACTIVATIONS[activation]),
+            params={"ffn_dim": ffn_dim},
+            gate_up=gate_up,
+            out=out,
+        )
 
     def record(self, rec: Recorder, rows: int) -> None:
         require_rows(rows, self.max_rows, "SwiGLU")

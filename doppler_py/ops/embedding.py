@@ -1,4 +1,4 @@
-"""Token embedding: out[t, :] = table[ids[t], :] for t < rows (shaders/embedding.wgsl).
+"""Token embedding: out[t, :] = table[ids[t], :] * scale for t < rows (shaders/embedding.wgsl).
 
 The table is a `Weight` in any format, so a tied model's embedding and LM head share one GPU copy. Ids at
 or past the vocabulary size produce zero rows on the GPU (never an out-of-bounds read); the host validates
@@ -16,9 +16,12 @@ WORKGROUP_SIZE = 64
 
 
 class Embedding:
-    """Gathers rows of `table` [vocab, K] for `ids` (u32 [>= max_rows]) into `out` (f32 [>= max_rows, K])."""
+    """Gathers rows of `table` [vocab, K] for `ids` (u32 [>= max_rows]) into `out` (f32 [>= max_rows, K]),
+    times `scale` (Gemma multiplies its embeddings by sqrt(hidden_size))."""
 
-    def __init__(self, registry: KernelRegistry, table: Weight, ids: Tensor, out: Tensor, *, max_rows: int):
+    def __init__(
+        self, registry: KernelRegistry, table: Weight, ids: Tensor, out: Tensor, *, max_rows: int, scale: float = 1.0
+    ):
         vocab, k = table.shape
         if max_rows < 1:
             raise ValueError(f"Embedding: max_rows must be >= 1, got {max_rows}")
@@ -42,6 +45,7 @@ class Embedding:
                     "part_rows": part.rows,
                     "vocab": vocab,
                     "zero_missing": int(part is last),
+                    "scale": scale,
                 },
                 ids=ids,
                 weights=part.weights,

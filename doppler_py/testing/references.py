@@ -42,6 +42,12 @@ def linear(
     return y if bias is None else y + np.asarray(bias, dtype)
 
 
+def gelu_tanh(x: np.ndarray, *, dtype: DType = np.float64) -> np.ndarray:
+    """torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+    x = np.asarray(x, dtype)
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
 def silu(x: np.ndarray, *, dtype: DType = np.float64) -> np.ndarray:
     """x * sigmoid(x), element-wise; exp(-x) overflowing to inf gives the right limit (-0)."""
     x = np.asarray(x, dtype)
@@ -124,12 +130,22 @@ def log_softmax(logits: np.ndarray, temperature: float = 1.0, *, dtype: DType = 
         return np.where(empty, -np.inf, shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, *, dtype: DType = np.float64) -> np.ndarray:
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start_pos: int,
+    *,
+    window: int = 0,
+    scale: float | None = None,
+    dtype: DType = np.float64,
+) -> np.ndarray:
     """Causal GQA softmax attention over a KV cache.
 
     q [T, n_heads, hd] or [T, n_heads * hd] holds the queries of positions start_pos .. start_pos + T - 1;
     k, v [S, n_kv_heads, hd] with S >= start_pos + T (later positions are never read). Query head h reads KV
-    head h // (n_heads / n_kv_heads); scores are q.k / sqrt(hd); row t sees positions <= start_pos + t.
+    head h // (n_heads / n_kv_heads); scores are q.k * scale (default 1 / sqrt(hd)); row t at position
+    p = start_pos + t sees positions <= p, and with `window` > 0 only those > p - window (HF's sliding window).
     Returns [T, n_heads * hd].
     """
     rows, context = len(q), start_pos + len(q)
@@ -138,8 +154,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, *, dt
     qg = np.asarray(q, dtype).reshape(rows, n_kv, _width(q) // (n_kv * head_dim), head_dim).transpose(1, 2, 0, 3)
     keys = np.asarray(k[:context], dtype).transpose(1, 2, 0)[:, None]  # [n_kv, 1, hd, context]
     values = np.asarray(v[:context], dtype).transpose(1, 0, 2)[:, None]  # [n_kv, 1, context, hd]
-    scores = qg @ keys / np.sqrt(dtype(head_dim))
-    scores[..., np.arange(context)[None, :] > start_pos + np.arange(rows)[:, None]] = -np.inf
+    scores = qg @ keys / np.sqrt(dtype(head_dim)) if scale is None else qg @ keys * dtype(scale)
+    key_pos, query_pos = np.arange(context)[None, :], start_pos + np.arange(rows)[:, None]
+    hidden = key_pos > query_pos
+    if window:
+        hidden |= key_pos <= query_pos - window
+    scores[..., hidden] = -np.inf
     out = softmax(scores, dtype=dtype) @ values  # [n_kv, group, T, hd]
     return out.transpose(2, 0, 1, 3).reshape(rows, _width(q))
 
@@ -162,40 +182,59 @@ def forward_stages(
     layer's intermediates beside the logits:
 
         q [T, n_heads * hd] and k [T, n_kv_heads, hd] after RoPE, v [T, n_kv_heads, hd]
-        attention [T, n_heads * hd]   gate_up [T, 2F] ([gate | up])   mlp [T, F] = swiglu(gate, up)
+        attention [T, n_heads * hd]   gate_up [T, 2F] ([gate | up])   mlp [T, F] = act(gate) * up
         hidden [T, H] (the residual stream before the final norm)   logits [T, V]
 
     `model` is a HF folder or its tensors by HF name (float32 or float64; GGUF block formats are not read).
+    Qwen3 and Gemma 3 follow their HF modeling files: q/k heads RMS-normalised before RoPE; Gemma's (1 + w)
+    norms, embeddings times sqrt(H), attention and MLP outputs normalised before the residual add, GELU
+    (tanh) gating, per-layer sliding windows and RoPE bases.
     """
     w = load_tensors(model) if isinstance(model, str | Path) else model
     eps, hd = config.rms_norm_eps, config.head_dim
     n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
     rows = len(ids)
-    angles = np.arange(rows)[:, None] * rope_inv_freq(hd, config.rope_theta, config.rope_scaling)[None, :]
-    cos, sin = np.cos(angles), np.sin(angles)
+    gemma = config.sandwich_norms
 
-    x = np.asarray(w["model.embed_tokens.weight"], np.float64)[list(ids)]  # [T, H]
+    def norm(name: str) -> tuple[np.ndarray, float]:
+        return (np.asarray(w[name], np.float64) + config.norm_offset, eps)
+
+    def rope_angles(layer: int) -> tuple[np.ndarray, np.ndarray]:
+        theta, scaling = config.layer_rope(layer)
+        angles = np.arange(rows)[:, None] * rope_inv_freq(hd, theta, scaling)[None, :]
+        return np.cos(angles), np.sin(angles)
+
+    act = gelu_tanh if config.hidden_act == "gelu_pytorch_tanh" else silu
+    x = np.asarray(w["model.embed_tokens.weight"], np.float64)[list(ids)] * config.embed_scale  # [T, H]
     stages: dict[str, np.ndarray] = {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        attn_norm = (w[p + "input_layernorm.weight"], eps)
+        cos, sin = rope_angles(i)
+        attn_norm = norm(p + "input_layernorm.weight")
         q, k, v = (
             linear(x, w[p + f"self_attn.{n}_proj.weight"], w.get(p + f"self_attn.{n}_proj.bias"), norm=attn_norm)
             for n in "qkv"
         )
-        q = rope(q, cos, sin)
-        k = rope(k.reshape(rows, n_kv, hd), cos, sin)
-        v = v.reshape(rows, n_kv, hd)
-        a = attention(q.reshape(rows, n_heads, hd), k, v, 0)
-        x = x + linear(a, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
-        mlp_norm = (w[p + "post_attention_layernorm.weight"], eps)
+        q, k, v = q.reshape(rows, n_heads, hd), k.reshape(rows, n_kv, hd), v.reshape(rows, n_kv, hd)
+        if config.qk_norm:
+            q = rmsnorm(q, *norm(p + "self_attn.q_norm.weight"))
+            k = rmsnorm(k, *norm(p + "self_attn.k_norm.weight"))
+        q = rope(q, cos, sin).reshape(rows, n_heads * hd)
+        k = rope(k, cos, sin)
+        a = attention(
+            q.reshape(rows, n_heads, hd), k, v, 0, window=config.layer_window(i), scale=config.attention_scale
+        )
+        o = linear(a, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
+        x = x + (rmsnorm(o, *norm(p + "post_attention_layernorm.weight")) if gemma else o)
+        mlp_norm = norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"))
         gate = linear(x, w[p + "mlp.gate_proj.weight"], norm=mlp_norm)
         up = linear(x, w[p + "mlp.up_proj.weight"], norm=mlp_norm)
-        h = swiglu(gate, up)
-        x = x + linear(h, w[p + "mlp.down_proj.weight"])
+        h = act(gate) * up
+        d = linear(h, w[p + "mlp.down_proj.weight"])
+        x = x + (rmsnorm(d, *norm(p + "post_feedforward_layernorm.weight")) if gemma else d)
         stages = {"q": q, "k": k, "v": v, "attention": a, "gate_up": np.concatenate([gate, up], axis=1), "mlp": h}
     head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
-    logits = linear(x, head, norm=(w["model.norm.weight"], eps))
+    logits = linear(x, head, norm=norm("model.norm.weight"))
     return {**stages, "hidden": x, "logits": logits}
 
 

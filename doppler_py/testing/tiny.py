@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "mistral" or "qwen2"
+    arch: str = "llama"  # "llama", "mistral", "qwen2", "qwen3" or "gemma3"
     vocab_size: int = 128  # room for the character tokenizer (99 tokens)
     hidden_size: int = 64
     intermediate_size: int = 160
@@ -33,10 +33,16 @@ class TinySpec:
     rms_norm_eps: float = 1e-5
     weight_std: float = 0.15
     seed: int = 0
+    explicit_head_dim: int | None = None  # written as config.json's head_dim (Qwen3, Gemma 3 always write one)
+    # Gemma 3 only: layer_types cycles through this pattern; sliding layers see `sliding_window` keys.
+    layer_pattern: tuple[str, ...] = ("sliding_attention", "full_attention")
+    sliding_window: int = 8
+    query_pre_attn_scalar: int = 24
+    rope_local_base_freq: float = 10000.0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
 
 def draft_spec(vocab_size: int, seed: int, *, tie_word_embeddings: bool = True) -> TinySpec:
@@ -62,6 +68,8 @@ _ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
@@ -91,8 +99,21 @@ def config_dict(spec: TinySpec) -> dict:
         cfg["mlp_bias"] = False
     if spec.arch == "mistral":
         cfg["sliding_window"] = None
-    if spec.arch == "qwen2":
+    if spec.arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
+    if spec.arch in ("qwen3", "gemma3"):
+        cfg["head_dim"] = spec.head_dim
+        cfg["attention_bias"] = False
+    if spec.arch == "gemma3":
+        del cfg["hidden_act"]
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        cfg["query_pre_attn_scalar"] = spec.query_pre_attn_scalar
+        cfg["sliding_window"] = spec.sliding_window
+        pattern = spec.layer_pattern
+        cfg["layer_types"] = [pattern[i % len(pattern)] for i in range(spec.num_hidden_layers)]
+        cfg["rope_local_base_freq"] = spec.rope_local_base_freq
+        cfg["final_logit_softcapping"] = None
+        cfg["attn_logit_softcapping"] = None
     return cfg
 
 
@@ -102,8 +123,11 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * spec.weight_std).astype(np.float32)
 
+    # Gemma scales by (1 + w): its weights are drawn around 0 so both kinds of norm scale by about 1.
+    offset = 0.0 if spec.arch == "gemma3" else 1.0
+
     def norm(size: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+        return (offset + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
     h, hd, ffn = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
@@ -126,6 +150,12 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
         if spec.arch == "qwen2":
             for name, size in (("q", q), ("k", kv), ("v", kv)):
                 tensors[p + f"self_attn.{name}_proj.bias"] = (rng.standard_normal(size) * 0.1).astype(np.float32)
+        if spec.arch in ("qwen3", "gemma3"):
+            tensors[p + "self_attn.q_norm.weight"] = norm(hd)
+            tensors[p + "self_attn.k_norm.weight"] = norm(hd)
+        if spec.arch == "gemma3":
+            tensors[p + "pre_feedforward_layernorm.weight"] = norm(h)
+            tensors[p + "post_feedforward_layernorm.weight"] = norm(h)
     if not spec.tie_word_embeddings:
         tensors["lm_head.weight"] = mat(spec.vocab_size, h)
     return tensors
@@ -207,6 +237,21 @@ TINY_SPECS: dict[str, TinySpec] = {
         seed=2,
     ),
     "mistral-gqa": TinySpec(arch="mistral", num_attention_heads=4, num_key_value_heads=1, seed=4),
+    # head_dim 32 with 4 heads: q is 128 wide over a hidden size of 64.
+    "qwen3-qknorm-gqa": TinySpec(
+        arch="qwen3", num_attention_heads=4, num_key_value_heads=2, explicit_head_dim=32, rope_theta=1e6, seed=5
+    ),
+    # Layers sliding, full, sliding: an 8-key window, shorter than the tests' prompt and output.
+    "gemma3-sliding": TinySpec(
+        arch="gemma3",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        explicit_head_dim=32,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        seed=6,
+    ),
     "llama-llama3-rope": TinySpec(
         arch="llama",
         num_attention_heads=2,

@@ -1,5 +1,5 @@
 """Causal GQA attention over the KV cache (shaders/attention.wgsl, attention_reduce.wgsl) vs numpy float64
-(`doppler_py.testing.references.attention`).
+(`doppler_py.testing.references.attention`), with and without a sliding window.
 
 Tolerance: |gpu - reference| <= 1e-5 * max|v|. Each output is a convex combination of value rows, so its
 error is the error of the weights times |v|. The kernel computes scores, exponentials and sums in f32
@@ -25,7 +25,22 @@ SMOLLM2 = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
 class Case:
     """Random queries and a KV cache whose positions past start_pos + rows hold `garbage`."""
 
-    def __init__(self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, garbage=np.nan):
+    def __init__(
+        self,
+        gpu,
+        registry,
+        rng,
+        *,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        max_seq,
+        max_rows,
+        garbage=np.nan,
+        window=0,
+        scale=None,
+    ):
+        self.window, self.scale = window, scale
         self.q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
         self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
         self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
@@ -46,6 +61,8 @@ class Case:
             head_dim=head_dim,
             max_seq=max_seq,
             max_rows=max_rows,
+            window=window,
+            scale=scale,
         )
 
     def upload_cache(self, used: int) -> None:
@@ -62,7 +79,7 @@ class Case:
         return self.out.numpy()
 
     def expected(self, rows, start_pos):
-        return attention(self.q[:rows], self.k, self.v, start_pos)
+        return attention(self.q[:rows], self.k, self.v, start_pos, window=self.window, scale=self.scale)
 
     def check(self, got, rows, start_pos):
         atol = TOLERANCE * np.abs(self.v).max()
@@ -204,3 +221,43 @@ def test_queries_are_read_from_fused_qkv_rows(gpu, registry, rng):
     rec.submit()
     expected = attention(qkv[:, : n_heads * head_dim], k, v, start_pos)
     np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=TOLERANCE * np.abs(v).max())
+
+
+# (rows, start_pos, splits): prefill from 0 and after a prefix, decode (one and several key splits),
+# verification of k + 1 rows, and a split count that leaves whole splits before a short window.
+WINDOW_CALLS = [(37, 0, None), (13, 37, None), (1, 300, None), (1, 300, 3), (5, 70, None), (16, 90, 5), (3, 2, None)]
+
+
+@pytest.mark.parametrize("window", [1, 5, 17, 50, 400])
+@pytest.mark.parametrize(
+    "shape",
+    [SMOLLM2, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 32}, {"n_heads": 6, "n_kv_heads": 1, "head_dim": 16}],
+    ids=["gqa3-64", "gqa2-32", "mqa6-16"],
+)
+def test_sliding_window_sees_only_the_last_window_positions(gpu, registry, rng, shape, window):
+    """A query at position p sees keys in (p - window, p]; windows shorter than the prompt, one key, and longer
+    than the context (the same as no window)."""
+    case = Case(gpu, registry, rng, **shape, max_seq=320, max_rows=37, window=window)
+    for rows, start_pos, splits in WINDOW_CALLS:
+        if splits and rows > 16:
+            continue
+        case.check(case.run(registry, rows, start_pos, splits=splits), rows, start_pos)
+
+
+def test_sliding_window_after_a_rollback_reads_the_rewritten_positions(gpu, registry, rng):
+    """Speculative rollback: positions past the accepted length are written again with other keys and values;
+    a windowed query over them sees the new ones."""
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=96, max_rows=5, window=6)
+    case.check(case.run(registry, 5, 40), 5, 40)  # verify 4 drafts + 1 at positions 40..44
+    case.k[42:45] = rng.standard_normal(case.k[42:45].shape)  # 2 accepted, then rewritten from 42
+    case.v[42:45] = rng.standard_normal(case.v[42:45].shape)
+    case.check(case.run(registry, 3, 42), 3, 42)
+
+
+def test_the_score_scale_is_a_parameter(gpu, registry, rng):
+    """Gemma scales scores by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2."""
+    case = Case(gpu, registry, rng, n_heads=4, n_kv_heads=2, head_dim=32, max_seq=64, max_rows=9, scale=0.6)
+    for rows, start_pos in ((9, 0), (1, 50)):
+        case.check(case.run(registry, rows, start_pos), rows, start_pos)
+    unscaled = attention(case.q[:1], case.k, case.v, 50)
+    assert np.abs(case.expected(1, 50) - unscaled).max() > 1e-2, "the scale must change the result"

@@ -15,11 +15,13 @@ from doppler_py.gpu.weights import FORMATS, Weight, dequantize_blocks, quantize_
 from doppler_py.ops.embedding import Embedding
 
 
-def _gather(gpu, registry, table: Weight, ids: np.ndarray, *, max_rows: int | None = None, fill=np.nan):
+def _gather(
+    gpu, registry, table: Weight, ids: np.ndarray, *, max_rows: int | None = None, fill=np.nan, scale: float = 1.0
+):
     max_rows = max_rows or len(ids)
     ids_t = Tensor.from_numpy(gpu, np.resize(ids, max_rows).astype(np.uint32))
     out = Tensor.from_numpy(gpu, np.full((max_rows, table.shape[1]), fill, np.float32))
-    emb = Embedding(registry, table, ids_t, out, max_rows=max_rows)
+    emb = Embedding(registry, table, ids_t, out, max_rows=max_rows, scale=scale)
     rec = registry.recorder()
     emb.record(rec, len(ids))
     rec.submit()
@@ -84,3 +86,14 @@ def test_bad_tensors_and_row_counts_raise(gpu, registry):
     for rows in (0, 4):
         with pytest.raises(ValueError, match=r"rows must be in \[1, 3\]"):
             emb.record(registry.recorder(), rows)
+
+
+def test_scale_multiplies_every_row_in_f32(gpu, registry, rng):
+    """Gemma multiplies its embeddings by sqrt(hidden_size) rounded to f32: one f32 product per value."""
+    vocab, k = 40, 64
+    table = rng.standard_normal((vocab, k)).astype(np.float32)
+    ids = rng.integers(0, vocab + 3, 9)  # a few past the vocabulary: still zero rows
+    scale = float(np.float32(np.sqrt(640)))
+    got = _gather(gpu, registry, Weight.from_numpy(gpu, table, "f32"), ids, scale=scale)
+    expected = np.where((ids < vocab)[:, None], table[np.minimum(ids, vocab - 1)] * np.float32(scale), 0)
+    np.testing.assert_array_equal(got, expected)

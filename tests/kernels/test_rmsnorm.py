@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.ops.norms import RMSNorm
+from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
 from doppler_py.testing.references import rmsnorm
 
 EPS = 1e-5
@@ -80,3 +80,50 @@ def test_rejects_row_counts_and_tensors_that_do_not_fit(gpu, registry):
         RMSNorm(registry, x, weight, out, dim=8, eps=EPS, max_rows=3)
     with pytest.raises(ValueError, match="f32"):
         RMSNorm(registry, x, Tensor.empty(gpu, 8, "f16"), out, dim=8, eps=EPS, max_rows=2)
+
+
+def test_accumulate_adds_the_normalised_rows_to_out(gpu, registry, rng):
+    """Gemma's post-attention / post-MLP norms: x += rmsnorm(y)."""
+    dim, rows = 96, 3
+    y = rng.standard_normal((rows, dim)).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+    residual = rng.standard_normal((rows, dim)).astype(np.float32)
+    out = Tensor.from_numpy(gpu, residual)
+    op = RMSNorm(
+        registry, Tensor.from_numpy(gpu, y), Tensor.from_numpy(gpu, weight), out, dim=dim, eps=EPS, max_rows=rows,
+        accumulate=True,
+    )  # fmt: skip
+    rec = registry.recorder()
+    op.record(rec, rows=2)
+    rec.submit()
+    got = out.numpy()
+    np.testing.assert_allclose(got[:2], residual[:2] + rmsnorm(y[:2], weight, EPS), rtol=2e-6, atol=1e-6)
+    assert (got[2] == residual[2]).all()
+
+
+@pytest.mark.parametrize(("q_heads", "k_heads", "head_dim"), [(4, 2, 32), (9, 3, 64), (2, 1, 256), (3, 3, 16)])
+def test_head_norm_normalises_each_q_and_k_head_in_place(gpu, registry, rng, q_heads, k_heads, head_dim):
+    """Qwen3 / Gemma 3 q_norm and k_norm over the fused [q | k | v] rows: q heads with the first weight, k heads
+    with the second, v heads and rows past `rows` untouched."""
+    rows, max_rows = 3, 4
+    stride = (q_heads + 2 * k_heads) * head_dim
+    qkv = (rng.standard_normal((max_rows, stride)) * 3).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(2 * head_dim)).astype(np.float32)
+    t = Tensor.from_numpy(gpu, qkv)
+    op = HeadRMSNorm(
+        registry, t, Tensor.from_numpy(gpu, weight), q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
+        row_stride=stride, eps=EPS, max_rows=max_rows,
+    )  # fmt: skip
+    rec = registry.recorder()
+    op.record(rec, rows=rows)
+    rec.submit()
+    got = t.numpy()
+    q_end, k_end = q_heads * head_dim, (q_heads + k_heads) * head_dim
+    q = qkv[:rows, :q_end].reshape(rows, q_heads, head_dim)
+    k = qkv[:rows, q_end:k_end].reshape(rows, k_heads, head_dim)
+    expected_q = rmsnorm(q, weight[:head_dim], EPS).reshape(rows, -1)
+    expected_k = rmsnorm(k, weight[head_dim:], EPS).reshape(rows, -1)
+    np.testing.assert_allclose(got[:rows, :q_end], expected_q, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(got[:rows, q_end:k_end], expected_k, rtol=2e-6, atol=1e-7)
+    assert (got[:rows, k_end:] == qkv[:rows, k_end:]).all(), "v heads must be left alone"
+    assert (got[rows:] == qkv[rows:]).all(), "rows past `rows` must be left alone"

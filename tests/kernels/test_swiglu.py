@@ -11,7 +11,7 @@ import pytest
 
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import SwiGLU
-from doppler_py.testing.references import swiglu
+from doppler_py.testing.references import gelu_tanh, swiglu
 
 
 def silu_times_up(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
@@ -58,3 +58,23 @@ def test_only_the_recorded_rows_are_written(gpu, registry, rng):
     out = run_swiglu(gpu, registry, gate_up, ffn_dim=300, rows=2, fill=9.0)
     np.testing.assert_allclose(out[:2], silu_times_up(gate_up[:2], 300), rtol=2e-6, atol=1e-30)
     assert (out[2:] == 9.0).all()
+
+
+def test_gelu_tanh_variant_matches_torchs_tanh_approximation(gpu, registry, rng):
+    """Gemma's GeGLU: gelu(gate, approximate="tanh") * up, including gates far in both tails."""
+    ffn_dim = 300
+    gate_up = (rng.standard_normal((2, 2 * ffn_dim)) * 4).astype(np.float32)
+    gate_up[0, :8] = [100, -100, 1e4, -1e4, 30, -30, 0, 1e-30]
+    out = Tensor.empty(gpu, (2, ffn_dim))
+    op = SwiGLU(
+        registry, Tensor.from_numpy(gpu, gate_up), out, ffn_dim=ffn_dim, max_rows=2, activation="gelu_pytorch_tanh"
+    )
+    rec = registry.recorder()
+    op.record(rec, rows=2)
+    rec.submit()
+    got = out.numpy()
+    assert np.isfinite(got).all()
+    expected = gelu_tanh(gate_up[:, :ffn_dim]) * gate_up[:, ffn_dim:]
+    # In the negative tail the result is tiny (x * sigmoid(z), z ~ -x^3 / 14) and 1 + tanh, as torch computes
+    # it, cancels: there only an absolute bound means anything.
+    np.testing.assert_allclose(got, expected, rtol=4e-6, atol=1e-9)

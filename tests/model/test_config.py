@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 import doppler_py
@@ -286,3 +287,57 @@ def test_configs_saved_by_transformers_read_back_the_same(tmp_path, name):
     assert cfg.rope_theta == 5e5
     assert cfg.max_position_embeddings == reference.max_position_embeddings
     assert cfg.tie_word_embeddings
+
+
+@pytest.mark.slow
+def test_qwen3_and_gemma3_configs_saved_by_transformers_read_back_the_same(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    transformers.Qwen3Config(**shape, num_hidden_layers=2, head_dim=32).save_pretrained(tmp_path / "qwen3")
+    qwen3 = ModelConfig.from_file(tmp_path / "qwen3" / "config.json")
+    assert (qwen3.model_type, qwen3.head_dim, qwen3.qk_norm, qwen3.norm_offset) == ("qwen3", 32, True, 0.0)
+    assert (qwen3.attention_bias, qwen3.sliding_window, qwen3.layer_types) == (False, None, ())
+
+    gemma = transformers.Gemma3TextConfig(
+        **shape, num_hidden_layers=7, head_dim=32, sliding_window=16, query_pre_attn_scalar=48
+    )
+    gemma.save_pretrained(tmp_path / "gemma3")
+    cfg = ModelConfig.from_file(tmp_path / "gemma3" / "config.json")
+    assert cfg.model_type == "gemma3_text" and cfg.tie_word_embeddings and cfg.qk_norm and cfg.sandwich_norms
+    assert cfg.layer_types == tuple(gemma.layer_types)  # every 6th layer global
+    assert [cfg.layer_window(i) for i in range(7)] == [16] * 5 + [0, 16]
+    assert cfg.layer_rope(0) == (10_000.0, None) and cfg.layer_rope(5) == (1_000_000.0, None)
+    assert cfg.attention_scale == 48**-0.5 and cfg.embed_scale == 8.0
+    assert (cfg.norm_offset, cfg.hidden_act, cfg.rms_norm_eps) == (1.0, "gelu_pytorch_tanh", 1e-6)
+
+
+def test_gemma3_in_the_transformers_4_spelling():
+    """rope_theta / rope_local_base_freq and no layer_types (transformers 4 files, e.g. gemma-3-270m's)."""
+    cfg = config(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        head_dim=64,
+        num_hidden_layers=6,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        sliding_window=512,
+        query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [0]
+    assert cfg.layer_rope(0) == (1e4, None) and cfg.layer_rope(5) == (1e6, None)
+    assert cfg.embed_scale == float(np.float32(np.sqrt(576))) and cfg.attention_scale == 1 / 16
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"final_logit_softcapping": 30.0}, "soft-capping"),
+        ({"attn_logit_softcapping": 50.0}, "soft-capping"),
+        ({"hidden_activation": "relu"}, "hidden_activation"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ],
+)
+def test_gemma3_features_we_do_not_run_are_refused(extra, message):
+    with pytest.raises((UnsupportedModelError, ModelFormatError), match=message):
+        config(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=64, **extra)

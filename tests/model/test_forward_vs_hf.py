@@ -1,5 +1,8 @@
 """Our forward pass against HF transformers on tiny random models: a 20-token prefill, then 20 single-token
-decode steps through the GPU KV cache.
+decode steps through the GPU KV cache. The families: LLaMA, Mistral, Qwen2, Qwen3 (q/k norms, head_dim
+apart from hidden / heads) and Gemma 3 (sliding layers with an 8-key window, shorter than the prompt and
+the output). Greedy decoding then matches HF token for token, and speculative greedy decoding matches plain
+greedy decoding (drafts verified k + 1 rows at a time, rejected ones rolled back).
 
 Tolerance: 1e-3 max abs on logits for f32 weights (the issue's bound; logits here are O(1–10) and float32
 accumulation over K ≤ 224 and 2 layers differs from torch's by ~1e-5). Reduced-precision weights are checked
@@ -11,6 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative import PromptLookupDrafter
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS
 
 PREFILL, DECODE = 20, 20
@@ -50,3 +57,41 @@ def test_chunked_prefill_equals_one_pass(tiny_model, named_folder):
     c1, c2 = small.new_cache(64), big.new_cache(64)
     np.testing.assert_allclose(small.forward(ids, c1), big.forward(ids, c2), atol=1e-4)
     assert c1.length == c2.length == 45
+
+
+# Families whose layers differ from LLaMA's; the Gemma 3 model's window (8) is shorter than every prompt here.
+NEW_FAMILIES = ["qwen3-qknorm-gqa", "gemma3-sliding"]
+GREEDY = SamplingParams(temperature=0.0)
+# Repeats, so prompt lookup drafts tokens: some accepted, some rejected and rolled back.
+PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 5, 9, 1, 30, 3, 17]
+
+
+def hf_greedy(folder, ids: list[int], steps: int) -> list[int]:
+    """HF's greedy continuation, each step over the whole sequence again (no HF KV cache involved)."""
+    import torch
+
+    from doppler_py.testing.reference import hf_model
+
+    model, seq = hf_model(folder), list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_greedy_tokens_match_transformers(tiny_model, named_folder, reference, name):
+    folder = named_folder(name)
+    model = tiny_model(folder, "f32", max_rows=32)
+    assert reference_decode(model, PROMPT, 24, GREEDY) == hf_greedy(folder, PROMPT, 24)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_greedy_speculative_equals_plain_greedy(tiny_model, named_folder, name, k):
+    model = tiny_model(named_folder(name), "f32", max_rows=32)
+    engine = SpeculativeEngine(model, PromptLookupDrafter())
+    result = engine.generate(PROMPT, 32, GREEDY, k=k)
+    engine.close()
+    assert result.tokens == reference_decode(model, PROMPT, 32, GREEDY)
+    assert result.stats.steps > 0, "nothing was ever drafted"

@@ -61,12 +61,12 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "logprobs": {"main": []},
     "matmul": {"main": _MATMUL_REGISTER, "main_subgroups": _MATMUL_SUBGROUPS, "gemm_tiled": _MATMUL_FLAGS},
     "residual": {"main": []},
-    "rmsnorm": {"main": []},
+    "rmsnorm": {"main": [{"ACCUMULATE": True}], "heads": []},
     "rope": {"main": []},
     "sample": {"main": [], "spec_draft_filter": [], "spec_rows": [], "spec_finalize": []},
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
     "subgroup_size": {"main": []},
-    "swiglu": {"main": []},
+    "swiglu": {"main": [{"ACTIVATION": 1}]},
 }
 
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
