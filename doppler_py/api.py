@@ -98,6 +98,8 @@ class Engine:
         self.draft = draft
         self._spec: dict[str, SpeculativeEngine] = {}
         self.plain_costs = PlainStepCosts()
+        # While streaming with logprobs: the entries of the tokens whose text the piece being yielded completes.
+        self.piece_logprobs: list[TokenLogprob] | None = None
         self.last_result: GenerationResult | None = None
         self.owns_registry = owns_registry
         self.closed = False
@@ -201,7 +203,9 @@ class Engine:
         log-probability and the N most likely tokens of its position. They are log_softmax(logits / T) of the
         target model's raw logits over the whole vocabulary, T the request's temperature (1 when greedy, so
         greedy requests report the model's own probabilities, as OpenAI does), before top-k/top-p filtering;
-        computed on the GPU from the rows each step already verified (no extra forward).
+        computed on the GPU from the rows each step already verified (no extra forward). While streaming,
+        `piece_logprobs` holds the entries of the tokens whose text each yielded piece completes (tokens with
+        no text of their own, like an end-of-sequence token, come with the last piece or only in the result).
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
@@ -222,6 +226,16 @@ class Engine:
         tokens: list[int] = []
         token_logprobs: list[TokenLogprob] = []
         ends: list[int | None] = []  # [i] = length of the text once token i is decoded (None: not yet known)
+        sent = 0  # token_logprobs[:sent] went out with earlier pieces
+
+        def piece_logprobs(released: int) -> list[TokenLogprob] | None:
+            nonlocal sent
+            if logprobs is None:
+                return None
+            done = sum(1 for e in ends if e is not None and e <= released)
+            entries, sent = token_logprobs[sent:done], max(sent, done)
+            return entries
+
         start = time.perf_counter()
         steps = engine.iter_generate(ids, max_tokens, params, stats=stats, k=k, stop_ids=eos_ids, logprobs=logprobs)
         try:
@@ -240,12 +254,14 @@ class Engine:
                 if matcher.stop_at is not None:
                     steps.close()  # frees the KV caches before the last piece is handed over
                 if released:
+                    self.piece_logprobs = piece_logprobs(matcher.released)
                     yield released
                 if matcher.stop_at is not None:
                     break
             else:
                 released = matcher.push(decoder.flush()) + (matcher.finish() if matcher.stop_at is None else "")
                 if released:
+                    self.piece_logprobs = piece_logprobs(len(matcher.text))
                     yield released
         finally:
             steps.close()

@@ -11,7 +11,12 @@ Every response carries `usage` and a `doppler` object with the speculation figur
 text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto", "prompt-lookup",
 "draft-model", "layer-skip", "none") and `k` (pinned draft length). Options a request leaves out take the
 server's defaults (the `serve` command's flags). Features that would silently change results (n > 1,
-logprobs, penalties, tools) are refused with 400 rather than ignored.
+penalties, tools) are refused with 400 rather than ignored.
+
+Log-probabilities: chat `"logprobs": true` with `top_logprobs` 0..20, completions `"logprobs": N` (0..20),
+answered in OpenAI's shapes, streamed chunks included (each carries its own tokens' entries). They are the
+target model's log_softmax(logits / T) at the request's temperature (T = 1 when greedy), before top-k/top-p
+filtering (see `Engine.stream`); a log-probability of -inf is sent as -9999.0, as OpenAI does.
 
 With an API key (`serve --api-key KEY`, or the DOPPLER_API_KEY environment variable), every /v1/* request
 needs `Authorization: Bearer KEY` (compared in constant time; otherwise 401 with an OpenAI-style error body);
@@ -56,6 +61,7 @@ from doppler_py.errors import (
     VocabularyMismatchError,
 )
 from doppler_py.model.catalog import KNOWN_MODELS
+from doppler_py.ops.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.sampling import SamplingParams
 
@@ -68,8 +74,6 @@ _UNSUPPORTED_UNLESS = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
@@ -170,6 +174,14 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
     for name, unused in _UNSUPPORTED_UNLESS.items():
         if body.get(name) is not None and not any(body[name] == value for value in unused):
             raise RequestError(400, f"'{name}' is not supported by this server", param=name)
+    if chat:
+        wanted = _field(body, "logprobs", (bool,), "true or false")
+        top = _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top is not None and not wanted:
+            raise RequestError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (top or 0) if wanted else None
+    else:
+        logprobs = _int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     max_tokens = _int_field(body, "max_completion_tokens", 1, _INT32_MAX) if chat else None
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", 1, _INT32_MAX)
@@ -187,6 +199,7 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
         "speculative": speculative,
         "k": _int_field(body, "k", 1, MAX_DRAFT_TOKENS),
         "stop": _stop_field(body),
+        "logprobs": logprobs,
     }
     options = dict(defaults) | {name: value for name, value in given.items() if value is not None}
     sampling = {name: options[name] for name in ("temperature", "top_k", "top_p", "seed") if name in options}
@@ -234,7 +247,8 @@ def parse_request(body: dict, defaults: dict[str, Any], *, chat: bool) -> Genera
 
 
 # --- the GPU worker ----------------------------------------------------------------------------------------------
-Event = tuple[str, Any]  # ("piece", str) | ("done", GenerationResult) | ("error", Exception)
+# ("piece", (text, its tokens' logprobs or None)) | ("done", GenerationResult) | ("error", Exception)
+Event = tuple[str, Any]
 
 
 class Job:
@@ -278,7 +292,7 @@ class Job:
             for piece in pieces:
                 if self.cancel_requested.is_set():
                     return "cancelled"
-                self._emit(("piece", piece))
+                self._emit(("piece", (piece, engine.piece_logprobs)))
         self._emit(("done", engine.last_result))
         return "completed"
 
@@ -363,30 +377,57 @@ def doppler_stats(result: GenerationResult) -> dict[str, Any]:
     }
 
 
+def _json_logprob(value: float) -> float:
+    return value if value != float("-inf") else -9999.0  # JSON has no -inf; OpenAI sends -9999.0
+
+
 class _Format:
     """OpenAI's response and chunk objects for one request."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, token_text):
         self.chat = chat
         self.model = model
+        self.token_text = token_text  # token id -> its text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _object(self, kind: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices} | extra
 
-    def _choice(self, text: str | None, finish_reason: str | None, *, streaming: bool) -> dict:
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's logprobs object of a choice: chat's {"content": [...]}, completions' parallel lists."""
+        if entries is None:
+            return None
+        if self.chat:
+
+            def item(token: int, logprob: float) -> dict:
+                text = self.token_text(token)
+                return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(text.encode())}
+
+            content = [item(e.token, e.logprob) | {"top_logprobs": [item(*t) for t in e.top]} for e in entries]
+            return {"content": content, "refusal": None}
+        texts = [self.token_text(e.token) for e in entries]
+        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {
+            "tokens": texts,
+            "token_logprobs": [_json_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{self.token_text(t): _json_logprob(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _choice(self, text: str | None, finish_reason: str | None, *, streaming: bool, logprobs=None) -> dict:
+        logprobs = self.logprobs(logprobs)
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if streaming:
             delta = {"content": text} if text is not None else {}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def response(self, result: GenerationResult) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
-        choice = self._choice(result.text, result.finish_reason, streaming=False)
+        choice = self._choice(result.text, result.finish_reason, streaming=False, logprobs=result.logprobs)
         return self._object(kind, [choice], usage=usage(result), doppler=doppler_stats(result))
 
     @property
@@ -399,12 +440,15 @@ class _Format:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [self._object(self._chunk_kind, [choice])]
 
-    def piece_chunk(self, text: str) -> dict:
-        return self._object(self._chunk_kind, [self._choice(text, None, streaming=True)])
+    def piece_chunk(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict:
+        return self._object(self._chunk_kind, [self._choice(text, None, streaming=True, logprobs=logprobs)])
 
-    def closing_chunks(self, result: GenerationResult, include_usage: bool) -> list[dict]:
+    def closing_chunks(self, result: GenerationResult, include_usage: bool, logprobs_sent: int = 0) -> list[dict]:
+        """The finish chunk (with the log-probs of tokens no piece carried, e.g. end of sequence), then usage."""
         figures = {"usage": usage(result), "doppler": doppler_stats(result)}
-        chunks = [self._object(self._chunk_kind, [self._choice(None, result.finish_reason, streaming=True)], **figures)]
+        rest = None if result.logprobs is None else result.logprobs[logprobs_sent:]
+        finish = self._choice(None, result.finish_reason, streaming=True, logprobs=rest)
+        chunks = [self._object(self._chunk_kind, [finish], **figures)]
         if include_usage:  # what OpenAI clients asking for usage expect: a last chunk with no choices
             chunks.append(self._object(self._chunk_kind, [], **figures))
         return chunks
@@ -529,6 +573,9 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     # -- generation --------------------------------------------------------------------------------------------
+    def _token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+
     def _check_model(self, model: Any) -> None:
         if model is not None and model not in (self.model_id, self.engine.name):
             raise RequestError(
@@ -565,7 +612,7 @@ class OpenAIServer:
         self._check_model(_field(body, "model", (str,), "a string"))
         parsed = parse_request(body, self.config.defaults, chat=chat)
         job = self.queue.submit(parsed)
-        form = _Format(chat, self.model_id)
+        form = _Format(chat, self.model_id, self._token_text)
         if not parsed.stream:
             try:
                 result = await _unless_disconnected(request, job.result())
@@ -592,12 +639,15 @@ class OpenAIServer:
         try:
             for chunk in form.opening_chunks():
                 yield _sse(chunk)
+            sent = 0  # logprobs entries sent with pieces
             while True:
                 kind, value = event
                 if kind == "piece":
-                    yield _sse(form.piece_chunk(value))
+                    text, logprobs = value
+                    sent += len(logprobs or ())
+                    yield _sse(form.piece_chunk(text, logprobs))
                 elif kind == "done":
-                    for chunk in form.closing_chunks(value, include_usage):
+                    for chunk in form.closing_chunks(value, include_usage, sent):
                         yield _sse(chunk)
                     break
                 else:

@@ -373,3 +373,68 @@ def test_serving_a_public_address_without_a_key_warns(engine, monkeypatch, capsy
         serve(engine, quiet)
         assert "warning" not in capsys.readouterr().err
     assert is_loopback("::1") and is_loopback("localhost") and not is_loopback("example.com")
+
+
+# --- logprobs and stop through the OpenAI client library ------------------------------------------------------------
+def test_chat_logprobs_in_openai_shape_streamed_or_not(client, engine):
+    request = {"messages": STORY, "max_tokens": 8, "logprobs": True, "top_logprobs": 3}
+    body = client.post(CHAT, json=request).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    for item in content:
+        assert isinstance(item["token"], str) and item["logprob"] <= 0 and item["bytes"] == list(item["token"].encode())
+        assert len(item["top_logprobs"]) == 3 and item["top_logprobs"][0]["logprob"] >= item["logprob"] - 1e-6
+    with client.stream("POST", CHAT, json=request | {"stream": True}) as response:
+        events = sse_events(response)
+    streamed = [
+        i
+        for e in events[:-1]
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for i in e["choices"][0]["logprobs"]["content"]
+    ]
+    assert streamed == content  # greedy: the same entries, spread over the chunks
+    assert client.post(CHAT, json={"messages": STORY, "top_logprobs": 2}).status_code == 400
+
+
+def test_completion_logprobs_in_openai_shape(client):
+    body = client.post(DONE, json={"prompt": "The sea", "max_tokens": 6, "logprobs": 2}).json()
+    logprobs = body["choices"][0]["logprobs"]
+    n = body["usage"]["completion_tokens"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == n
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"]) and logprobs["text_offset"][0] == 0
+    assert client.post(DONE, json={"prompt": "hi", "logprobs": 21}).status_code == 400
+
+
+def test_the_openai_client_sends_stop_and_logprobs(server):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    full = api.chat.completions.create(model="tiny-chat0", messages=STORY, max_tokens=16).choices[0].message.content
+    stop = full[4:7]
+    reply = api.chat.completions.create(
+        model="tiny-chat0", messages=STORY, max_tokens=16, stop=[stop], logprobs=True, top_logprobs=2
+    )
+    (choice,) = reply.choices
+    assert choice.message.content == full[: full.find(stop)] and choice.finish_reason == "stop"
+    assert len(choice.logprobs.content) == reply.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
+    chunks = list(
+        api.chat.completions.create(
+            model="tiny-chat0", messages=STORY, max_tokens=16, stop=stop, logprobs=True, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert tokens == [t.token for t in choice.logprobs.content]
+    completion = api.completions.create(model="tiny-chat0", prompt="The sea", max_tokens=5, logprobs=2)
+    assert len(completion.choices[0].logprobs.tokens) == completion.usage.completion_tokens
+
+
+def test_the_openai_client_authenticates_with_the_api_key(keyed_server):
+    openai = pytest.importorskip("openai")
+    good = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in good.models.list()] == ["tiny-chat0"]
+    assert good.chat.completions.create(model="tiny-chat0", messages=STORY, max_tokens=2).choices
+    bad = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        bad.models.list()
+    assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
