@@ -33,6 +33,9 @@ class TinySpec:
     rms_norm_eps: float = 1e-5
     weight_std: float = 0.15
     seed: int = 0
+    # The embedding's spread (None: weight_std). Gemma multiplies embeddings by sqrt(hidden): at weight_std its
+    # tied head would score each token's own embedding far above the rest and repeat the last token forever.
+    embed_std: float | None = None
     explicit_head_dim: int | None = None  # written as config.json's head_dim (Qwen3, Gemma 3 always write one)
     # Gemma 3 only: layer_types cycles through this pattern; sliding layers see `sliding_window` keys.
     layer_pattern: tuple[str, ...] = ("sliding_attention", "full_attention")
@@ -131,7 +134,10 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
 
     h, hd, ffn = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
-    tensors = {"model.embed_tokens.weight": mat(spec.vocab_size, h), "model.norm.weight": norm(h)}
+    embed = mat(spec.vocab_size, h)
+    if spec.embed_std is not None:
+        embed *= np.float32(spec.embed_std / spec.weight_std)
+    tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": norm(h)}
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         tensors.update(
@@ -251,6 +257,7 @@ TINY_SPECS: dict[str, TinySpec] = {
         rope_theta=1e6,
         rms_norm_eps=1e-6,
         seed=6,
+        embed_std=0.02,
     ),
     "llama-llama3-rope": TinySpec(
         arch="llama",

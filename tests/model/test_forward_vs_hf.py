@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative import PromptLookupDrafter
+from doppler_py.speculative import LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS, TinySpec
@@ -87,10 +87,15 @@ def test_greedy_tokens_match_transformers(tiny_model, named_folder, reference, n
 
 
 @pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "layer-skip"])
 @pytest.mark.parametrize("name", NEW_FAMILIES)
-def test_greedy_speculative_equals_plain_greedy(tiny_model, named_folder, name, k):
+def test_greedy_speculative_equals_plain_greedy(tiny_model, named_folder, name, drafter, k):
+    """Prompt lookup drafts rarely and is mostly rejected; the target's first layer drafts every step, so
+    k + 1 rows are verified (over windows that start inside the drafts) and rolled back again and again."""
     model = tiny_model(named_folder(name), "f32", max_rows=32)
-    engine = SpeculativeEngine(model, PromptLookupDrafter())
+    engine = SpeculativeEngine(
+        model, PromptLookupDrafter() if drafter == "prompt-lookup" else LayerSkipDrafter(model, 1)
+    )
     result = engine.generate(PROMPT, 32, GREEDY, k=k)
     engine.close()
     assert result.tokens == reference_decode(model, PROMPT, 32, GREEDY)
