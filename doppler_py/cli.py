@@ -1,7 +1,7 @@
 """The `doppler-py` command line: a thin layer over the Python API (`doppler_py.api`) and the server.
 
     doppler-py generate "Why is the sky blue?"       stream an answer, then one stats line on stderr
-    doppler-py chat                                  interactive conversation (/reset, /exit)
+    doppler-py chat                                  interactive conversation (/reset, /exit; Ctrl-C stops an answer)
     doppler-py serve --port 8000                     OpenAI-compatible HTTP server on 127.0.0.1
     doppler-py convert model.gguf --out folder       GGUF -> Hugging Face style folder
     doppler-py models | info | bench | selfcheck
@@ -142,12 +142,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _read_line(prompt: str) -> str | None:
-    """One line of user input (None at end of input); the prompt is shown only to a person at a terminal."""
+    """One line of user input (None at end of input); the prompt is shown only to a person at a terminal,
+    where Ctrl-C discards the line being typed and asks again (Ctrl-D or /exit quits)."""
     if sys.stdin.isatty():
-        try:
-            return input(prompt)
-        except EOFError:
-            return None
+        while True:
+            try:
+                return input(prompt)
+            except EOFError:
+                return None
+            except KeyboardInterrupt:
+                print(file=sys.stderr)
     line = sys.stdin.readline()
     return line.rstrip("\n") if line else None
 
@@ -171,8 +175,16 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if not command:
                 continue
             history.append({"role": "user", "content": line})
+            pieces = engine.stream(history, **_generation_options(args))
             try:
-                _stream_to_stdout(engine.stream(history, **_generation_options(args)))
+                _stream_to_stdout(pieces)
+            except KeyboardInterrupt:
+                # Ctrl-C cancels this answer (closing the stream frees its KV cache) and returns to the prompt;
+                # the unanswered message leaves the history.
+                pieces.close()
+                history.pop()
+                print("\n(cancelled)", file=sys.stderr)
+                continue
             except DopplerError as exc:
                 # The conversation goes on: the message that failed (e.g. past the context) is dropped.
                 history.pop()

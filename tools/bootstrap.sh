@@ -18,6 +18,7 @@ fi
 if [ "$mode" = test ]; then
   command -v node >/dev/null 2>&1 || apt_packages+=(nodejs npm)
   [ -x /usr/bin/chromium ] || apt_packages+=(chromium)
+  command -v tmux >/dev/null 2>&1 || apt_packages+=(tmux)  # tests/test_chat_tmux.py drives `chat` in a terminal
 fi
 if [ "${#apt_packages[@]}" -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${apt_packages[*]}"
