@@ -5,12 +5,13 @@
 // own bits), as softmax.wgsl; a row with no finite entry gives -inf everywhere. +inf and NaN are not
 // supported (the verifier's status word reports them).
 // Bindings: 0 params (uniform Params), 1 logits (read, f32 [rows, vocab]), 2 result (read, u32: the verifier's
-// [accepted, token, status, d_0 .. d_{k-1}]), 3 out (read_write, u32 [rows, ROW_WORDS]).
+// [accepted, token, status, d_0 .. d_{k-1}]), 3 out (read_write, f32 [rows, ROW_WORDS]).
 // The chosen token of row r is d_r for r < accepted and the final token for r = accepted; rows after
 // `accepted` are written too (with a meaningless chosen token) and ignored by the host.
-// out[row] = [chosen id, bitcast(chosen logprob), (id, bitcast(logprob)) x top_n]: the top entries in order of
-// decreasing log-probability, ties by increasing id; id 0xffffffff (and a -inf log-probability) pads a row
-// whose vocabulary has fewer than top_n entries.
+// out[row] = [chosen id, chosen logprob, (id, logprob) x top_n], ids as f32 (exact below 2^24): the top entries
+// in order of decreasing log-probability, ties by increasing id; id -1 (and a -inf log-probability) pads a
+// row whose vocabulary has fewer than top_n entries. (f32, not u32 bits, so the Dawn replay compares the
+// log-probabilities with a tolerance.)
 // Params: vocab, temperature (> 0), top_n (0 .. MAX_TOP).
 // Dispatch: (rows, 1, 1) workgroups of 256, one per row. One pass keeps a running (max, sum of exp) per
 // invocation, a tree reduction gives the row's log-sum-exp; then top_n selection rounds, each a strided scan
@@ -35,7 +36,7 @@ struct Params {
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read> result: array<u32>;
-@group(0) @binding(3) var<storage, read_write> out: array<u32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
 var<workgroup> wg_val: array<f32, WG>;  // running max, then the round's best value
 var<workgroup> wg_aux: array<f32, WG>;  // running sum of exp
@@ -111,12 +112,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (row < result[0]) {
       chosen = result[3u + row];
     }
-    out[out_base] = chosen;
+    out[out_base] = f32(chosen);
     var bits = bitcast<u32>(0.0);  // a chosen token outside the vocabulary cannot happen; keep the word defined
     if (chosen < params.vocab) {
       bits = logprob_bits(logits[base + chosen], lse, lse_ok);
     }
-    out[out_base + 1u] = bits;
+    out[out_base + 1u] = bitcast<f32>(bits);
   }
 
   let top_n = min(params.top_n, MAX_TOP);
@@ -146,12 +147,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     if (lid == 0u) {
       let id = wg_id[0];
-      out[out_base + 2u + 2u * round] = id;
       var bits = NEG_INF_BITS;
+      var id_value = -1.0;
       if (id != NO_TOKEN) {
         bits = logprob_bits(logits[base + id], lse, lse_ok);
+        id_value = f32(id);
       }
-      out[out_base + 3u + 2u * round] = bits;
+      out[out_base + 2u + 2u * round] = id_value;
+      out[out_base + 3u + 2u * round] = bitcast<f32>(bits);
       wg_prev_val = wg_val[0];
       wg_prev_id = id;
     }

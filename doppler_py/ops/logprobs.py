@@ -22,7 +22,6 @@ from doppler_py.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs; the shader's MAX_TOP
 _ROW_WORDS = 2 + 2 * MAX_TOP_LOGPROBS
-_NO_TOKEN = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class LogProbs:
         if logits.dtype != "f32" or logits.numel < max_rows * vocab:
             raise ValueError(f"LogProbs logits: need f32 >= {max_rows * vocab} elements, got {logits.shape}")
         self.max_rows = max_rows
-        self.out = Tensor.empty(registry.gpu, (max_rows, _ROW_WORDS), "u32", label="logprobs")
+        self.out = Tensor.empty(registry.gpu, (max_rows, _ROW_WORDS), "f32", label="logprobs")
         params = {"vocab": vocab, "temperature": 1.0, "top_n": 0}
         self.bound = registry.bind(
             registry.kernel("logprobs"), params=params, logits=logits, result=result, out=self.out
@@ -70,16 +69,15 @@ class LogProbs:
     def read(self, rows: int, top_n: int) -> list[TokenLogprob]:
         """The first `rows` rows written by the last recorded dispatch (the GPU has finished it)."""
         raw = self.registry.gpu.queue.read_buffer(self.out.buffer, 0, 4 * _ROW_WORDS * rows)
-        words = np.frombuffer(raw, np.uint32).reshape(rows, _ROW_WORDS)
-        values = words.view(np.float32)
+        values = np.frombuffer(raw, np.float32).reshape(rows, _ROW_WORDS)  # ids are exact in f32
         return [
             TokenLogprob(
-                int(words[r, 0]),
+                int(values[r, 0]),
                 float(values[r, 1]),
                 [
-                    (int(words[r, 2 + 2 * j]), float(values[r, 3 + 2 * j]))
+                    (int(values[r, 2 + 2 * j]), float(values[r, 3 + 2 * j]))
                     for j in range(top_n)
-                    if words[r, 2 + 2 * j] != _NO_TOKEN
+                    if values[r, 2 + 2 * j] >= 0
                 ],
             )
             for r in range(rows)
