@@ -148,14 +148,13 @@ class ModelConfig:
 
         max_positions = fields.positive_int("max_position_embeddings", default=arch.max_position_embeddings)
         if arch.gemma:
-            gemma = _gemma(fields, ints, source)
-            rope_theta, rope_scaling = gemma.pop("rope")
+            family = _gemma(fields, ints, source)
+            rope_theta, rope_scaling = family.pop("rope")
         else:
-            _reject_sliding_window(data, max_positions, source)
+            family = _sliding_window(fields, architecture, ints["num_hidden_layers"], source)
             hidden_act = fields.get("hidden_act", "silu")
             if hidden_act != "silu":
                 raise UnsupportedModelError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
-            gemma = {}
             rope_theta, rope_scaling = _rope(fields, source)
         if fields.boolean("mlp_bias", default=False):
             raise UnsupportedModelError(f"{source}: mlp_bias = true is not supported")
@@ -182,7 +181,7 @@ class ModelConfig:
             eos_token_ids=fields.token_ids("eos_token_id", ints["vocab_size"]),
             torch_dtype=fields.get("torch_dtype", None) or fields.get("dtype", None),
             qk_norm=arch.qk_norm,
-            **gemma,
+            **family,
         )
 
 
@@ -252,22 +251,41 @@ def _check_engine_limits(
         )
 
 
-def _reject_sliding_window(data: dict[str, Any], max_positions: int, source: str) -> None:
+def _sliding_window(fields: _Fields, architecture: str, layers: int, source: str) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers reads them for LLaMA, Mistral, Qwen2 and Qwen3.
+
+    Mistral slides every layer whenever sliding_window is set. Qwen2 and Qwen3 slide only with
+    use_sliding_window, then the layers from max_window_layers on (or as layer_types lists them). LLaMA has
+    no sliding window: layer_types other than full attention are refused rather than ignored.
+    """
+    data = fields.data
     layer_types = data.get("layer_types") or []
     if not isinstance(layer_types, list):
         raise ModelFormatError(f"{source}: field 'layer_types' must be a list, got {layer_types!r:.80}")
+    window = fields.positive_int("sliding_window", default=None)
+    if architecture == "MistralForCausalLM":
+        if window is None:
+            return {}
+        return {"sliding_window": window, "layer_types": ("sliding_attention",) * layers}
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not fields.boolean("use_sliding_window", default=False):
+            return {}
+        window = window or 4096
+        if not layer_types:
+            first = fields.positive_int("max_window_layers", default=28)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+            raise ModelFormatError(
+                f"{source}: field 'layer_types' must list 'full_attention' or 'sliding_attention' for each of "
+                f"the {layers} layers, got {layer_types!r:.120}"
+            )
+        return {"sliding_window": window, "layer_types": tuple(layer_types)}
     if any(kind != "full_attention" for kind in layer_types):
         raise UnsupportedModelError(
-            f"{source}: layer_types other than 'full_attention' (sliding window) are not supported: {layer_types}"
+            f"{source}: layer_types other than 'full_attention' (sliding window) are not supported for "
+            f"{architecture}: {layer_types}"
         )
-    window = data.get("sliding_window")
-    # Qwen2 carries a window size it does not use unless use_sliding_window is set; Mistral has no flag and
-    # uses its window whenever one is set that is shorter than the context.
-    if data.get("use_sliding_window", True) and isinstance(window, int) and window < max_positions:
-        raise UnsupportedModelError(
-            f"{source}: sliding-window attention (sliding_window = {window} < max_position_embeddings = "
-            f"{max_positions}) is not supported"
-        )
+    return {}
 
 
 def _gemma(fields: _Fields, ints: dict[str, int], source: str) -> dict[str, Any]:

@@ -37,9 +37,10 @@ class TinySpec:
     # tied head would score each token's own embedding far above the rest and repeat the last token forever.
     embed_std: float | None = None
     explicit_head_dim: int | None = None  # written as config.json's head_dim (Qwen3, Gemma 3 always write one)
-    # Gemma 3 only: layer_types cycles through this pattern; sliding layers see `sliding_window` keys.
+    # Keys a sliding layer's query sees. Which layers slide: Mistral all; Qwen2 / Qwen3 (use_sliding_window)
+    # all but the first (max_window_layers = 1); Gemma 3 as `layer_pattern` cycles (window None: HF's 4096).
+    sliding_window: int | None = None
     layer_pattern: tuple[str, ...] = ("sliding_attention", "full_attention")
-    sliding_window: int = 8
     query_pre_attn_scalar: int = 24
     rope_local_base_freq: float = 10000.0
 
@@ -101,9 +102,12 @@ def config_dict(spec: TinySpec) -> dict:
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
     if spec.arch == "mistral":
-        cfg["sliding_window"] = None
+        cfg["sliding_window"] = spec.sliding_window
     if spec.arch in ("qwen2", "qwen3"):
-        cfg["use_sliding_window"] = False
+        cfg["use_sliding_window"] = spec.sliding_window is not None
+        if spec.sliding_window is not None:
+            cfg["sliding_window"] = spec.sliding_window
+            cfg["max_window_layers"] = 1
     if spec.arch in ("qwen3", "gemma3"):
         cfg["head_dim"] = spec.head_dim
         cfg["attention_bias"] = False
@@ -111,7 +115,8 @@ def config_dict(spec: TinySpec) -> dict:
         del cfg["hidden_act"]
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
         cfg["query_pre_attn_scalar"] = spec.query_pre_attn_scalar
-        cfg["sliding_window"] = spec.sliding_window
+        if spec.sliding_window is not None:
+            cfg["sliding_window"] = spec.sliding_window
         pattern = spec.layer_pattern
         cfg["layer_types"] = [pattern[i % len(pattern)] for i in range(spec.num_hidden_layers)]
         cfg["rope_local_base_freq"] = spec.rope_local_base_freq
@@ -258,6 +263,11 @@ TINY_SPECS: dict[str, TinySpec] = {
         rms_norm_eps=1e-6,
         seed=6,
         embed_std=0.02,
+        sliding_window=8,
+    ),
+    "mistral-sliding": TinySpec(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6, seed=8),
+    "qwen3-sliding": TinySpec(
+        arch="qwen3", num_attention_heads=4, num_key_value_heads=1, explicit_head_dim=32, sliding_window=5, seed=9
     ),
     "llama-llama3-rope": TinySpec(
         arch="llama",

@@ -136,26 +136,30 @@ def test_rope_scaling_without_its_parameters_is_a_format_error():
         {"architectures": None, "model_type": "gemma"},
         {"hidden_act": "gelu"},
         {"mlp_bias": True},
-        {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
-        {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "use_sliding_window": True,
-            "sliding_window": 4096,
-        },
         {"layer_types": ["full_attention", "sliding_attention"]},
     ],
-    ids=["architecture", "model_type", "activation", "mlp_bias", "mistral_window", "qwen2_window", "layer_types"],
+    ids=["architecture", "model_type", "activation", "mlp_bias", "llama_layer_types"],
 )
 def test_unsupported_models_are_refused(changes):
     with pytest.raises(UnsupportedModelError, match=re.escape(SOURCE)):
         config(**changes)
 
 
-def test_a_window_that_is_switched_off_or_spans_the_context_is_fine():
+def test_a_window_that_is_switched_off_leaves_every_layer_full():
     qwen = config(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=4096)
-    mistral = config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8192)
-    assert qwen.model_type == "qwen2" and mistral.model_type == "mistral"
+    mistral = config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    assert qwen.layer_types == mistral.layer_types == () and qwen.layer_window(3) == mistral.layer_window(3) == 0
+
+
+def test_sliding_windows_of_mistral_and_qwen_layers_as_transformers_reads_them():
+    """Mistral slides every layer; Qwen2 / Qwen3 with use_sliding_window the layers from max_window_layers on."""
+    mistral = config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096)
+    assert {mistral.layer_window(i) for i in range(30)} == {4096}
+    for arch, model_type in (("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3")):
+        qwen = config(
+            architectures=[arch], model_type=model_type, head_dim=64, use_sliding_window=True, max_window_layers=28
+        )
+        assert [qwen.layer_window(i) for i in range(30)] == [0] * 28 + [4096] * 2
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,8 @@ BIG_VOCAB = TinySpec(
     rope_theta=1e6,
     rms_norm_eps=1e-6,
     seed=7,
+    embed_std=0.02,
+    sliding_window=8,
 )
 
 
