@@ -128,4 +128,8 @@ def test_a_gemma_vocabulary_beyond_one_storage_binding_matches_transformers(tiny
     ids = sequence(BIG_VOCAB.vocab_size, PREFILL + DECODE, seed=3)
     ours = our_logits(model, ids)
     np.testing.assert_allclose(ours, reference.hf_logits(folder, ids), atol=1e-3, rtol=0)
-    assert reference_decode(model, PROMPT, 8, GREEDY) == hf_greedy(folder, PROMPT, 8)
+    plain = reference_decode(model, PROMPT, 8, GREEDY)
+    assert plain == hf_greedy(folder, PROMPT, 8)
+    engine = SpeculativeEngine(model, LayerSkipDrafter(model, 1))  # the GPU sampler and verifier over 262,144
+    assert engine.generate(PROMPT, 8, GREEDY, k=4).tokens == plain
+    engine.close()
