@@ -1,7 +1,7 @@
 """The LLaMA-family forward pass on the GPU, recorded into one command encoder per call.
 
     ids ─ embedding ─▶ x ─┬─ for each layer ────────────────────────────────────────────────┐
-                          │ qkv = rmsnorm(x)·Wqkv (+b)   (Qwen3, Gemma 3: rmsnorm per q/k head) │
+                          │ qkv = rmsnorm(x)·Wqkv (+b)   Qwen3, Gemma 3: rmsnorm(q, k heads) │
                           │ rope(q); cache[pos] = rope(k), v        a = attention(q, cache)  │
                           │ x += a·Wo                  gu = rmsnorm(x)·[Wg;Wu]               │
                           │ h = silu(g)·u              x += h·Wd                             │
@@ -139,7 +139,7 @@ class Transformer:
         # Gemma normalises the o and down outputs (in y) before adding them to x; LLaMA adds them directly.
         out = self.y if cfg.sandwich_norms else self.x
 
-        def post_norm(weight) -> RMSNorm | None:
+        def post_norm(weight: Tensor | None) -> RMSNorm | None:
             if weight is None:
                 return None
             return RMSNorm(reg, self.y, weight, self.x, dim=cfg.hidden_size, eps=eps, max_rows=rows, accumulate=True)

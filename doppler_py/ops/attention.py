@@ -93,6 +93,7 @@ class Attention:
         self.head_dim = head_dim
         self.max_seq = max_seq
         self.max_rows = max_rows
+        self.window = window
         self.lane_groups = LANES // (head_dim // 16)
         self.target_workgroups = target_workgroups(str(registry.gpu.info.get("adapter_type", "")))
 
@@ -133,19 +134,21 @@ class Attention:
         """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped)."""
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
         context = start_pos + rows
+        # Keys the rows see: a sliding window caps them, whatever the context.
+        keys = min(context, self.window + rows - 1) if self.window else context
         if splits is None:
             if rows > SPLIT_MAX_ROWS:
                 splits = 1
             else:
                 base = workgroups(blocks, self.lane_groups) * self.n_kv_heads
-                splits = min(workgroups(self.target_workgroups, base), context // MIN_SPLIT_KEYS)
+                splits = min(workgroups(self.target_workgroups, base), keys // MIN_SPLIT_KEYS)
         elif splits > 1 and rows > SPLIT_MAX_ROWS:
             raise ValueError(f"splitting the key range needs rows <= {SPLIT_MAX_ROWS}, got {rows}")
         splits = max(1, min(splits, MAX_SPLITS, context))
         split_len = workgroups(context, splits)
         key_lanes = 1
         # Double the key lanes while blocks still fill the workgroup and each lane still gets a step of keys.
-        while 2 * key_lanes * blocks <= self.lane_groups and 2 * key_lanes * STEP <= split_len:
+        while 2 * key_lanes * blocks <= self.lane_groups and 2 * key_lanes * STEP <= min(split_len, keys):
             key_lanes *= 2
         return key_lanes, split_len, workgroups(context, split_len)
 

@@ -15,7 +15,7 @@ import pytest
 
 from doppler_py.errors import DeviceLimitError
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.ops.attention import Attention
+from doppler_py.ops.attention import STEP, Attention
 from doppler_py.testing.references import attention
 
 TOLERANCE = 1e-5
@@ -261,3 +261,13 @@ def test_the_score_scale_is_a_parameter(gpu, registry, rng):
         case.check(case.run(registry, rows, start_pos), rows, start_pos)
     unscaled = attention(case.q[:1], case.k, case.v, 50)
     assert np.abs(case.expected(1, 50) - unscaled).max() > 1e-2, "the scale must change the result"
+
+
+def test_a_short_window_is_not_split_across_workgroups(gpu, registry, rng):
+    """Splits are sized by the keys a query sees: a 40-key window at position 2000 is one split whose lane
+    groups take turns over the window alone."""
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=2048, max_rows=2, window=40)
+    key_lanes, _, n_splits = case.op.plan(1, 2000)
+    assert n_splits == 1 and key_lanes * STEP <= 40
+    for rows, start_pos in ((1, 2000), (2, 1500)):
+        case.check(case.run(registry, rows, start_pos), rows, start_pos)
