@@ -10,6 +10,7 @@ The CLI and the HTTP server are thin layers over `Engine`; nothing lives only th
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -225,14 +226,14 @@ class Engine:
         eos_ids = tuple(self.tokenizer.eos_token_ids) + tuple(self.model.config.eos_token_ids)
         tokens: list[int] = []
         token_logprobs: list[TokenLogprob] = []
-        ends: list[int | None] = []  # [i] = length of the text once token i is decoded (None: not yet known)
+        ends: list[int] = []  # [i] = length of the text once token i is decoded (tokens still incomplete: none)
         sent = 0  # token_logprobs[:sent] went out with earlier pieces
 
         def piece_logprobs(released: int) -> list[TokenLogprob] | None:
             nonlocal sent
             if logprobs is None:
                 return None
-            done = sum(1 for e in ends if e is not None and e <= released)
+            done = bisect.bisect_right(ends, released)
             entries, sent = token_logprobs[sent:done], max(sent, done)
             return entries
 
@@ -245,11 +246,10 @@ class Engine:
                 piece = ""
                 for token in new:
                     tokens.append(token)
-                    piece += decoder.push(token)
-                    ends.append(None)
-                    if piece:  # this token completes the text so far (and so do earlier tokens still pending)
-                        end = len(matcher.text) + len(piece)
-                        ends[:] = [end if e is None else e for e in ends]
+                    text = decoder.push(token)
+                    piece += text
+                    if text:  # this token completes the text so far, and so do earlier tokens still waiting
+                        ends.extend([len(matcher.text) + len(piece)] * (len(tokens) - len(ends)))
                 released = matcher.push(piece)
                 if matcher.stop_at is not None:
                     steps.close()  # frees the KV caches before the last piece is handed over
@@ -260,13 +260,14 @@ class Engine:
                     break
             else:
                 released = matcher.push(decoder.flush()) + (matcher.finish() if matcher.stop_at is None else "")
+                ends.extend([len(matcher.text)] * (len(tokens) - len(ends)))
                 if released:
                     self.piece_logprobs = piece_logprobs(len(matcher.text))
                     yield released
         finally:
             steps.close()
         if matcher.stop_at is not None:
-            kept = sum(1 for e in ends if e is not None and e <= matcher.stop_at)
+            kept = bisect.bisect_right(ends, matcher.stop_at)
             del tokens[kept:], token_logprobs[kept:]
         self.last_result = self._result(tokens, ids, stats, mode, elapsed=time.perf_counter() - start, stop=matcher)
         if logprobs is not None:
