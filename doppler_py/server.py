@@ -388,6 +388,7 @@ class _Format:
         self.chat = chat
         self.model = model
         self.token_text = token_text  # token id -> its text
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts (chunks continue it)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -407,7 +408,10 @@ class _Format:
             content = [item(e.token, e.logprob) | {"top_logprobs": [item(*t) for t in e.top]} for e in entries]
             return {"content": content, "refusal": None}
         texts = [self.token_text(e.token) for e in entries]
-        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        offsets = []
+        for text in texts:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
         return {
             "tokens": texts,
             "token_logprobs": [_json_logprob(e.logprob) for e in entries],

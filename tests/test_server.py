@@ -402,6 +402,11 @@ def test_completion_logprobs_in_openai_shape(client):
     n = body["usage"]["completion_tokens"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == n
     assert all(len(top) <= 2 for top in logprobs["top_logprobs"]) and logprobs["text_offset"][0] == 0
+    assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(n)]
+    with client.stream("POST", DONE, json={"prompt": "The sea", "max_tokens": 6, "logprobs": 2, "stream": True}) as r:
+        chunks = [e["choices"][0]["logprobs"] for e in sse_events(r)[:-1] if e["choices"][0]["logprobs"]]
+    assert [t for c in chunks for t in c["tokens"]] == logprobs["tokens"]
+    assert [o for c in chunks for o in c["text_offset"]] == logprobs["text_offset"]  # offsets run on
     assert client.post(DONE, json={"prompt": "hi", "logprobs": 21}).status_code == 400
 
 
