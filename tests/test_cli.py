@@ -250,3 +250,17 @@ def test_bench_says_clearly_when_a_benchmark_is_missing(tmp_path, monkeypatch, c
     assert cli.find_bench("speculative") is None
     assert cli.main(["bench", "speculative"]) == 1
     assert "tools/bench_speculative.py" in capsys.readouterr().err
+
+
+# --- serve -----------------------------------------------------------------------------------------------------------
+def test_serve_takes_the_api_key_from_the_flag_or_the_environment(monkeypatch):
+    import contextlib
+
+    keys = []
+    monkeypatch.setattr("doppler_py.server.serve", lambda engine, config: keys.append(config.api_key))
+    monkeypatch.setattr(cli, "_load", lambda args: contextlib.nullcontext(None))
+    monkeypatch.setenv("DOPPLER_API_KEY", "from-env")
+    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--api-key", "from-flag"]) == 0
+    monkeypatch.delenv("DOPPLER_API_KEY")
+    assert cli.main(["serve"]) == 0
+    assert keys == ["from-env", "from-flag", None]
