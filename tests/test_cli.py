@@ -157,7 +157,7 @@ TOKENS = SPECIALS + sorted(ByteLevel.alphabet()) + ["he"]
 
 def write_tiny_gguf(path: Path, rng: np.random.Generator) -> Path:
     """A one-layer LLaMA GGUF with a byte-level BPE vocabulary, f32 tensors (rows need no un-permuting to load)."""
-    hidden, ffn, vocab = 32, 48, len(TOKENS)
+    hidden, ffn, vocab = 32, 64, len(TOKENS)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(128)
