@@ -35,9 +35,10 @@ class StepContext:
     target          the target model (its config and buffers)
     target_cache    the target's KV cache, holding tokens[:-1]; positions past its length are scratch that the
                     next verification overwrites
-    hidden_rows     rows of `target.hidden` (the final residual stream, before the final norm) that hold the
-                    positions len(tokens)-1-hidden_rows .. len(tokens)-2, i.e. the rows the last step verified
-                    and kept; 0 at the start of a generation. Valid until a drafter runs the target itself.
+    hidden_rows     rows of `hidden` (the target's final residual stream, before the final norm) that hold the
+                    positions len(tokens)-1-hidden_rows .. len(tokens)-2: the rows the last step verified and
+                    kept, or (during the prefill) the chunk just consumed; 0 before anything ran. Valid until a
+                    drafter runs the target itself.
     params          the sampling parameters of both the target and (for an exact check) the draft
     rng             the generation's seeded stream: a drafter that samples on the GPU draws one u per sampled
                     token, in order, so a seed fixes the output
@@ -87,7 +88,10 @@ class Drafter(Protocol):
     name: str
 
     def start(self, ctx: StepContext) -> None:
-        """A new generation: the target has consumed ctx.tokens[:-1]."""
+        """A new generation of ctx.tokens (the prompt), before the target's prefill."""
+
+    def prefilled(self, ctx: StepContext, begin: int) -> None:
+        """The prefill consumed ctx.tokens[begin : begin + ctx.hidden_rows]; ctx.hidden holds their rows."""
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         """At most k tokens to follow ctx.tokens (NO_PROPOSAL when there is nothing worth proposing)."""

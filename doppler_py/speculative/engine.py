@@ -204,9 +204,12 @@ class SpeculativeEngine:
         start = time.perf_counter()
         produced = 0
         try:
-            if len(tokens) > 1:  # the last prompt token is fed by the first step
-                target.forward(tokens[:-1], cache, 0, logits="none")
             self.drafter.start(ctx)
+            for begin in range(0, len(tokens) - 1, target.max_rows):  # the last prompt token is fed by step 1
+                chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
+                target.forward(chunk, cache, begin, logits="none")
+                ctx.hidden_rows = len(chunk)
+                self.drafter.prefilled(ctx, begin)
             # Submits return before the GPU is done: wait, so the prefill is not billed to the first step
             # (which would also skew the measured plain-step cost the policy relies on).
             target.gpu.wait_idle()
@@ -319,6 +322,9 @@ class _NoDrafter:
         return NO_PROPOSAL
 
     def start(self, ctx: StepContext) -> None:
+        pass
+
+    def prefilled(self, ctx: StepContext, begin: int) -> None:
         pass
 
     def commit(self, ctx: StepContext, accepted: int) -> None:

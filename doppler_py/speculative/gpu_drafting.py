@@ -46,9 +46,13 @@ class DraftSampler:
     def record(self, rec: Recorder, model: Transformer, i: int, params: SamplingParams) -> None:
         """Sample token i from `model.logits[0]`, copy it to the model's next input and keep its row."""
         rec.copy(model.logits, self.row, self.row_bytes)
+        self.record_pick(rec, model.ids, i, params)
+
+    def record_pick(self, rec: Recorder, next_ids: Tensor, i: int, params: SamplingParams) -> None:
+        """Sample token i from `row` (already filled), copy it to `next_ids[0]` and keep its row."""
         self.sampler.record(rec, rows=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         rec.copy(self.pick, self.tokens, 4, dst_offset=4 * i)
-        rec.copy(self.pick, model.ids, 4)
+        rec.copy(self.pick, next_ids, 4)
         rec.copy(self.row, self.logits, self.vocab * 4, dst_offset=i * self.vocab * 4)
 
     def submit(self, rec: Recorder, u: float) -> None:
@@ -97,6 +101,9 @@ class ModelDrafter:
         self.sampling.close()
 
     def start(self, ctx: StepContext) -> None:
+        pass
+
+    def prefilled(self, ctx: StepContext, begin: int) -> None:
         pass
 
     def commit(self, ctx: StepContext, accepted: int) -> None:

@@ -50,6 +50,9 @@ class PromptLookupDrafter:
     def start(self, ctx: StepContext) -> None:
         pass
 
+    def prefilled(self, ctx: StepContext, begin: int) -> None:
+        pass
+
     def commit(self, ctx: StepContext, accepted: int) -> None:
         pass
 

@@ -33,6 +33,9 @@ class OracleDrafter:
     def start(self, ctx: StepContext) -> None:
         self.prompt_len = len(ctx.tokens)
 
+    def prefilled(self, ctx: StepContext, begin: int) -> None:
+        self.seen.append((begin, ctx.target_cache.length, ctx.hidden_rows))
+
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         self.seen.append((len(ctx.tokens), ctx.target_cache.length, ctx.hidden_rows))
         done = len(ctx.tokens) - self.prompt_len
@@ -67,10 +70,12 @@ def test_a_new_drafter_plugs_in_and_its_acceptance_is_counted_exactly(models, co
     expected = 4 if wrong_at is None else wrong_at
     assert all(a == expected for a in drafter.commits[:-1])  # the last step may be cut by the token budget
     assert result.stats.accepted == sum(drafter.commits)
-    # The context: the cache holds all committed tokens but the last, and the rows kept by the last step.
-    for step, (committed, cached, hidden_rows) in enumerate(drafter.seen):
+    # The prefill: one chunk of all but the last prompt token, whose rows the context then holds.
+    assert drafter.seen[0] == (0, len(PROMPT) - 1, len(PROMPT) - 1)
+    # Each step: the cache holds all committed tokens but the last, and the rows kept by the last step.
+    for step, (committed, cached, hidden_rows) in enumerate(drafter.seen[1:]):
         assert cached == committed - 1
-        assert hidden_rows == (0 if step == 0 else drafter.commits[step - 1] + 1)
+        assert hidden_rows == (len(PROMPT) - 1 if step == 0 else drafter.commits[step - 1] + 1)
     assert drafter.finished and drafter.closed
 
 
