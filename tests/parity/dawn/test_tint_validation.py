@@ -67,6 +67,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
     "subgroup_size": {"main": []},
     "swiglu": {"main": [{"ACTIVATION": 1}]},
+    "vocab_scatter": {"main": []},
 }
 
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
