@@ -1,0 +1,1 @@
+"""Training draft heads by self-distillation (torch on CPU; an optional extra: `pip install -e .[train]`)."""

@@ -1,0 +1,133 @@
+"""EAGLE on a tiny model: the training tool end to end in seconds, then the head drafting on the GPU.
+
+Exactness holds whatever the head proposes; these tests check that the GPU drafter runs the head exactly as
+the trainer's torch module does (the same drafts, so the same number accepted), and that heads made for
+another model are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from speculative.conftest import TARGET
+
+from doppler_py.errors import ModelFormatError, VocabularyMismatchError
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative import SpeculativeEngine
+from doppler_py.speculative.eagle import EagleDrafter, load_head
+from doppler_py.testing.decode import reference_decode
+
+torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
+
+from doppler_py.training.eagle import TrainOptions, import_head, load_target, target_features, train  # noqa: E402
+
+GREEDY = SamplingParams()
+PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 11, 4]
+LONG_PROMPT = [(7 * i + 3) % 45 + 2 for i in range(70)]  # more than the target's 32 rows: a chunked prefill
+OPTIONS = TrainOptions(seed_prompts=16, magpie_prompts=2, max_new_tokens=24, draft_vocab=40, steps=80, save_every=40)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, tiny_folder):
+    out = tmp_path_factory.mktemp("eagle")
+    card = train(tiny_folder(TARGET), out / "head", out / "work", OPTIONS, say=lambda _: None)
+    assert card["steps"] == OPTIONS.steps and card["sequences"] == 18
+    return out / "head"
+
+
+def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
+    """A second run over the same work folder regenerates nothing and picks up the checkpoint."""
+    work = head_dir.parent / "work"
+    lines = {name: (work / name).read_text() for name in ("prompts.jsonl", "answers.jsonl")}
+    said: list[str] = []
+    card = train(tiny_folder(TARGET), tmp_path / "again", work, OPTIONS, say=said.append)
+    assert {name: (work / name).read_text() for name in lines} == lines
+    assert f"train: resumed at step {OPTIONS.steps}" in said
+    assert card["held_in_top1"] > 0.15  # chance is 1/40
+
+
+@pytest.fixture(scope="module")
+def head(head_dir, models):
+    loaded = load_head(head_dir, models["target"])
+    yield loaded
+    loaded.close()
+
+
+def torch_accepted(head_dir, tiny_folder, tokens: list[int], prompt_len: int, k: int) -> int:
+    """Drafts accepted when the trainer's torch head drafts (greedy, k pinned) over a known greedy output."""
+    hf, _ = load_target(tiny_folder(TARGET))
+    ref, mean, std, draft_ids = import_head(head_dir, hf.config)
+    features = (target_features(hf, [tokens])[0][0] - mean) / std
+    embed = hf.get_input_embeddings().weight.detach()
+
+    def drafts(m: int, n: int) -> list[int]:  # the pairs (f_p, t_{p+1}) for p < m, then the head's own
+        feats, ids, out = features[:m], list(tokens[1 : m + 1]), []
+        with torch.no_grad():
+            for _ in range(n):
+                pred, logits = ref(embed[torch.tensor(ids)][None], feats[None])
+                out.append(int(draft_ids[int(logits[0, -1].argmax())]))
+                feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, out[-1]]
+        return out
+
+    committed, accepted = prompt_len, 0
+    while committed < len(tokens):
+        remaining = len(tokens) - committed
+        n = 0 if remaining <= 1 else min(k, remaining - 1)  # the engine's last step is a plain one
+        run = 0
+        for d in drafts(committed - 1, n):
+            if d != tokens[committed + run]:
+                break
+            run += 1
+        accepted, committed = accepted + run, committed + run + 1
+    return accepted
+
+
+@pytest.mark.parametrize(("prompt", "k"), [(PROMPT, 1), (PROMPT, 3), (PROMPT, 8), (LONG_PROMPT, 2)])
+def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(
+    models, head, head_dir, tiny_folder, prompt, k
+):
+    target = models["target"]
+    engine = SpeculativeEngine(target, EagleDrafter(target, head))
+    result = engine.generate(prompt, 40, GREEDY, k=k)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
+    expected = torch_accepted(head_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
+    assert expected > 0  # the trained head is right sometimes, so this compares something
+    assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
+
+
+def test_sampled_eagle_is_reproducible_by_seed(models, head):
+    target = models["target"]
+    engine = SpeculativeEngine(target, EagleDrafter(target, head))
+    runs = [engine.generate(PROMPT, 20, SamplingParams(temperature=0.8, seed=s), k=3).tokens for s in (5, 5, 6)]
+    engine.close()
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_a_head_for_another_model_is_refused(head_dir, models, tmp_path):
+    wrong = tmp_path / "wrong"
+    shutil.copytree(head_dir, wrong)
+    meta = json.loads((wrong / "eagle.json").read_text())
+    meta["target"]["vocab_size"] += 1
+    (wrong / "eagle.json").write_text(json.dumps(meta))
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 49 "):
+        load_head(wrong, models["target"])
+    meta["target"]["vocab_size"] -= 1
+    meta["target"]["hidden_size"] = 128
+    (wrong / "eagle.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelFormatError, match="hidden size 128,"):
+        load_head(wrong, models["target"])
+    (wrong / "eagle.json").unlink()
+    with pytest.raises(ModelFormatError, match="not an EAGLE head"):
+        load_head(wrong, models["target"])
+
+
+def test_a_truncated_head_file_names_the_file(head_dir, models, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(head_dir, broken)
+    data = (broken / "eagle.safetensors").read_bytes()
+    (broken / "eagle.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match=r"eagle\.safetensors"):
+        load_head(broken, models["target"])
