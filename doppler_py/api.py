@@ -21,20 +21,26 @@ from pathlib import Path
 from doppler_py.errors import DopplerError, GenerationOptionError, VocabularyMismatchError
 from doppler_py.gpu.device import Gpu, default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
-from doppler_py.model.catalog import DEFAULT_MODEL, resolve_model
+from doppler_py.model.catalog import DEFAULT_MODEL, known_head, resolve_model
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.best_of import BestOfDrafter
 from doppler_py.speculative.draft_model import DraftModelDrafter, check_vocabularies
+from doppler_py.speculative.eagle import EagleDrafter, EagleHead, load_head
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
 from doppler_py.speculative.layer_skip import LayerSkipDrafter
 from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
-SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip")
+SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle")
+HEAD_ADVICE = (
+    "train one with `doppler-py train-draft MODEL --kind eagle --out DIR` and load it with "
+    "load(..., draft_head=DIR) or --draft-head DIR"
+)
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 Messages = Sequence[dict]
 
@@ -89,14 +95,17 @@ class Engine:
         name: str,
         weights: str,
         draft: Transformer | None = None,
+        head: EagleHead | None = None,
         owns_registry: bool = False,
     ):
-        """`owns_registry`: the models' kernel registry was made for this engine and is closed with it."""
+        """`head`: a trained EAGLE head for `model`; `owns_registry`: the models' kernel registry was made for this
+        engine and is closed with it."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.weights = weights
         self.draft = draft
+        self.head = head
         self._spec: dict[str, SpeculativeEngine] = {}
         self.plain_costs = PlainStepCosts()
         # While streaming with logprobs: the entries of the tokens whose text the piece being yielded completes.
@@ -118,6 +127,8 @@ class Engine:
             return
         for spec in self._spec.values():
             spec.close()
+        if self.head is not None:
+            self.head.close()
         if self.owns_registry:
             # First, while its cache still lists every bound buffer (ops' own scratch and placeholders too).
             self.model.registry.close()
@@ -135,10 +146,14 @@ class Engine:
             raise GenerationOptionError(
                 f"speculative must be one of None, {', '.join(SPECULATIVE_MODES)}; got {speculative!r}"
             )
-        if speculative == "auto":
-            return "draft-model" if self.draft is not None else "prompt-lookup"
+        if speculative == "auto":  # an explicitly loaded draft model, else the head with lookup, else lookup
+            if self.draft is not None:
+                return "draft-model"
+            return "eagle+prompt-lookup" if self.head is not None else "prompt-lookup"
         if speculative == "draft-model" and self.draft is None:
             raise GenerationOptionError("speculative='draft-model' needs a draft model: load(..., draft=PATH)")
+        if speculative == "eagle" and self.head is None:
+            raise GenerationOptionError(f"speculative='eagle' needs a draft head for {self.name}", advice=HEAD_ADVICE)
         return speculative
 
     def speculative_engine(self, mode: str) -> SpeculativeEngine:
@@ -149,6 +164,10 @@ class Engine:
                 "prompt-lookup": PromptLookupDrafter,
                 "layer-skip": lambda: LayerSkipDrafter(self.model),
                 "draft-model": lambda: DraftModelDrafter(self.draft, self.model.config.vocab_size),
+                "eagle": lambda: EagleDrafter(self.model, self.head),
+                "eagle+prompt-lookup": lambda: BestOfDrafter(
+                    PromptLookupDrafter(), EagleDrafter(self.model, self.head)
+                ),
             }[mode]()
             engine = SpeculativeEngine(self.model, drafter)
             if mode != "none":
@@ -408,6 +427,7 @@ def load(
     *,
     draft: str | Path | None = None,
     draft_weights: str | None = None,
+    draft_head: str | Path | bool | None = None,
     max_seq: int | None = 2048,
     browser_limits: bool = False,
     progress: bool = True,
@@ -418,6 +438,8 @@ def load(
     weights: "keep" (default: as stored; the default model is Q4_1 with a Q8_0 embedding), "f32", "f16",
     "q8_0", "q4_0" or "q4_1" (dense tensors quantised on load; block-quantised ones keep their blocks).
     draft: an optional smaller model with the same vocabulary for speculative="draft-model".
+    draft_head: a trained EAGLE head folder for speculative="eagle" (and "auto"); None: the head shipped for a
+    known model, if any; False: none.
     """
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
@@ -445,15 +467,17 @@ def load(
                 except BaseException:
                     loaded.destroy()
                     raise
+        target, draft_model = models[0], (models[1] if len(models) > 1 else None)
+        head_folder = known_head(model) if draft_head is None else (draft_head or None)
+        head = None if head_folder is None else load_head(head_folder, target, weights, tokenizer)
     except BaseException:
-        # A failed load (bad draft file, a buffer beyond the device's limits, ...) leaves nothing on the GPU.
+        # A failed load (bad draft file or head, a buffer beyond the device's limits, ...) leaves nothing on the GPU.
         for loaded_model in models:
             loaded_model.close()
             loaded_model.weights.destroy()
         registry.close()
         raise
-    target, draft_model = models[0], (models[1] if len(models) > 1 else None)
-    return Engine(target, tokenizer, name=str(model), weights=weights, draft=draft_model, owns_registry=True)
+    return Engine(target, tokenizer, name=str(model), weights=weights, draft=draft_model, head=head, owns_registry=True)
 
 
 def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_folder: Path) -> None:

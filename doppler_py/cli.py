@@ -4,6 +4,7 @@
     doppler-py chat                                  interactive conversation (/reset, /exit; Ctrl-C stops an answer)
     doppler-py serve --port 8000                     OpenAI-compatible HTTP server on 127.0.0.1
     doppler-py convert model.gguf --out folder       GGUF -> Hugging Face style folder
+    doppler-py train-draft MODEL --out folder        train an EAGLE draft head by self-distillation (torch)
     doppler-py models | info | bench | selfcheck
 
 Errors doppler-py raises on purpose print one line on stderr and exit with status 2.
@@ -23,7 +24,7 @@ from pathlib import Path
 from doppler_py.errors import DopplerError
 
 EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
-SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "none")
+SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle", "none")
 BENCHES = ("speculative", "kernels", "model")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +46,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--draft", help="draft model (name, folder or .gguf) for --speculative draft-model")
     group.add_argument("--draft-weights", choices=WEIGHT_FORMATS, help="draft weight precision (default: --weights)")
+    group.add_argument(
+        "--draft-head",
+        metavar="DIR",
+        help="EAGLE head folder for --speculative eagle/auto (default: the one shipped for a known model; none: off)",
+    )
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
     group.add_argument("--browser-limits", action="store_true", help="run under the WebGPU default limits")
     group.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
@@ -75,6 +81,7 @@ def _load(args: argparse.Namespace):
         args.weights,
         draft=args.draft,
         draft_weights=args.draft_weights,
+        draft_head=False if args.draft_head == "none" else args.draft_head,
         max_seq=args.max_seq,
         browser_limits=args.browser_limits,
         progress=not args.no_progress,
@@ -316,6 +323,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from doppler_py.errors import GenerationOptionError
+
+    try:
+        from doppler_py.training.eagle import TrainOptions, train
+    except ImportError as exc:
+        raise GenerationOptionError(
+            f"train-draft needs torch and transformers ({exc.name} is missing)",
+            advice="install them with `pip install -e .[reference]`",
+        ) from exc
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty; choose a new --out folder")
+    options = TrainOptions(
+        magpie_prompts=args.magpie_prompts,
+        max_new_tokens=args.max_new_tokens,
+        draft_vocab=args.draft_vocab,
+        steps=args.steps,
+        seed=args.seed,
+    )
+    work = Path(args.work) if args.work else out.with_name(out.name + ".work")
+    card = train(args.model, out, work, options, say=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(card, indent=2))
+    return 0
+
+
 # --- parser ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -361,6 +394,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--weights", default="f16", choices=("f32", "f16", "keep"), help="stored precision")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
     convert.set_defaults(func=_cmd_convert)
+
+    trainer = sub.add_parser(
+        "train-draft", help="train a draft head for a model by self-distillation (torch on CPU; resumable)"
+    )
+    trainer.add_argument("model", help="known model name, HF folder or .gguf file")
+    trainer.add_argument("--kind", default="eagle", choices=("eagle",), help="head design (default eagle)")
+    trainer.add_argument("--out", required=True, help="the head folder to write")
+    trainer.add_argument("--work", help="data and checkpoints, kept for resuming (default: OUT.work)")
+    trainer.add_argument("--magpie-prompts", type=int, default=600, help="questions the model writes (default 600)")
+    trainer.add_argument("--max-new-tokens", type=int, default=160, help="answer length at most (default 160)")
+    trainer.add_argument("--draft-vocab", type=int, default=6144, help="draft vocabulary size (default 6144)")
+    trainer.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
+    trainer.add_argument("--seed", type=int, default=0, help="seed of data generation and training (default 0)")
+    trainer.set_defaults(func=_cmd_train_draft)
 
     models = sub.add_parser("models", help="known and converted models with their sizes")
     models.set_defaults(func=_cmd_models)

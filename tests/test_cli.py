@@ -23,7 +23,7 @@ from doppler_py.testing.tiny import write_tiny_model
 
 STATS_LINE = re.compile(
     r"^\[(?P<tokens>\d+) tokens \(prompt (?P<prompt>\d+)\), [\d.]+ tok/s"
-    r"( \| (?P<method>[a-z-]+): \d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
+    r"( \| (?P<method>[a-z+-]+): \d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
     r"( \| (saved|lost) [\d.]+ ± [\d.]+ s vs plain decoding)?|, no speculation)\]$"
 )
 PROMPT = "Tell me about the sea."
@@ -250,6 +250,25 @@ def test_bench_says_clearly_when_a_benchmark_is_missing(tmp_path, monkeypatch, c
     assert cli.find_bench("speculative") is None
     assert cli.main(["bench", "speculative"]) == 1
     assert "tools/bench_speculative.py" in capsys.readouterr().err
+
+
+# --- train-draft ---------------------------------------------------------------------------------------------------
+def test_train_draft_writes_a_head_that_generate_drafts_with(runs, env, tmp_path):
+    pytest.importorskip("torch")
+    head = tmp_path / "head"
+    small = ["--magpie-prompts", "2", "--max-new-tokens", "6", "--draft-vocab", "24", "--steps", "4"]
+    train = ok(run_cli(["train-draft", runs["model"], "--out", str(head), *small], env, timeout=600))
+    card = json.loads(train.stdout)
+    assert card["steps"] == 4 and card["sequences"] == 42 and "answers_s" in card["wall_time_s"]
+    assert "train: step 4/4" in train.stderr
+    common = ["--model", runs["model"], "--max-tokens", "12", "--no-progress", "--draft-head", str(head)]
+    eagle = ok(run_cli(["generate", PROMPT, *common, "--speculative", "eagle", "--json"], env))
+    plain = ok(run_cli(["generate", PROMPT, *common, "--speculative", "none", "--json"], env))
+    eagle_record, plain_record = json.loads(eagle.stdout), json.loads(plain.stdout)
+    assert eagle_record["speculative"] == "eagle" and eagle_record["drafted"] > 0
+    assert eagle_record["text"] == plain_record["text"]
+    again = run_cli(["train-draft", runs["model"], "--out", str(head), *small], env)
+    assert again.returncode == 2 and "not empty" in again.stderr
 
 
 # --- serve -----------------------------------------------------------------------------------------------------------

@@ -78,6 +78,17 @@ def known_model_file(name: str) -> Path:
     )
 
 
+HEADS_DIR = Path(__file__).resolve().parents[1] / "heads"  # trained draft heads shipped with the package
+
+
+def known_head(name_or_path: str | Path, kind: str = "eagle") -> Path | None:
+    """The draft head shipped for a known model (`doppler_py/heads/NAME-KIND`), or None."""
+    if not (isinstance(name_or_path, str) and name_or_path in KNOWN_MODELS):
+        return None
+    folder = HEADS_DIR / f"{name_or_path}-{kind}"
+    return folder if (folder / f"{kind}.json").is_file() else None
+
+
 def resolve_model(name_or_path: str | Path, weights: str = "f16", *, progress: bool = True) -> Path:
     """A Hugging Face style folder for a known model name, a model folder, or a .gguf file (converted once)."""
     if weights not in WEIGHT_MODES:

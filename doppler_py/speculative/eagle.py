@@ -23,6 +23,7 @@ A head folder (written by `doppler_py.training.eagle`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from doppler_py.ops.linear import Linear
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
 from doppler_py.speculative.gpu_drafting import DraftSampler
+from doppler_py.tokenizer import Tokenizer
 
 HEAD_TENSORS = ("fc_embed.weight", "fc_embed.bias", "fc_feature.weight", "feature_mean", "feature_std")
 
@@ -67,8 +69,17 @@ class EagleHead:
             t.destroy()
 
 
-def load_head(folder: str | Path, target: Transformer, precision: str = "f32") -> EagleHead:
-    """Load an EAGLE head for `target`, refusing one made for another model (typed errors name the file)."""
+def vocabulary_digest(tokenizer: Tokenizer) -> str:
+    """A fingerprint of a tokenizer's id ↔ token string table (added tokens included)."""
+    vocab = sorted(tokenizer.backend.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def load_head(
+    folder: str | Path, target: Transformer, precision: str = "f32", tokenizer: Tokenizer | None = None
+) -> EagleHead:
+    """Load an EAGLE head for `target` (and its `tokenizer`, when given), refusing one made for another model;
+    typed errors name the file. precision: the target's weight format ("keep": as the head stores them)."""
     folder = Path(folder)
     meta_file = folder / "eagle.json"
     if not meta_file.is_file():
@@ -89,10 +100,28 @@ def load_head(folder: str | Path, target: Transformer, precision: str = "f32") -
             f"{meta_file}: the head was made for a vocabulary of {made_for.get('vocab_size')} tokens, the target "
             f"has {cfg.vocab_size}"
         )
+    digest = made_for.get("tokenizer_sha256")
+    if tokenizer is not None and digest is not None and digest != vocabulary_digest(tokenizer):
+        raise VocabularyMismatchError(
+            f"{meta_file}: the head was made for another tokenizer (its id ↔ token table differs from the target's)"
+        )
     tensors = _head_tensors(folder / "eagle.safetensors", cfg.hidden_size, cfg.vocab_size)
     gpu = target.gpu
+    if precision == "keep":
+        precision = "f16" if tensors["fc_embed.weight"].dtype == np.float16 else "f32"
     weights = load_weights(folder, gpu, precision)
-    model = Transformer(weights, target.registry, max_rows=target.max_rows, max_logit_rows=1)
+    try:
+        model = Transformer(weights, target.registry, max_rows=target.max_rows, max_logit_rows=1)
+    except BaseException:
+        weights.destroy()
+        raise
+    if model.config.hidden_size != cfg.hidden_size:
+        model.close()
+        weights.destroy()
+        raise ModelFormatError(
+            f"{folder / 'config.json'}: the head's layer has hidden size {model.config.hidden_size}, the target's is "
+            f"{cfg.hidden_size}"
+        )
     w_f = tensors["fc_feature.weight"].astype(np.float64)
     mean, std = tensors["feature_mean"].astype(np.float64), tensors["feature_std"].astype(np.float64)
 

@@ -2,7 +2,8 @@
 
     work/prompts.jsonl   seed instructions (seed_prompts.txt) + questions the target writes itself (Magpie:
                          the chat template's user prefix, sampled until the end of the turn)
-    work/answers.jsonl   the target's greedy answers, appended one by one (a restart skips what is there)
+    work/answers.jsonl   the target's answers (greedy; every `sampled_every`th batch sampled at T = 0.7), appended a
+                         batch at a time (a restart skips what is there)
     work/checkpoint.pt   the head and optimiser every `save_every` steps (a restart resumes from it)
     out/                 the head folder `doppler_py.speculative.eagle` loads, with training_card.json
 
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from doppler_py.speculative.eagle import vocabulary_digest
+
 SEED_PROMPTS = Path(__file__).with_name("seed_prompts.txt")
 
 
@@ -34,12 +37,15 @@ class TrainOptions:
     magpie_prompts: int = 0  # questions the target writes itself, on top of the seed list
     seed_prompts: int | None = None  # how many seed instructions to use (None: all)
     max_new_tokens: int = 128
+    answer_batch: int = 8  # prompts answered together (left-padded)
+    sampled_every: int = 4  # every Nth batch is answered by sampling at T = 0.7 (the rest greedily); 0: never
     draft_vocab: int = 8192
     steps: int = 1500
     lr: float = 1e-3
     sequences_per_step: int = 4
     unroll_weight: float = 0.8
     save_every: int = 200
+    head_dtype: str = "float16"  # the exported weights (feature statistics stay float32)
     seed: int = 0
 
 
@@ -91,42 +97,53 @@ def make_prompts(hf, tokenizer, work: Path, options: TrainOptions, say: Callable
     prefix = prefix[: prefix.index("\x00")]  # the template up to where the user's words go
     prefix_ids = torch.tensor([tokenizer.encode(prefix, add_special_tokens=False)])
     stop = list(tokenizer.eos_token_ids)
-    torch.manual_seed(options.seed + written)
     start = time.perf_counter()
     while written < options.magpie_prompts:
+        torch.manual_seed(options.seed + written)  # a restart continues the same sequence of questions
+        n = min(options.answer_batch, options.magpie_prompts - written)
         with torch.no_grad():
             out = hf.generate(prefix_ids, max_new_tokens=48, do_sample=True, temperature=1.0, top_p=0.95,
-                              eos_token_id=stop, pad_token_id=stop[0] if stop else 0)  # fmt: skip
-        text = tokenizer.decode(out[0, prefix_ids.shape[1] :].tolist(), skip_special_tokens=True).strip()
-        if len(text) >= 8:
-            _append_jsonl(path, {"source": "magpie", "prompt": text})
-            written += 1
-            say(
-                f"prompts: {written}/{options.magpie_prompts} written by the target "
-                f"({time.perf_counter() - start:.0f} s)"
-            )
+                              num_return_sequences=n, eos_token_id=stop,
+                              pad_token_id=stop[0] if stop else 0)  # fmt: skip
+        for row in out[:, prefix_ids.shape[1] :].tolist():
+            text = tokenizer.decode(row, skip_special_tokens=True).strip()
+            if len(text) >= 8 and written < options.magpie_prompts:
+                _append_jsonl(path, {"source": "magpie", "prompt": text})
+                written += 1
+        say(f"prompts: {written}/{options.magpie_prompts} written by the target ({time.perf_counter() - start:.0f} s)")
     return [r["prompt"] for r in _read_jsonl(path)]
 
 
 def make_answers(hf, tokenizer, prompts: list[str], work: Path, options: TrainOptions, say) -> list[list[int]]:
-    """Stage 2: prompt + greedy answer token ids per prompt (resumable)."""
+    """Stage 2: prompt + answer token ids per prompt (resumable; a batch at a time, left-padded)."""
     import torch
 
     path = work / "answers.jsonl"
-    done = _read_jsonl(path)
+    done = len(_read_jsonl(path))
     stop = list(tokenizer.eos_token_ids)
+    pad = stop[0] if stop else 0
     start, tokens = time.perf_counter(), 0
-    for i in range(len(done), len(prompts)):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompts[i]}], add_generation_prompt=True)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+    for first in range(done, len(prompts), options.answer_batch):
+        batch = []
+        for prompt in prompts[first : first + options.answer_batch]:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            batch.append(tokenizer.encode(text, add_special_tokens=False))
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        number = first // options.answer_batch
+        sampled = options.sampled_every > 0 and number % options.sampled_every == options.sampled_every - 1
+        torch.manual_seed(options.seed + number)
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=options.max_new_tokens, do_sample=False,
-                              eos_token_id=stop, pad_token_id=stop[0] if stop else 0)  # fmt: skip
-        answer = out[0, len(ids) :].tolist()
-        tokens += len(answer)
-        _append_jsonl(path, {"prompt_ids": ids, "answer_ids": answer})
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=options.max_new_tokens, do_sample=sampled,
+                              temperature=0.7 if sampled else None, top_p=None, top_k=None,
+                              eos_token_id=stop, pad_token_id=pad)  # fmt: skip
+        for prompt_ids, row in zip(batch, out[:, width:].tolist(), strict=True):
+            answer = next(([*row[: i + 1]] for i, t in enumerate(row) if t in stop), row)  # up to the first stop
+            tokens += len(answer)
+            _append_jsonl(path, {"prompt_ids": prompt_ids, "answer_ids": answer})
         rate = tokens / max(1e-9, time.perf_counter() - start)
-        say(f"answers: {i + 1}/{len(prompts)} ({tokens} tokens, {rate:.0f} tokens/s)")
+        say(f"answers: {first + len(batch)}/{len(prompts)} ({tokens} tokens, {rate:.0f} tokens/s)")
     return [r["prompt_ids"] + r["answer_ids"] for r in _read_jsonl(path)]
 
 
@@ -304,7 +321,7 @@ def train(
         "held_in_top1": top1,
         "wall_time_s": {k: round(v, 1) for k, v in times.items()},
     }
-    export(head, hf.config, draft_ids, mean, std, out, card)
+    export(head, hf.config, draft_ids, mean, std, out, card, tokenizer, np.dtype(options.head_dtype))
     say(f"head written to {out} (held-in top-1 {top1:.3f})")
     return card
 
@@ -331,12 +348,14 @@ def held_in_top1(head, data, sequences, embed, mean, std, to_draft) -> float:
     return hits / max(1, total)
 
 
-def export(head, target_config, draft_ids: list[int], mean, std, out: Path, card: dict) -> None:
+def export(
+    head, target_config, draft_ids: list[int], mean, std, out: Path, card: dict, tokenizer=None, dtype=np.float32
+) -> None:
     """Write the head folder `doppler_py.speculative.eagle.load_head` reads."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().float().numpy() for k, v in head.state_dict().items()}
+    sd = {k: v.detach().float().numpy().astype(dtype) for k, v in head.state_dict().items() if "rotary" not in k}
     lm = sd["lm_head.weight"]
     model = {"model.embed_tokens.weight": lm, "model.norm.weight": sd["norm.weight"]}
     model |= {f"model.layers.0.{k[len('layer.') :]}": v for k, v in sd.items() if k.startswith("layer.")}
@@ -346,12 +365,13 @@ def export(head, target_config, draft_ids: list[int], mean, std, out: Path, card
         "fc_embed.weight": sd["fc_embed.weight"],
         "fc_embed.bias": sd["fc_embed.bias"],
         "fc_feature.weight": sd["fc_feature.weight"],
-        "feature_mean": mean.numpy().astype(np.float32),
+        "feature_mean": mean.numpy().astype(np.float32),  # f32 always: |μ| reaches thousands on SmolLM2
         "feature_std": std.numpy().astype(np.float32),
         "draft_to_target": np.asarray(draft_ids, dtype=np.int64),
     }
     save_file({k: np.ascontiguousarray(v) for k, v in eagle.items()}, str(out / "eagle.safetensors"))
-    (out / "config.json").write_text(json.dumps(head_config(target_config, len(draft_ids)), indent=2))
+    config = head_config(target_config, len(draft_ids)) | {"torch_dtype": np.dtype(dtype).name}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     meta = {
         "kind": "eagle",
         "target": {
@@ -359,7 +379,8 @@ def export(head, target_config, draft_ids: list[int], mean, std, out: Path, card
             "vocab_size": target_config.vocab_size,
             "num_hidden_layers": target_config.num_hidden_layers,
             "model_type": target_config.model_type,
-        },
+        }
+        | ({"tokenizer_sha256": vocabulary_digest(tokenizer)} if tokenizer is not None else {}),
         "draft_vocab": len(draft_ids),
     }
     (out / "eagle.json").write_text(json.dumps(meta, indent=2))

@@ -13,7 +13,8 @@ import shutil
 import pytest
 from speculative.conftest import TARGET
 
-from doppler_py.errors import ModelFormatError, VocabularyMismatchError
+from doppler_py.api import load
+from doppler_py.errors import GenerationOptionError, ModelFormatError, VocabularyMismatchError
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import SpeculativeEngine
 from doppler_py.speculative.eagle import EagleDrafter, load_head
@@ -25,7 +26,6 @@ from doppler_py.training.eagle import TrainOptions, import_head, load_target, ta
 
 GREEDY = SamplingParams()
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 11, 4]
-LONG_PROMPT = [(7 * i + 3) % 45 + 2 for i in range(70)]  # more than the target's 32 rows: a chunked prefill
 OPTIONS = TrainOptions(seed_prompts=16, magpie_prompts=2, max_new_tokens=24, draft_vocab=40, steps=80, save_every=40)
 
 
@@ -84,11 +84,19 @@ def torch_accepted(head_dir, tiny_folder, tokens: list[int], prompt_len: int, k:
     return accepted
 
 
-@pytest.mark.parametrize(("prompt", "k"), [(PROMPT, 1), (PROMPT, 3), (PROMPT, 8), (LONG_PROMPT, 2)])
-def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(
-    models, head, head_dir, tiny_folder, prompt, k
-):
+def held_in_prompt(head_dir, case: str) -> list[int]:
+    """A training prompt (where the head has learnt something to propose; longer than the target's 32 rows, so
+    the prefill is chunked), or for "long" a whole training sequence followed by another prompt."""
+    records = [json.loads(line) for line in (head_dir.parent / "work" / "answers.jsonl").read_text().splitlines()]
+    if case == "long":
+        return records[0]["prompt_ids"] + records[0]["answer_ids"] + records[1]["prompt_ids"]
+    return records[int(case)]["prompt_ids"]
+
+
+@pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 3), ("2", 8), ("long", 2)])
+def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(models, head, head_dir, tiny_folder, case, k):
     target = models["target"]
+    prompt = held_in_prompt(head_dir, case)
     engine = SpeculativeEngine(target, EagleDrafter(target, head))
     result = engine.generate(prompt, 40, GREEDY, k=k)
     engine.close()
@@ -131,3 +139,32 @@ def test_a_truncated_head_file_names_the_file(head_dir, models, tmp_path):
     (broken / "eagle.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelFormatError, match=r"eagle\.safetensors"):
         load_head(broken, models["target"])
+
+
+def test_the_api_drafts_with_a_head_for_eagle_and_auto_and_stays_exact(head_dir, tiny_folder):
+    prompt = [{"role": "user", "content": "tell me about rivers"}]
+    with load(tiny_folder(TARGET), weights="f32", draft_head=head_dir, progress=False) as engine:
+        plain = engine.generate(prompt, max_tokens=30)
+        eagle = engine.generate(prompt, max_tokens=30, speculative="eagle", k=3)
+        auto = engine.generate(prompt, max_tokens=30, speculative="auto")
+    assert eagle.tokens == plain.tokens == auto.tokens
+    assert eagle.speculative == "eagle" and eagle.drafted > 0
+    assert auto.speculative == "eagle+prompt-lookup"
+
+
+def test_eagle_without_a_head_says_how_to_get_one(tiny_folder):
+    with load(tiny_folder(TARGET), weights="f32", progress=False) as engine:
+        assert engine.head is None  # no head is shipped for a tiny model
+        with pytest.raises(GenerationOptionError, match="train-draft"):
+            engine.generate("hi", max_tokens=4, speculative="eagle")
+        assert engine.generate("hi", max_tokens=4, speculative="auto").speculative == "prompt-lookup"
+
+
+def test_a_head_made_with_another_tokenizer_is_refused_at_load(head_dir, tiny_folder, tmp_path):
+    wrong = tmp_path / "wrong"
+    shutil.copytree(head_dir, wrong)
+    meta = json.loads((wrong / "eagle.json").read_text())
+    meta["target"]["tokenizer_sha256"] = "0" * 64
+    (wrong / "eagle.json").write_text(json.dumps(meta))
+    with pytest.raises(VocabularyMismatchError, match="another tokenizer"):
+        load(tiny_folder(TARGET), weights="f32", draft_head=wrong, progress=False)

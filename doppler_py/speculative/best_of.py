@@ -1,0 +1,72 @@
+"""Per step, the better of prompt lookup and a trained head: an n-gram match where it promises more.
+
+A trained head drafts ordinary text; prompt lookup wins where the answer copies the prompt (a long match is
+often accepted whole, and costs no drafting). Each step asks lookup first (host only, free): its proposal is
+taken when its length times lookup's measured acceptance rate beats the head's measured mean accepted per
+step, else the head drafts. Both estimates are running means over this drafter's own steps, started from
+priors, so the choice follows what is measured on the text at hand.
+
+The head sees every verified row whoever proposed (its `commit` consumes the accepted rows' features), so it
+is ready whenever it is chosen again.
+"""
+
+from __future__ import annotations
+
+from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, Proposal, StepContext
+
+
+class RunningMean:
+    """A mean over the last ~`window` observations (exponential), starting from a prior."""
+
+    def __init__(self, prior: float, window: int = 16):
+        self.value, self.alpha = prior, 1.0 / window
+
+    def add(self, x: float) -> None:
+        self.value += self.alpha * (x - self.value)
+
+
+class BestOfDrafter:
+    def __init__(self, lookup: Drafter, head: Drafter):
+        self.lookup, self.head = lookup, head
+        self.name = f"{head.name}+{lookup.name}"
+        self.lookup_rate = RunningMean(0.5)  # accepted / proposed, over lookup's steps
+        self.head_accepted = RunningMean(1.0)  # accepted per step, over the head's steps
+        self.last: tuple[Drafter, int] | None = None  # who proposed the last proposal, and how many tokens
+
+    def start(self, ctx: StepContext) -> None:
+        self.last = None
+        self.lookup.start(ctx)
+        self.head.start(ctx)
+
+    def prefilled(self, ctx: StepContext, begin: int) -> None:
+        self.lookup.prefilled(ctx, begin)
+        self.head.prefilled(ctx, begin)
+
+    def propose(self, ctx: StepContext, k: int) -> Proposal:
+        matched = self.lookup.propose(ctx, k)
+        proposal, source = matched, self.lookup
+        if matched.count * self.lookup_rate.value <= self.head_accepted.value:
+            drafted = self.head.propose(ctx, k)
+            if drafted.count:  # else (a head that cannot draft here) the match, if any
+                proposal, source = drafted, self.head
+        self.last = (source, proposal.count) if proposal.count else None
+        return proposal if proposal.count else NO_PROPOSAL
+
+    def commit(self, ctx: StepContext, accepted: int) -> None:
+        if self.last is not None:
+            source, proposed = self.last
+            if source is self.lookup:
+                self.lookup_rate.add(accepted / proposed)
+            else:
+                self.head_accepted.add(accepted)
+            self.last = None
+        self.lookup.commit(ctx, accepted)
+        self.head.commit(ctx, accepted)
+
+    def finish(self) -> None:
+        self.lookup.finish()
+        self.head.finish()
+
+    def close(self) -> None:
+        self.lookup.close()
+        self.head.close()
