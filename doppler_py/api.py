@@ -29,18 +29,19 @@ from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.best_of import BestOfDrafter
 from doppler_py.speculative.draft_model import DraftModelDrafter, check_vocabularies
-from doppler_py.speculative.eagle import EagleDrafter, EagleHead, load_head
+from doppler_py.speculative.eagle import EagleDrafter, load_head
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
+from doppler_py.speculative.head_files import head_kind
 from doppler_py.speculative.layer_skip import LayerSkipDrafter
+from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
 from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
-SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle")
-HEAD_ADVICE = (
-    "train one with `doppler-py train-draft MODEL --kind eagle --out DIR` and load it with "
-    "load(..., draft_head=DIR) or --draft-head DIR"
-)
+SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle", "medusa")
+HEAD_KINDS = ("eagle", "medusa")  # trained draft heads, in the order "auto" prefers them
+HEAD_DRAFTERS = {"eagle": EagleDrafter, "medusa": MedusaDrafter}
+HEAD_LOADERS = {"eagle": load_head, "medusa": load_medusa}
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 Messages = Sequence[dict]
 
@@ -95,17 +96,17 @@ class Engine:
         name: str,
         weights: str,
         draft: Transformer | None = None,
-        head: EagleHead | None = None,
+        heads: dict | None = None,
         owns_registry: bool = False,
     ):
-        """`head`: a trained EAGLE head for `model`; `owns_registry`: the models' kernel registry was made for this
-        engine and is closed with it."""
+        """`heads`: trained draft heads for `model` by kind ("eagle", "medusa"); `owns_registry`: the models' kernel
+        registry was made for this engine and is closed with it."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.weights = weights
         self.draft = draft
-        self.head = head
+        self.heads = dict(heads or {})
         self._spec: dict[str, SpeculativeEngine] = {}
         self.plain_costs = PlainStepCosts()
         # While streaming with logprobs: the entries of the tokens whose text the piece being yielded completes.
@@ -127,8 +128,8 @@ class Engine:
             return
         for spec in self._spec.values():
             spec.close()
-        if self.head is not None:
-            self.head.close()
+        for head in self.heads.values():
+            head.close()
         if self.owns_registry:
             # First, while its cache still lists every bound buffer (ops' own scratch and placeholders too).
             self.model.registry.close()
@@ -146,29 +147,35 @@ class Engine:
             raise GenerationOptionError(
                 f"speculative must be one of None, {', '.join(SPECULATIVE_MODES)}; got {speculative!r}"
             )
-        if speculative == "auto":  # an explicitly loaded draft model, else the head with lookup, else lookup
+        if speculative == "auto":  # an explicitly loaded draft model, else a head with lookup, else lookup
             if self.draft is not None:
                 return "draft-model"
-            return "eagle+prompt-lookup" if self.head is not None else "prompt-lookup"
+            kind = next((kind for kind in HEAD_KINDS if kind in self.heads), None)
+            return f"{kind}+prompt-lookup" if kind else "prompt-lookup"
         if speculative == "draft-model" and self.draft is None:
             raise GenerationOptionError("speculative='draft-model' needs a draft model: load(..., draft=PATH)")
-        if speculative == "eagle" and self.head is None:
-            raise GenerationOptionError(f"speculative='eagle' needs a draft head for {self.name}", advice=HEAD_ADVICE)
+        if speculative in HEAD_KINDS and speculative not in self.heads:
+            raise GenerationOptionError(
+                f"speculative={speculative!r} needs a trained {speculative} head for {self.name}",
+                advice=f"train one with `doppler-py train-draft MODEL --kind {speculative} --out DIR` and load it "
+                "with load(..., draft_head=DIR) or --draft-head DIR",
+            )
         return speculative
 
     def speculative_engine(self, mode: str) -> SpeculativeEngine:
         """The (cached) engine for a drafter; its cost model and acceptance estimate persist across calls."""
         if mode not in self._spec:
-            drafter = {
-                "none": lambda: None,
-                "prompt-lookup": PromptLookupDrafter,
-                "layer-skip": lambda: LayerSkipDrafter(self.model),
-                "draft-model": lambda: DraftModelDrafter(self.draft, self.model.config.vocab_size),
-                "eagle": lambda: EagleDrafter(self.model, self.head),
-                "eagle+prompt-lookup": lambda: BestOfDrafter(
-                    PromptLookupDrafter(), EagleDrafter(self.model, self.head)
-                ),
-            }[mode]()
+            kind = mode.split("+")[0]  # a head kind for "eagle", "eagle+prompt-lookup", ...
+            if kind in HEAD_KINDS:
+                head = HEAD_DRAFTERS[kind](self.model, self.heads[kind])
+                drafter = BestOfDrafter(PromptLookupDrafter(), head) if mode.endswith("+prompt-lookup") else head
+            else:
+                drafter = {
+                    "none": lambda: None,
+                    "prompt-lookup": PromptLookupDrafter,
+                    "layer-skip": lambda: LayerSkipDrafter(self.model),
+                    "draft-model": lambda: DraftModelDrafter(self.draft, self.model.config.vocab_size),
+                }[mode]()
             engine = SpeculativeEngine(self.model, drafter)
             if mode != "none":
                 engine.calibrate()
@@ -427,7 +434,7 @@ def load(
     *,
     draft: str | Path | None = None,
     draft_weights: str | None = None,
-    draft_head: str | Path | bool | None = None,
+    draft_head: str | Path | Sequence[str | Path] | bool | None = None,
     max_seq: int | None = 2048,
     browser_limits: bool = False,
     progress: bool = True,
@@ -438,8 +445,8 @@ def load(
     weights: "keep" (default: as stored; the default model is Q4_1 with a Q8_0 embedding), "f32", "f16",
     "q8_0", "q4_0" or "q4_1" (dense tensors quantised on load; block-quantised ones keep their blocks).
     draft: an optional smaller model with the same vocabulary for speculative="draft-model".
-    draft_head: a trained EAGLE head folder for speculative="eagle" (and "auto"); None: the head shipped for a
-    known model, if any; False: none.
+    draft_head: a trained head folder (or several: one per kind) for speculative="eagle"/"medusa" and "auto";
+    None: the heads shipped for a known model, if any; False: none.
     """
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
@@ -468,8 +475,7 @@ def load(
                     loaded.destroy()
                     raise
         target, draft_model = models[0], (models[1] if len(models) > 1 else None)
-        head_folder = known_head(model) if draft_head is None else (draft_head or None)
-        head = None if head_folder is None else load_head(head_folder, target, weights, tokenizer)
+        heads = load_heads(model, draft_head, target, weights, tokenizer)
     except BaseException:
         # A failed load (bad draft file or head, a buffer beyond the device's limits, ...) leaves nothing on the GPU.
         for loaded_model in models:
@@ -477,7 +483,31 @@ def load(
             loaded_model.weights.destroy()
         registry.close()
         raise
-    return Engine(target, tokenizer, name=str(model), weights=weights, draft=draft_model, head=head, owns_registry=True)
+    return Engine(
+        target, tokenizer, name=str(model), weights=weights, draft=draft_model, heads=heads, owns_registry=True
+    )
+
+
+def load_heads(model, draft_head, target: Transformer, weights: str, tokenizer: Tokenizer) -> dict:
+    """kind -> loaded head, from `load`'s draft_head (see there); every head is checked against the target."""
+    if draft_head is None:
+        folders = [folder for kind in HEAD_KINDS if (folder := known_head(model, kind)) is not None]
+    elif draft_head is False:
+        folders = []
+    else:
+        folders = [draft_head] if isinstance(draft_head, str | Path) else list(draft_head)
+    heads: dict = {}
+    try:
+        for folder in folders:
+            kind = head_kind(folder)
+            if kind in heads:
+                raise GenerationOptionError(f"{folder}: a second {kind} head; give at most one head of each kind")
+            heads[kind] = HEAD_LOADERS[kind](folder, target, weights, tokenizer)
+    except BaseException:
+        for head in heads.values():
+            head.close()
+        raise
+    return heads
 
 
 def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_folder: Path) -> None:

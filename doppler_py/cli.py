@@ -24,7 +24,7 @@ from pathlib import Path
 from doppler_py.errors import DopplerError
 
 EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
-SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle", "none")
+SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle", "medusa", "none")
 BENCHES = ("speculative", "kernels", "model")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--draft-head",
         metavar="DIR",
-        help="EAGLE head folder for --speculative eagle/auto (default: the one shipped for a known model; none: off)",
+        action="append",
+        help="a trained head folder (EAGLE or Medusa; repeatable) for --speculative eagle/medusa/auto (default: the "
+        "heads shipped for a known model; none: no head)",
     )
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
     group.add_argument("--browser-limits", action="store_true", help="run under the WebGPU default limits")
@@ -81,7 +83,7 @@ def _load(args: argparse.Namespace):
         args.weights,
         draft=args.draft,
         draft_weights=args.draft_weights,
-        draft_head=False if args.draft_head == "none" else args.draft_head,
+        draft_head=False if args.draft_head == ["none"] else args.draft_head,
         max_seq=args.max_seq,
         browser_limits=args.browser_limits,
         progress=not args.no_progress,
@@ -327,7 +329,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     from doppler_py.errors import GenerationOptionError
 
     try:
-        from doppler_py.training.eagle import TrainOptions, train
+        from doppler_py.training import eagle, medusa
+        from doppler_py.training.data import TrainOptions
     except ImportError as exc:
         raise GenerationOptionError(
             f"train-draft needs torch and transformers ({exc.name} is missing)",
@@ -344,6 +347,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
+    train = {"eagle": eagle.train, "medusa": medusa.train}[args.kind]
     card = train(args.model, out, work, options, say=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(card, indent=2))
     return 0
@@ -399,9 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
         "train-draft", help="train a draft head for a model by self-distillation (torch on CPU; resumable)"
     )
     trainer.add_argument("model", help="known model name, HF folder or .gguf file")
-    trainer.add_argument("--kind", default="eagle", choices=("eagle",), help="head design (default eagle)")
+    trainer.add_argument("--kind", default="eagle", choices=("eagle", "medusa"), help="head design (default eagle)")
     trainer.add_argument("--out", required=True, help="the head folder to write")
-    trainer.add_argument("--work", help="data and checkpoints, kept for resuming (default: OUT.work)")
+    trainer.add_argument(
+        "--work", help="data and checkpoints, kept for resuming; heads of both kinds can share it (default: OUT.work)"
+    )
     trainer.add_argument("--magpie-prompts", type=int, default=600, help="questions the model writes (default 600)")
     trainer.add_argument("--max-new-tokens", type=int, default=160, help="answer length at most (default 160)")
     trainer.add_argument("--draft-vocab", type=int, default=6144, help="draft vocabulary size (default 6144)")

@@ -1,10 +1,11 @@
 """Plain vs speculative decoding on SmolLM2-135M, side by side in one run (interleaved, medians).
 
-    python tools/bench_speculative.py --weights f32,f16,q4_1 --repeats 3 --json bench.json --png bench.png
+    python tools/bench_speculative.py --weights q4_1 --repeats 3 --json bench.json --png bench.png
 
 For every weight format and prompt kind, each repeat runs every method once, one after another, so machine
 noise hits all methods alike; the table reports medians and the speedup of each method over plain decoding of
-the same model measured in the same run. Greedy decoding throughout (so all methods produce the same text).
+the same model measured in the same run, then each group's geometric mean and worst prompt. Greedy decoding
+(so all methods produce the same text); a second pass reports acceptance at --sampled-temperature.
 Peers (HF transformers on torch CPU, plain and with its prompt lookup) run on the same prompts when installed.
 """
 
@@ -12,68 +13,115 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+# Two labelled groups, each reported with its own geometric mean. Copy-heavy: the answer copies much of the prompt,
+# where prompt lookup is meant to help. Open-ended: what users bring most, where nothing is copied (none of these
+# is in the draft head's training seeds).
+COPY_HEAVY, OPEN_ENDED = "copy-heavy", "open-ended"
 PROMPTS = {
-    "chat": [{"role": "user", "content": "What are three good ways to stay healthy in winter? Explain each briefly."}],
-    "repeat": [
-        {
-            "role": "user",
-            "content": "Repeat this passage exactly, word for word:\n\nThe river bends twice before the old mill, "
-            "where herons wait in the reeds and the water slows to a mirror under the willows. In spring the "
-            "meadow floods and the path to the village disappears for a week; in autumn the miller's children "
-            "gather walnuts along the bank and race paper boats from the bridge to the weir.",
-        }
-    ],
+    # SmolLM2 echoes this question in its answer ("Here are three good ways to stay healthy in winter"), so
+    # lookup gains here say little about chat in general: it is labelled copy-heavy for that reason.
+    "chat-echo": (
+        COPY_HEAVY,
+        [{"role": "user", "content": "What are three good ways to stay healthy in winter? Explain each briefly."}],
+    ),
+    "repeat": (
+        COPY_HEAVY,
+        [
+            {
+                "role": "user",
+                "content": "Repeat this passage exactly, word for word:\n\nThe river bends twice before the old mill, "
+                "where herons wait in the reeds and the water slows to a mirror under the willows. In spring the "
+                "meadow floods and the path to the village disappears for a week; in autumn the miller's children "
+                "gather walnuts along the bank and race paper boats from the bridge to the weir.",
+            }
+        ],
+    ),
     # A realistic code edit: the answer mostly copies a longer block (where prompt lookup is meant to help).
-    "code": [
-        {
-            "role": "user",
-            "content": "Add a one-line docstring to the add method of this class. Reply with the complete class "
-            "only.\n\nclass Inventory:\n    def __init__(self):\n        self.items = {}\n\n"
-            "    def add(self, name, count):\n        if name in self.items:\n            self.items[name] += count\n"
-            "        else:\n            self.items[name] = count\n\n    def remove(self, name, count):\n"
-            "        if name not in self.items:\n            raise KeyError(name)\n"
-            "        self.items[name] -= count\n        if self.items[name] <= 0:\n            del self.items[name]\n\n"
-            "    def total(self):\n        return sum(self.items.values())\n",
-        }
-    ],
+    "code": (
+        COPY_HEAVY,
+        [
+            {
+                "role": "user",
+                "content": "Add a one-line docstring to the add method of this class. Reply with the complete class "
+                "only.\n\nclass Inventory:\n    def __init__(self):\n        self.items = {}\n\n"
+                "    def add(self, name, count):\n        if name in self.items:\n"
+                "            self.items[name] += count\n"
+                "        else:\n            self.items[name] = count\n\n    def remove(self, name, count):\n"
+                "        if name not in self.items:\n            raise KeyError(name)\n"
+                "        self.items[name] -= count\n        if self.items[name] <= 0:\n"
+                "            del self.items[name]\n\n"
+                "    def total(self):\n        return sum(self.items.values())\n",
+            }
+        ],
+    ),
     # A short function: SmolLM2 rewrites more than it copies, so lookup finds less to propose.
-    "code-small": [
-        {
-            "role": "user",
-            "content": "Here is a Python function:\n\ndef summarize(values):\n    x = 0\n    for v in values:\n"
-            "        if v > 0:\n            x += v\n    count = len(values)\n    mean = x / count if count else 0\n"
-            "    return {'total': x, 'mean': mean}\n\nRewrite the function with the variable x renamed to total. "
-            "Reply with the code only.",
-        }
-    ],
-    "summarise": [
-        {
-            "role": "user",
-            "content": "Summarise in two sentences: The town council met on Tuesday to discuss the new library. "
-            "Residents asked for longer opening hours and more study rooms. The council agreed to extend hours on "
-            "weekends starting next month and to convert the old archive into two study rooms by the end of the "
-            "year, funded by the regional culture grant.",
-        }
-    ],
+    "code-small": (
+        COPY_HEAVY,
+        [
+            {
+                "role": "user",
+                "content": "Here is a Python function:\n\ndef summarize(values):\n    x = 0\n    for v in values:\n"
+                "        if v > 0:\n            x += v\n    count = len(values)\n    mean = x / count if count else 0\n"
+                "    return {'total': x, 'mean': mean}\n\nRewrite the function with the variable x renamed to total. "
+                "Reply with the code only.",
+            }
+        ],
+    ),
+    "summarise": (
+        COPY_HEAVY,
+        [
+            {
+                "role": "user",
+                "content": "Summarise in two sentences: The town council met on Tuesday to discuss the new library. "
+                "Residents asked for longer opening hours and more study rooms. The council agreed to extend hours on "
+                "weekends starting next month and to convert the old archive into two study rooms by the end of the "
+                "year, funded by the regional culture grant.",
+            }
+        ],
+    ),
+    "story": (OPEN_ENDED, [{"role": "user", "content": "Write a short story about a fox who learns to share."}]),
+    "explain": (OPEN_ENDED, [{"role": "user", "content": "Explain how a compass works and why it points north."}]),
+    "tips": (
+        OPEN_ENDED,
+        [{"role": "user", "content": "Give me six tips for keeping a small garden healthy in summer."}],
+    ),
+    "email": (
+        OPEN_ENDED,
+        [{"role": "user", "content": "Write an email to my team saying the office closes early on Friday."}],
+    ),
+    "code-new": (
+        OPEN_ENDED,
+        [{"role": "user", "content": "Write a Python function that counts how often each word appears in a text."}],
+    ),
+    "dialogue": (
+        OPEN_ENDED,
+        [{"role": "user", "content": "Write a short dialogue between a librarian and a student who lost a book."}],
+    ),
 }
-METHODS = ("plain", "prompt-lookup", "layer-skip")
+METHODS = ("plain", "prompt-lookup", "eagle", "medusa", "auto")
 
 
-def run_ours(engine, prompt, method: str, tokens: int) -> dict:
+def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0) -> dict:
     speculative = None if method == "plain" else method
-    result = engine.generate(prompt, max_tokens=tokens, speculative=speculative)
+    result = engine.generate(prompt, max_tokens=tokens, speculative=speculative, temperature=temperature, seed=0)
     stats = result.stats
+    drafted = stats["drafted"]
+    draft_s = stats["gpu_draft_s"] if stats["gpu_draft_s"] is not None else stats["draft_s"]
     return {
         "tokens": len(result.tokens),
         "tokens_per_s": result.tokens_per_s,
         "acceptance_rate": result.acceptance_rate,
         "tokens_per_step": stats["tokens_per_step"],
+        "acceptance_by_position": stats["acceptance_by_position"],
+        "draft_s_per_token": draft_s / drafted if drafted else None,
+        "drafter": result.speculative,
         "plain_steps": stats["plain_steps"],
         "steps": stats["steps"],
         "text_tokens": result.tokens,
@@ -119,17 +167,36 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def mean_by_position(rows: list[list[float]]) -> list[float]:
+    """Per draft position, the mean over runs that drafted that far."""
+    depth = max((len(r) for r in rows), default=0)
+    return [round(statistics.fmean(r[i] for r in rows if len(r) > i), 3) for i in range(depth)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="f32,f16,q4_1")
+    parser.add_argument("--weights", default="q4_1")
     parser.add_argument("--prompts", default=",".join(PROMPTS))
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--draft-head", action="append", help="a head folder, repeatable (default: those shipped for the model)"
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--sampled-temperature",
+        type=float,
+        default=0.7,
+        help="also report acceptance of each drafter at this temperature on the open-ended prompts (0: skip)",
+    )
+    parser.add_argument(
         "--peers",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="also run HF transformers (torch CPU) when installed",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
@@ -141,24 +208,37 @@ def main(argv: list[str] | None = None) -> int:
 
     weights = args.weights.split(",")
     prompts = args.prompts.split(",")
-    methods = args.methods.split(",")
+    unknown = [p for p in prompts if p not in PROMPTS]
+    if unknown:
+        parser.error(f"unknown prompts {unknown}; known: {', '.join(PROMPTS)}")
     results: dict[str, dict[str, dict[str, list[dict]]]] = {}
+    sampled: list[dict] = []
     for weight in weights:
-        with doppler_py.load(weights=weight, progress=False, max_seq=1024) as engine:
+        with doppler_py.load(weights=weight, progress=False, max_seq=1024, draft_head=args.draft_head) as engine:
+            methods = args.methods.split(",")
+            missing = [m for m in methods if m in ("eagle", "medusa") and m not in engine.heads]
+            if missing:  # heads come from the catalog (shipped with the package) or --draft-head
+                print(f"[{weight}] no {' or '.join(missing)} head for this model: skipping it", file=sys.stderr)
+                methods = [m for m in methods if m not in missing]
             print(f"[{weight}] adapter: {engine.model.gpu.name} via {engine.model.gpu.backend}", file=sys.stderr)
             for method in methods:  # warm-up: pipelines compile, cost models calibrate
-                run_ours(engine, PROMPTS["chat"], method, 8)
+                run_ours(engine, PROMPTS["chat-echo"][1], method, 8)
             per_prompt = results.setdefault(weight, {})
             for repeat in range(args.repeats):
                 for prompt in prompts:
                     for method in methods:
-                        row = run_ours(engine, PROMPTS[prompt], method, args.tokens)
+                        row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens)
                         per_prompt.setdefault(prompt, {}).setdefault(method, []).append(row)
                         print(
-                            f"[{weight}] rep {repeat} {prompt:9s} {method:14s} {row['tokens_per_s']:7.2f} tok/s "
-                            f"accept {row['acceptance_rate']:.2f}",
+                            f"[{weight}] rep {repeat} {prompt:10s} {method:14s} {row['tokens_per_s']:7.2f} tok/s "
+                            f"accept {row['acceptance_rate']:.2f} tok/step {row['tokens_per_step']:.2f}",
                             file=sys.stderr,
                         )
+            if args.sampled_temperature > 0:
+                for prompt in (p for p in prompts if PROMPTS[p][0] == OPEN_ENDED):
+                    for method in (m for m in methods if m != "plain"):
+                        row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, args.sampled_temperature)
+                        sampled.append({"weights": weight, "prompt": prompt, "method": method} | row)
     peers: dict[str, dict[str, list[dict]]] = {}
     peer = load_peer(args.threads) if args.peers else None
     if peer is not None:
@@ -166,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for prompt in prompts:
                 for name, lookup in (("transformers", False), ("transformers+lookup", True)):
-                    row = run_peer(model, tokenizer, PROMPTS[prompt], args.tokens, lookup)
+                    row = run_peer(model, tokenizer, PROMPTS[prompt][1], args.tokens, lookup)
                     peers.setdefault(prompt, {}).setdefault(name, []).append(row)
-                    print(f"[peer] {prompt:9s} {name:20s} {row['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
+                    print(f"[peer] {prompt:10s} {name:20s} {row['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
 
     table = []
     for weight, per_prompt in results.items():
@@ -181,15 +261,23 @@ def main(argv: list[str] | None = None) -> int:
                     if "plain" in per_method
                     else None
                 )
+                draft_costs = [r["draft_s_per_token"] for r in rows if r["draft_s_per_token"] is not None]
                 table.append(
                     {
                         "weights": weight,
+                        "group": PROMPTS[prompt][0],
                         "prompt": prompt,
                         "method": method,
+                        "drafter": rows[0]["drafter"],
                         "tokens_per_s": round(tps, 2),
                         "speedup_vs_plain": round(tps / plain, 3) if plain else None,
                         "acceptance_rate": round(median(rows, "acceptance_rate"), 3),
                         "tokens_per_step": round(median(rows, "tokens_per_step"), 2),
+                        "acceptance_by_position": mean_by_position([r["acceptance_by_position"] for r in rows]),
+                        # one draft token's time over one plain decoding step's (1 / plain tok/s), same run
+                        "draft_cost_vs_plain_step": round(statistics.median(draft_costs) * plain, 3)
+                        if draft_costs and plain
+                        else None,
                         "same_tokens_as_plain": same_text,
                         "repeats": len(rows),
                     }
@@ -201,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             table.append(
                 {
                     "weights": "f32 (torch)",
+                    "group": PROMPTS[prompt][0],
                     "prompt": prompt,
                     "method": name,
                     "tokens_per_s": round(tps, 2),
@@ -213,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     header = (
-        f"{'weights':12s} {'prompt':10s} {'method':20s} {'tok/s':>8s} {'vs plain':>9s} {'accept':>7s} "
+        f"{'weights':12s} {'group':10s} {'prompt':10s} {'method':20s} {'tok/s':>8s} {'vs plain':>9s} {'accept':>7s} "
         f"{'tok/step':>8s}  same"
     )
     print(header)
@@ -224,20 +313,63 @@ def main(argv: list[str] | None = None) -> int:
         speedup = "" if row["speedup_vs_plain"] is None else f"{row['speedup_vs_plain']:.2f}x"
         same = "" if row["same_tokens_as_plain"] is None else ("yes" if row["same_tokens_as_plain"] else "NO")
         print(
-            f"{row['weights']:12s} {row['prompt']:10s} {row['method']:20s} {row['tokens_per_s']:8.2f} "
-            f"{speedup:>9s} {accept:>7s} {per_step:>8s}  {same}"
+            f"{row['weights']:12s} {row['group']:10s} {row['prompt']:10s} {row['method']:20s} "
+            f"{row['tokens_per_s']:8.2f} {speedup:>9s} {accept:>7s} {per_step:>8s}  {same}"
         )
+    summary = summarise(table)
+    print()
+    print(f"{'weights':12s} {'group':10s} {'method':20s} {'geomean vs plain':>16s} {'worst':>6s} {'tok/step':>8s}")
+    for row in summary:
+        print(
+            f"{row['weights']:12s} {row['group']:10s} {row['method']:20s} {row['geomean_speedup']:15.2f}x "
+            f"{row['worst_speedup']:5.2f}x {row['mean_tokens_per_step']:8.2f}"
+        )
+    for row in (r for r in table if r.get("acceptance_by_position")):
+        if row["group"] == OPEN_ENDED and row["method"] == "eagle":
+            cost = row["draft_cost_vs_plain_step"]
+            print(f"eagle {row['prompt']:10s} acceptance by position {row['acceptance_by_position']} draft cost {cost}")
+    if sampled:
+        print(f"\nT = {args.sampled_temperature}: acceptance on the open-ended prompts")
+        for row in sampled:
+            print(
+                f"{row['weights']:12s} {row['prompt']:10s} {row['method']:14s} accept {row['acceptance_rate']:.2f} "
+                f"tok/step {row['tokens_per_step']:.2f}"
+            )
     report = {
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "tokens": args.tokens,
         "repeats": args.repeats,
         "rows": table,
+        "summary": summary,
+        "sampled": [{k: v for k, v in r.items() if k != "text_tokens"} for r in sampled],
+        "sampled_temperature": args.sampled_temperature,
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     if args.png:
         plot(table, args.png)
     return 0
+
+
+def summarise(table: list[dict]) -> list[dict]:
+    """Per weights, prompt group and method: geometric mean and worst speedup, mean tokens per target forward."""
+    keys = sorted({(r["weights"], r["group"], r["method"]) for r in table if r["speedup_vs_plain"]})
+    summary = []
+    for weight, group, method in keys:
+        rows = [r for r in table if (r["weights"], r["group"], r["method"]) == (weight, group, method)]
+        steps = [r["tokens_per_step"] for r in rows if r["tokens_per_step"] is not None]
+        summary.append(
+            {
+                "weights": weight,
+                "group": group,
+                "method": method,
+                "prompts": len(rows),
+                "geomean_speedup": round(geomean([r["speedup_vs_plain"] for r in rows]), 3),
+                "worst_speedup": round(min(r["speedup_vs_plain"] for r in rows), 3),
+                "mean_tokens_per_step": round(statistics.fmean(steps), 2) if steps else float("nan"),
+            }
+        )
+    return summary
 
 
 def plot(table: list[dict], path: Path) -> None:

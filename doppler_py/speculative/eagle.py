@@ -23,28 +23,24 @@ A head folder (written by `doppler_py.training.eagle`):
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from doppler_py.errors import InternalError, ModelFormatError, VocabularyMismatchError
+from doppler_py.errors import InternalError, ModelFormatError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import load_weights
-from doppler_py.model.safetensors_file import load_array, read_header
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import Linear
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
 from doppler_py.speculative.gpu_drafting import DraftSampler
+from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
 from doppler_py.tokenizer import Tokenizer
-
-HEAD_TENSORS = ("fc_embed.weight", "fc_embed.bias", "fc_feature.weight", "feature_mean", "feature_std")
 
 
 @dataclass
@@ -69,47 +65,23 @@ class EagleHead:
             t.destroy()
 
 
-def vocabulary_digest(tokenizer: Tokenizer) -> str:
-    """A fingerprint of a tokenizer's id ↔ token string table (added tokens included)."""
-    vocab = sorted(tokenizer.backend.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-
-
 def load_head(
     folder: str | Path, target: Transformer, precision: str = "f32", tokenizer: Tokenizer | None = None
 ) -> EagleHead:
     """Load an EAGLE head for `target` (and its `tokenizer`, when given), refusing one made for another model;
     typed errors name the file. precision: the target's weight format ("keep": as the head stores them)."""
     folder = Path(folder)
-    meta_file = folder / "eagle.json"
-    if not meta_file.is_file():
-        raise ModelFormatError(f"{folder}: no eagle.json, so this is not an EAGLE head folder")
-    try:
-        meta = json.loads(meta_file.read_text())
-        made_for = meta["target"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ModelFormatError(f"{meta_file}: not a valid EAGLE head description ({exc})") from exc
+    read_meta(folder, "eagle", target, tokenizer)
     cfg = target.config
-    if made_for.get("hidden_size") != cfg.hidden_size:
-        raise ModelFormatError(
-            f"{meta_file}: the head was made for hidden size {made_for.get('hidden_size')}, the target's is "
-            f"{cfg.hidden_size}"
-        )
-    if made_for.get("vocab_size") != cfg.vocab_size:
-        raise VocabularyMismatchError(
-            f"{meta_file}: the head was made for a vocabulary of {made_for.get('vocab_size')} tokens, the target "
-            f"has {cfg.vocab_size}"
-        )
-    digest = made_for.get("tokenizer_sha256")
-    if tokenizer is not None and digest is not None and digest != vocabulary_digest(tokenizer):
-        raise VocabularyMismatchError(
-            f"{meta_file}: the head was made for another tokenizer (its id ↔ token table differs from the target's)"
-        )
-    tensors = _head_tensors(folder / "eagle.safetensors", cfg.hidden_size, cfg.vocab_size)
+    h = cfg.hidden_size
+    shapes = {"fc_embed.weight": (h, h), "fc_embed.bias": (h,), "fc_feature.weight": (h, h)}
+    shapes |= {"feature_mean": (h,), "feature_std": (h,)}
+    tensors = read_tensors(folder / "eagle.safetensors", shapes, cfg.vocab_size)
+    if not (tensors["feature_std"] > 0).all():
+        raise ModelFormatError(f"{folder / 'eagle.safetensors'}: feature_std must be positive")
     gpu = target.gpu
-    if precision == "keep":
-        precision = "f16" if tensors["fc_embed.weight"].dtype == np.float16 else "f32"
-    weights = load_weights(folder, gpu, precision)
+    fmt = dense_format(precision, tensors["fc_embed.weight"].dtype)
+    weights = load_weights(folder, gpu, fmt if precision == "keep" else precision)
     try:
         model = Transformer(weights, target.registry, max_rows=target.max_rows, max_logit_rows=1)
     except BaseException:
@@ -126,7 +98,7 @@ def load_head(
     mean, std = tensors["feature_mean"].astype(np.float64), tensors["feature_std"].astype(np.float64)
 
     def upload(name: str, w: np.ndarray) -> Weight:
-        return Weight.from_numpy(gpu, np.ascontiguousarray(w, np.float32), precision_of(precision), name=name)
+        return Weight.from_numpy(gpu, np.ascontiguousarray(w, np.float32), fmt, name=name)
 
     return EagleHead(
         folder=folder,
@@ -140,43 +112,6 @@ def load_head(
         fc_feature=upload("fc_feature", w_f),
         draft_to_target=tensors["draft_to_target"].astype(np.int64),
     )
-
-
-def precision_of(precision: str) -> str:
-    """The dense format of the head's small matrices (block formats would cost more than they save here)."""
-    return "f16" if precision in ("f16", "q8_0", "q4_0", "q4_1") else "f32"
-
-
-def _head_tensors(path: Path, hidden: int, vocab: int) -> dict[str, np.ndarray]:
-    if not path.is_file():
-        raise ModelFormatError(f"{path}: missing (the head's input projection and draft vocabulary)")
-    try:
-        infos, _ = read_header(path)
-        tensors = {name: np.asarray(load_array(info)) for name, info in infos.items()}
-    except ModelFormatError:
-        raise
-    except Exception as exc:  # a truncated or garbled file
-        raise ModelFormatError(f"{path}: cannot be read as safetensors ({exc})") from exc
-    shapes = {
-        "fc_embed.weight": (hidden, hidden),
-        "fc_embed.bias": (hidden,),
-        "fc_feature.weight": (hidden, hidden),
-        "feature_mean": (hidden,),
-        "feature_std": (hidden,),
-    }
-    for name, shape in shapes.items():
-        if name not in tensors:
-            raise ModelFormatError(f"{path}: tensor {name} is missing")
-        if tensors[name].shape != shape:
-            raise ModelFormatError(f"{path}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
-    index = tensors.get("draft_to_target")
-    if index is None or index.ndim != 1 or index.size == 0:
-        raise ModelFormatError(f"{path}: tensor draft_to_target (the draft vocabulary's target ids) is missing")
-    if index.dtype.kind not in "iu" or index.min() < 0 or index.max() >= vocab or np.unique(index).size != index.size:
-        raise VocabularyMismatchError(f"{path}: draft_to_target holds ids outside the target's {vocab} or repeats")
-    if not (tensors["feature_std"] > 0).all():
-        raise ModelFormatError(f"{path}: feature_std must be positive")
-    return tensors
 
 
 class EagleDrafter:

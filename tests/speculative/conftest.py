@@ -26,3 +26,30 @@ def models(tiny_model):
     """name -> Transformer for "target", "draft", "padded_draft", loaded once per session."""
     specs = {"target": TARGET, "draft": DRAFT, "padded_draft": PADDED_DRAFT}
     return {name: tiny_model(spec, max_rows=32, max_positions=256) for name, spec in specs.items()}
+
+
+def replay_accepted(drafts, tokens: list[int], prompt_len: int, k: int) -> int:
+    """Drafts the engine accepts (greedy, k pinned) over a known greedy output `tokens` (prompt + answer) when
+    `drafts(committed, n)` proposes n tokens after tokens[:committed]; the engine's last step is a plain one."""
+    committed, accepted = prompt_len, 0
+    while committed < len(tokens):
+        remaining = len(tokens) - committed
+        n = 0 if remaining <= 1 else min(k, remaining - 1)
+        run = 0
+        for d in drafts(committed, n):
+            if d != tokens[committed + run]:
+                break
+            run += 1
+        accepted, committed = accepted + run, committed + run + 1
+    return accepted
+
+
+def held_in_prompt(work, case: str) -> list[int]:
+    """A prompt a head was trained on (where it has learnt something to propose; longer than the target's 32
+    rows, so the prefill is chunked), or for "long" a whole training sequence followed by another prompt."""
+    import json
+
+    records = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines()]
+    if case == "long":
+        return records[0]["prompt_ids"] + records[0]["answer_ids"] + records[1]["prompt_ids"]
+    return records[int(case)]["prompt_ids"]

@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-from speculative.conftest import TARGET
+from speculative.conftest import TARGET, held_in_prompt, replay_accepted
 
 from doppler_py.api import load
 from doppler_py.errors import GenerationOptionError, ModelFormatError, VocabularyMismatchError
@@ -22,7 +22,8 @@ from doppler_py.testing.decode import reference_decode
 
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 
-from doppler_py.training.eagle import TrainOptions, import_head, load_target, target_features, train  # noqa: E402
+from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
+from doppler_py.training.eagle import import_head, train  # noqa: E402
 
 GREEDY = SamplingParams()
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 11, 4]
@@ -46,6 +47,7 @@ def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
     assert {name: (work / name).read_text() for name in lines} == lines
     assert f"train: resumed at step {OPTIONS.steps}" in said
     assert card["held_in_top1"] > 0.15  # chance is 1/40
+    assert card["validation_sequences"] == 1 and 0 <= card["validation_top1"] <= 1
 
 
 @pytest.fixture(scope="module")
@@ -71,32 +73,13 @@ def torch_accepted(head_dir, tiny_folder, tokens: list[int], prompt_len: int, k:
                 feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, out[-1]]
         return out
 
-    committed, accepted = prompt_len, 0
-    while committed < len(tokens):
-        remaining = len(tokens) - committed
-        n = 0 if remaining <= 1 else min(k, remaining - 1)  # the engine's last step is a plain one
-        run = 0
-        for d in drafts(committed - 1, n):
-            if d != tokens[committed + run]:
-                break
-            run += 1
-        accepted, committed = accepted + run, committed + run + 1
-    return accepted
-
-
-def held_in_prompt(head_dir, case: str) -> list[int]:
-    """A training prompt (where the head has learnt something to propose; longer than the target's 32 rows, so
-    the prefill is chunked), or for "long" a whole training sequence followed by another prompt."""
-    records = [json.loads(line) for line in (head_dir.parent / "work" / "answers.jsonl").read_text().splitlines()]
-    if case == "long":
-        return records[0]["prompt_ids"] + records[0]["answer_ids"] + records[1]["prompt_ids"]
-    return records[int(case)]["prompt_ids"]
+    return replay_accepted(lambda committed, n: drafts(committed - 1, n), tokens, prompt_len, k)
 
 
 @pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 3), ("2", 8), ("long", 2)])
 def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(models, head, head_dir, tiny_folder, case, k):
     target = models["target"]
-    prompt = held_in_prompt(head_dir, case)
+    prompt = held_in_prompt(head_dir.parent / "work", case)
     engine = SpeculativeEngine(target, EagleDrafter(target, head))
     result = engine.generate(prompt, 40, GREEDY, k=k)
     engine.close()
@@ -154,7 +137,7 @@ def test_the_api_drafts_with_a_head_for_eagle_and_auto_and_stays_exact(head_dir,
 
 def test_eagle_without_a_head_says_how_to_get_one(tiny_folder):
     with load(tiny_folder(TARGET), weights="f32", progress=False) as engine:
-        assert engine.head is None  # no head is shipped for a tiny model
+        assert engine.heads == {}  # no head is shipped for a tiny model
         with pytest.raises(GenerationOptionError, match="train-draft"):
             engine.generate("hi", max_tokens=4, speculative="eagle")
         assert engine.generate("hi", max_tokens=4, speculative="auto").speculative == "prompt-lookup"

@@ -1,0 +1,287 @@
+"""What every draft-head trainer shares: the data stages (self-distillation) and the training loop.
+
+    work/prompts.jsonl   seed instructions (seed_prompts.txt) + questions the target writes itself (Magpie:
+                         the chat template's user prefix, sampled until the end of the turn)
+    work/answers.jsonl   the target's answers (greedy; every `sampled_every`th batch sampled at T = 0.7), appended a
+                         batch at a time (a restart skips what is there)
+    work/KIND.pt         a head's checkpoint every `save_every` steps (a restart resumes from it)
+
+Nothing is downloaded: the prompts and answers come from the target itself. The last `holdout` sequences are
+kept out of training, to report how the head does on text it never saw.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SEED_PROMPTS = Path(__file__).with_name("seed_prompts.txt")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    magpie_prompts: int = 0  # questions the target writes itself, on top of the seed list
+    seed_prompts: int | None = None  # how many seed instructions to use (None: all)
+    max_new_tokens: int = 128
+    answer_batch: int = 8  # prompts answered together (left-padded)
+    sampled_every: int = 4  # every Nth batch is answered by sampling at T = 0.7 (the rest greedily); 0: never
+    draft_vocab: int = 8192
+    steps: int = 1500
+    lr: float = 1e-3
+    sequences_per_step: int = 4
+    unroll_weight: float = 0.8
+    save_every: int = 200
+    head_dtype: str = "float16"  # the exported weights (feature statistics stay float32)
+    seed: int = 0
+    holdout: float = 0.05  # fraction of the sequences kept for validation (at least one when there are two)
+    medusa_heads: int = 4  # Medusa: heads, head i proposing the token i + 1 places after the target's own
+
+
+def load_target(model: str | Path):
+    """(torch model, Tokenizer) for a known model name, an HF folder with float weights, or a .gguf file."""
+    import torch
+    import transformers
+
+    from doppler_py.model.catalog import resolve_model
+    from doppler_py.tokenizer import Tokenizer
+
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").is_file():
+        folder, gguf = path, None
+    else:
+        if path.suffix != ".gguf":
+            from doppler_py.model.catalog import known_model_file
+
+            path = known_model_file(str(model))
+        folder, gguf = path.parent, path.name
+    kwargs = {"dtype": torch.float32} | ({"gguf_file": gguf} if gguf else {})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
+    tokenizer_dir = folder if gguf is None else resolve_model(str(model), "keep", progress=False)
+    return hf, Tokenizer.from_dir(tokenizer_dir)
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def make_prompts(hf, tokenizer, work: Path, options: TrainOptions, say: Callable[[str], None]) -> list[str]:
+    """Stage 1: the seed list plus Magpie questions (resumable)."""
+    import torch
+
+    path = work / "prompts.jsonl"
+    have = _read_jsonl(path)
+    if not have:
+        seeds = [line.strip() for line in SEED_PROMPTS.read_text().splitlines() if line.strip()]
+        for text in seeds[: options.seed_prompts]:
+            _append_jsonl(path, {"source": "seed", "prompt": text})
+        have = _read_jsonl(path)
+    written = sum(1 for r in have if r["source"] == "magpie")
+    prefix = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], add_generation_prompt=False)
+    prefix = prefix[: prefix.index("\x00")]  # the template up to where the user's words go
+    prefix_ids = torch.tensor([tokenizer.encode(prefix, add_special_tokens=False)])
+    stop = list(tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    while written < options.magpie_prompts:
+        torch.manual_seed(options.seed + written)  # a restart continues the same sequence of questions
+        n = min(options.answer_batch, options.magpie_prompts - written)
+        with torch.no_grad():
+            out = hf.generate(prefix_ids, max_new_tokens=48, do_sample=True, temperature=1.0, top_p=0.95,
+                              num_return_sequences=n, eos_token_id=stop,
+                              pad_token_id=stop[0] if stop else 0)  # fmt: skip
+        for row in out[:, prefix_ids.shape[1] :].tolist():
+            text = tokenizer.decode(row, skip_special_tokens=True).strip()
+            if len(text) >= 8 and written < options.magpie_prompts:
+                _append_jsonl(path, {"source": "magpie", "prompt": text})
+                written += 1
+        say(f"prompts: {written}/{options.magpie_prompts} written by the target ({time.perf_counter() - start:.0f} s)")
+    return [r["prompt"] for r in _read_jsonl(path)]
+
+
+def make_answers(hf, tokenizer, prompts: list[str], work: Path, options: TrainOptions, say) -> list[list[int]]:
+    """Stage 2: prompt + answer token ids per prompt (resumable; a batch at a time, left-padded)."""
+    import torch
+
+    path = work / "answers.jsonl"
+    done = len(_read_jsonl(path))
+    stop = list(tokenizer.eos_token_ids)
+    pad = stop[0] if stop else 0
+    start, tokens = time.perf_counter(), 0
+    for first in range(done, len(prompts), options.answer_batch):
+        batch = []
+        for prompt in prompts[first : first + options.answer_batch]:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            batch.append(tokenizer.encode(text, add_special_tokens=False))
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        number = first // options.answer_batch
+        sampled = options.sampled_every > 0 and number % options.sampled_every == options.sampled_every - 1
+        torch.manual_seed(options.seed + number)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=options.max_new_tokens, do_sample=sampled,
+                              temperature=0.7 if sampled else None, top_p=None, top_k=None,
+                              eos_token_id=stop, pad_token_id=pad)  # fmt: skip
+        for prompt_ids, row in zip(batch, out[:, width:].tolist(), strict=True):
+            answer = next(([*row[: i + 1]] for i, t in enumerate(row) if t in stop), row)  # up to the first stop
+            tokens += len(answer)
+            _append_jsonl(path, {"prompt_ids": prompt_ids, "answer_ids": answer})
+        rate = tokens / max(1e-9, time.perf_counter() - start)
+        say(f"answers: {first + len(batch)}/{len(prompts)} ({tokens} tokens, {rate:.0f} tokens/s)")
+    return [r["prompt_ids"] + r["answer_ids"] for r in _read_jsonl(path)]
+
+
+def target_features(hf, sequences: list[list[int]]):
+    """Per sequence: (features [T, H] before the final norm, the target's argmax [T])."""
+    import torch
+
+    captured = {}
+    hook = hf.model.layers[-1].register_forward_hook(
+        lambda _m, _i, out: captured.update(x=out[0] if isinstance(out, tuple) else out)
+    )
+    data = []
+    try:
+        with torch.no_grad():
+            for ids in sequences:
+                logits = hf(torch.tensor([ids])).logits[0]
+                data.append((captured["x"][0].float().clone(), logits.argmax(-1)))
+    finally:
+        hook.remove()
+    return data
+
+
+@dataclass
+class Corpus:
+    """The target's sequences with its features and choices, split for training and validation."""
+
+    hf: object  # the torch target
+    tokenizer: object
+    prompts: int
+    sequences: list[list[int]]
+    data: list  # per sequence: (features [T, H] before the final norm, the target's argmax [T])
+    train: list[int]  # indices of the training sequences
+    valid: list[int]  # indices of the held-out ones
+    draft_ids: list[int]  # the draft vocabulary: the most frequent target choices, most frequent first
+    to_draft: object  # long [target vocab]: draft id of each target id, -100 outside the draft vocabulary
+    coverage: float  # share of the target's choices inside the draft vocabulary
+    times: dict[str, float]
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(len(s) for s in self.sequences))
+
+
+def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[[str], None]) -> Corpus:
+    """Stages 1–3: prompts, answers, the target's features; then the draft vocabulary and the split."""
+    import torch
+
+    work.mkdir(parents=True, exist_ok=True)
+    # Wall time per stage, summed over every run that worked on this folder (stages resume across runs).
+    times_file = work / "stage_times.json"
+    times: dict[str, float] = json.loads(times_file.read_text()) if times_file.is_file() else {}
+
+    def timed(stage: str, t0: float) -> None:
+        times[stage] = times.get(stage, 0.0) + time.perf_counter() - t0
+        times_file.write_text(json.dumps(times, indent=2))
+
+    t0 = time.perf_counter()
+    hf, tokenizer = load_target(model)
+    torch.manual_seed(options.seed)
+    prompts = make_prompts(hf, tokenizer, work, options, say)
+    timed("prompts_s", t0)
+    t0 = time.perf_counter()
+    sequences = make_answers(hf, tokenizer, prompts, work, options, say)
+    timed("answers_s", t0)
+    t0 = time.perf_counter()
+    data = target_features(hf, sequences)
+    held = min(len(sequences) - 1, max(1 if len(sequences) > 1 else 0, round(options.holdout * len(sequences))))
+    train, valid = list(range(len(sequences) - held)), list(range(len(sequences) - held, len(sequences)))
+    counts = Counter(int(t) for i in train for t in data[i][1].tolist())
+    draft_ids = [t for t, _ in counts.most_common(min(options.draft_vocab, hf.config.vocab_size))]
+    to_draft = torch.full((hf.config.vocab_size,), -100, dtype=torch.long)
+    to_draft[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
+    times["features_s"] = time.perf_counter() - t0  # recomputed by every run
+    say(f"features: {len(sequences)} sequences, {sum(map(len, sequences))} tokens ({times['features_s']:.0f} s)")
+    coverage = sum(counts[t] for t in draft_ids) / max(1, sum(counts.values()))
+    return Corpus(hf, tokenizer, len(prompts), sequences, data, train, valid, draft_ids, to_draft, coverage, times)
+
+
+def train_loop(
+    head, sequence_loss: Callable[[int], object], corpus: Corpus, checkpoint: Path, options: TrainOptions, say
+) -> tuple[int, list[float], float]:
+    """AdamW with a cosine schedule over `options.steps`, `sequences_per_step` training sequences a step;
+    resumes from `checkpoint` (when made for the same draft vocabulary). Returns (steps, losses, seconds)."""
+    import torch
+
+    opt = torch.optim.AdamW(head.parameters(), lr=options.lr)
+    step, losses = 0, []
+    if checkpoint.is_file():
+        state = torch.load(checkpoint)
+        if state["draft_ids"] == corpus.draft_ids:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            step, losses = state["step"], state["losses"]
+            say(f"train: resumed at step {step}")
+    gen = torch.Generator().manual_seed(options.seed + step)
+    t0 = time.perf_counter()
+    while step < options.steps:
+        for group in opt.param_groups:
+            group["lr"] = options.lr * 0.5 * (1 + math.cos(math.pi * step / options.steps))
+        picks = torch.randint(len(corpus.train), (options.sequences_per_step,), generator=gen).tolist()
+        total = sum(sequence_loss(corpus.train[i]) for i in picks) / len(picks)
+        opt.zero_grad()
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(float(total.detach()))
+        if step % 50 == 0 or step == options.steps:
+            mean_loss, seconds = np.mean(losses[-50:]), time.perf_counter() - t0
+            say(f"train: step {step}/{options.steps} loss {mean_loss:.3f} ({seconds:.0f} s)")
+        if step % options.save_every == 0 or step == options.steps:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "losses": losses,
+                        "draft_ids": corpus.draft_ids}, checkpoint)  # fmt: skip
+    return step, losses, time.perf_counter() - t0
+
+
+def card(kind: str, model, options: TrainOptions, corpus: Corpus, steps: int, losses: list[float], **extra) -> dict:
+    """The training card written beside a head."""
+    from dataclasses import asdict
+
+    return (
+        {
+            "kind": kind,
+            "target": str(model),
+            "options": asdict(options),
+            "prompts": corpus.prompts,
+            "sequences": len(corpus.sequences),
+            "validation_sequences": len(corpus.valid),
+            "tokens": corpus.tokens,
+            "draft_vocab": len(corpus.draft_ids),
+            "draft_vocab_coverage": round(corpus.coverage, 4),
+            "steps": steps,
+            "final_loss": float(np.mean(losses[-50:])) if losses else None,
+        }
+        | extra
+        | {"wall_time_s": {k: round(v, 1) for k, v in corpus.times.items()}}
+    )

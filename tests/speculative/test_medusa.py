@@ -1,0 +1,129 @@
+"""Medusa on a tiny model: the trainer end to end in seconds, then the heads drafting on the GPU.
+
+Exactness holds whatever the heads propose; these tests check that the GPU drafter runs the heads exactly as
+the trainer's torch module does (the same drafts, so the same number accepted), and that heads made for
+another model, or broken files, are refused with typed errors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from speculative.conftest import TARGET, held_in_prompt, replay_accepted
+
+from doppler_py.api import load
+from doppler_py.errors import ModelFormatError, VocabularyMismatchError
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative import SpeculativeEngine
+from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
+from doppler_py.testing.decode import reference_decode
+
+torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
+
+from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
+from doppler_py.training.medusa import import_heads, train  # noqa: E402
+
+GREEDY = SamplingParams()
+OPTIONS = TrainOptions(
+    seed_prompts=16, magpie_prompts=2, max_new_tokens=24, draft_vocab=40, steps=150, save_every=75, medusa_heads=3
+)
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory, tiny_folder):
+    out = tmp_path_factory.mktemp("medusa")
+    card = train(tiny_folder(TARGET), out / "heads", out / "work", OPTIONS, say=lambda _: None)
+    assert card["kind"] == "medusa" and card["steps"] == OPTIONS.steps
+    # A random tiny target is hard to foresee two tokens ahead: better than chance (1/40) is what is asked.
+    assert len(card["validation_top1_by_head"]) == 3 and card["held_in_top1_by_head"][0] > 1.5 / 40
+    return out / "heads"
+
+
+@pytest.fixture(scope="module")
+def heads(heads_dir, models):
+    loaded = load_medusa(heads_dir, models["target"])
+    yield loaded
+    loaded.close()
+
+
+def torch_accepted(heads_dir, tiny_folder, tokens: list[int], prompt_len: int, k: int) -> int:
+    """Drafts accepted when the trainer's torch heads draft (greedy, k pinned) over a known greedy output."""
+    hf, _ = load_target(tiny_folder(TARGET))
+    ref, draft_ids = import_heads(heads_dir)
+    with torch.no_grad():
+        logits = ref(hf.model.norm(target_features(hf, [tokens])[0][0]))  # [K, T, N]
+
+    def drafts(committed: int, n: int) -> list[int]:  # from the row that produced tokens[committed - 1]
+        n = min(n, logits.shape[0])
+        return [int(draft_ids[int(logits[j, committed - 2].argmax())]) for j in range(n)]
+
+    return replay_accepted(drafts, tokens, prompt_len, k)
+
+
+@pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 2), ("2", 8), ("long", 3)])
+def test_greedy_medusa_equals_plain_greedy_and_drafts_as_the_trainer_does(
+    models, heads, heads_dir, tiny_folder, case, k
+):
+    target = models["target"]
+    prompt = held_in_prompt(heads_dir.parent / "work", case)
+    engine = SpeculativeEngine(target, MedusaDrafter(target, heads))
+    result = engine.generate(prompt, 40, GREEDY, k=k)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
+    assert result.stats.drafted > 0 and max(len(result.stats.acceptance_by_position), 1) <= 3  # k capped at K
+    expected = torch_accepted(heads_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
+    assert expected > 0  # the trained heads are right sometimes, so this compares something
+    assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
+
+
+def test_sampled_medusa_is_reproducible_by_seed(models, heads):
+    target = models["target"]
+    engine = SpeculativeEngine(target, MedusaDrafter(target, heads))
+    prompt = [3, 17, 5, 9, 3, 17, 5, 22, 40, 11, 4]
+    runs = [engine.generate(prompt, 20, SamplingParams(temperature=0.8, seed=s), k=3).tokens for s in (5, 5, 6)]
+    engine.close()
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_the_api_loads_both_kinds_of_head_and_medusa_stays_exact(heads_dir, tiny_folder, tmp_path):
+    pytest.importorskip("transformers")
+    from doppler_py.training.eagle import train as train_eagle
+
+    eagle_dir = tmp_path / "eagle"
+    options = TrainOptions(seed_prompts=4, max_new_tokens=8, draft_vocab=40, steps=2)
+    train_eagle(tiny_folder(TARGET), eagle_dir, heads_dir.parent / "work", options, say=lambda _: None)
+    prompt = [{"role": "user", "content": "tell me about rivers"}]
+    with load(tiny_folder(TARGET), weights="f32", draft_head=[heads_dir, eagle_dir], progress=False) as engine:
+        assert sorted(engine.heads) == ["eagle", "medusa"]
+        plain = engine.generate(prompt, max_tokens=30)
+        medusa = engine.generate(prompt, max_tokens=30, speculative="medusa", k=2)
+        auto = engine.generate(prompt, max_tokens=30, speculative="auto")
+    assert medusa.tokens == plain.tokens == auto.tokens
+    assert medusa.speculative == "medusa" and medusa.drafted > 0
+    assert auto.speculative == "eagle+prompt-lookup"  # EAGLE first when both are there
+
+
+def test_heads_for_another_model_or_broken_files_are_refused(heads_dir, models, tiny_folder, tmp_path):
+    wrong = tmp_path / "wrong"
+    shutil.copytree(heads_dir, wrong)
+    meta = json.loads((wrong / "medusa.json").read_text())
+    meta["target"]["vocab_size"] += 1
+    (wrong / "medusa.json").write_text(json.dumps(meta))
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 49 "):
+        load_medusa(wrong, models["target"])
+    meta["target"]["vocab_size"] -= 1
+    meta["heads"] = 5
+    (wrong / "medusa.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelFormatError, match=r"resblock\.weight has shape \(3, 64, 64\), expected \(5, 64, 64\)"):
+        load_medusa(wrong, models["target"])
+    meta["heads"] = 3
+    (wrong / "medusa.json").write_text(json.dumps(meta))
+    data = (wrong / "medusa.safetensors").read_bytes()
+    (wrong / "medusa.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match=r"medusa\.safetensors"):
+        load_medusa(wrong, models["target"])
+    (wrong / "medusa.json").unlink()
+    with pytest.raises(ModelFormatError, match="not a draft head folder"):
+        load(tiny_folder(TARGET), weights="f32", draft_head=wrong, progress=False)
