@@ -253,21 +253,23 @@ def test_bench_says_clearly_when_a_benchmark_is_missing(tmp_path, monkeypatch, c
 
 
 # --- train-draft ---------------------------------------------------------------------------------------------------
-def test_train_draft_writes_a_head_that_generate_drafts_with(runs, env, tmp_path):
+def test_train_draft_writes_heads_that_generate_drafts_with(runs, env, tmp_path):
     pytest.importorskip("torch")
-    head = tmp_path / "head"
+    heads = {"eagle": tmp_path / "eagle", "medusa": tmp_path / "medusa"}
     small = ["--magpie-prompts", "2", "--max-new-tokens", "6", "--draft-vocab", "24", "--steps", "4"]
-    train = ok(run_cli(["train-draft", runs["model"], "--out", str(head), *small], env, timeout=600))
-    card = json.loads(train.stdout)
-    assert card["steps"] == 4 and card["sequences"] == 42 and "answers_s" in card["wall_time_s"]
-    assert "train: step 4/4" in train.stderr
-    common = ["--model", runs["model"], "--max-tokens", "12", "--no-progress", "--draft-head", str(head)]
-    eagle = ok(run_cli(["generate", PROMPT, *common, "--speculative", "eagle", "--json"], env))
-    plain = ok(run_cli(["generate", PROMPT, *common, "--speculative", "none", "--json"], env))
-    eagle_record, plain_record = json.loads(eagle.stdout), json.loads(plain.stdout)
-    assert eagle_record["speculative"] == "eagle" and eagle_record["drafted"] > 0
-    assert eagle_record["text"] == plain_record["text"]
-    again = run_cli(["train-draft", runs["model"], "--out", str(head), *small], env)
+    for kind, out in heads.items():  # the second run reuses the first one's data (same --work)
+        args = ["train-draft", runs["model"], "--kind", kind, "--out", str(out), "--work", str(tmp_path / "work")]
+        train = ok(run_cli([*args, *small], env, timeout=600))
+        card = json.loads(train.stdout)
+        assert card["kind"] == kind and card["steps"] == 4 and card["sequences"] == 42
+        assert "answers_s" in card["wall_time_s"] and "train: step 4/4" in train.stderr
+    common = ["--model", runs["model"], "--max-tokens", "12", "--no-progress"]
+    common += ["--draft-head", str(heads["eagle"]), "--draft-head", str(heads["medusa"])]
+    plain = json.loads(ok(run_cli(["generate", PROMPT, *common, "--speculative", "none", "--json"], env)).stdout)
+    for kind in heads:
+        record = json.loads(ok(run_cli(["generate", PROMPT, *common, "--speculative", kind, "--json"], env)).stdout)
+        assert record["speculative"] == kind and record["drafted"] > 0 and record["text"] == plain["text"]
+    again = run_cli(["train-draft", runs["model"], "--out", str(heads["eagle"]), *small], env)
     assert again.returncode == 2 and "not empty" in again.stderr
 
 

@@ -118,7 +118,8 @@ def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0)
         "tokens": len(result.tokens),
         "tokens_per_s": result.tokens_per_s,
         "acceptance_rate": result.acceptance_rate,
-        "tokens_per_step": stats["tokens_per_step"],
+        # accepted drafts + 1 per verifying target forward (plain decoding: 1 token per forward)
+        "tokens_per_step": stats["tokens_per_step"] if method != "plain" else 1.0,
         "acceptance_by_position": stats["acceptance_by_position"],
         "draft_s_per_token": draft_s / drafted if drafted else None,
         "drafter": result.speculative,

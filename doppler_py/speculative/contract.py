@@ -105,3 +105,22 @@ class Drafter(Protocol):
 
     def close(self) -> None:
         """Free the drafter's own buffers; it is not used again."""
+
+
+class NoOpHooks:
+    """Defaults for a drafter's hooks: nothing to set up, roll back or free. A drafter overrides those it needs."""
+
+    def start(self, ctx: StepContext) -> None:
+        pass
+
+    def prefilled(self, ctx: StepContext, begin: int) -> None:
+        pass
+
+    def commit(self, ctx: StepContext, accepted: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

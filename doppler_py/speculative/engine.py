@@ -36,7 +36,7 @@ from doppler_py.ops.logprobs import LogProbs, check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS, STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.policy import DraftLengthPolicy
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.timing import StepClock
@@ -313,28 +313,13 @@ class _Verifier:
             self.op.record(rec, k=n, onehot=self.onehot, **options)
 
 
-class _NoDrafter:
+class _NoDrafter(NoOpHooks):
     """Plain decoding: nothing is ever proposed, so every step is the verifier's n = 0 step."""
 
     name = "none"
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         return NO_PROPOSAL
-
-    def start(self, ctx: StepContext) -> None:
-        pass
-
-    def prefilled(self, ctx: StepContext, begin: int) -> None:
-        pass
-
-    def commit(self, ctx: StepContext, accepted: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class _Replay(_NoDrafter):

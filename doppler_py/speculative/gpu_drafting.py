@@ -17,7 +17,7 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
 
 
 class DraftSampler:
@@ -64,7 +64,7 @@ class DraftSampler:
         self.registry.release_tensors(self.row, self.u, self.pick, self.tokens, self.logits)
 
 
-class ModelDrafter:
+class ModelDrafter(NoOpHooks):
     """Drafts k tokens with `model` (its first `num_layers` layers) on its KV cache, one forward per token."""
 
     name = ""
@@ -99,15 +99,3 @@ class ModelDrafter:
     def close(self) -> None:
         self.finish()
         self.sampling.close()
-
-    def start(self, ctx: StepContext) -> None:
-        pass
-
-    def prefilled(self, ctx: StepContext, begin: int) -> None:
-        pass
-
-    def commit(self, ctx: StepContext, accepted: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass

@@ -36,7 +36,7 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.linear import InputNorm, Linear
 from doppler_py.ops.vocab_scatter import VocabScatter
-from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.gpu_drafting import DraftSampler
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
 from doppler_py.tokenizer import Tokenizer
@@ -93,7 +93,7 @@ def load_medusa(
     )
 
 
-class MedusaDrafter:
+class MedusaDrafter(NoOpHooks):
     """Drafts up to K tokens with `MedusaHeads` in one pass (see the module docstring)."""
 
     name = "medusa"
@@ -119,12 +119,6 @@ class MedusaDrafter:
         self.sampling = DraftSampler(target, cfg.vocab_size)
         self.scatter = VocabScatter(registry, self.row, heads.draft_to_target, self.sampling.row)
 
-    def start(self, ctx: StepContext) -> None:
-        pass
-
-    def prefilled(self, ctx: StepContext, begin: int) -> None:
-        pass
-
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         k = min(k, self.heads.heads, self.sampling.max_drafts)
         if ctx.hidden_rows == 0 or k == 0:
@@ -146,12 +140,6 @@ class MedusaDrafter:
             self.sampling.record_pick(rec, self.next_id, i, ctx.params)
             self.sampling.submit(rec, ctx.rng.random())
         return Proposal(k, self.sampling.tokens, self.sampling.logits)
-
-    def commit(self, ctx: StepContext, accepted: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
     def close(self) -> None:
         self.scatter.release(self.target.registry)

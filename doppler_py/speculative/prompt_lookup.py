@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(NoOpHooks):
     """Proposes the continuation of the most recent earlier match of the last n tokens (n = max..min).
 
     Single-token matches are not used by default: on SmolLM2 (benchmarks of 128-token answers) their
@@ -46,18 +46,3 @@ class PromptLookupDrafter:
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         ids = self.propose_ids(ctx.tokens, k)
         return Proposal(len(ids), ids) if ids else NO_PROPOSAL
-
-    def start(self, ctx: StepContext) -> None:
-        pass
-
-    def prefilled(self, ctx: StepContext, begin: int) -> None:
-        pass
-
-    def commit(self, ctx: StepContext, accepted: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

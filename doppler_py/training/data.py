@@ -118,8 +118,11 @@ def make_prompts(hf, tokenizer, work: Path, options: TrainOptions, say: Callable
     return [r["prompt"] for r in _read_jsonl(path)]
 
 
-def make_answers(hf, tokenizer, prompts: list[str], work: Path, options: TrainOptions, say) -> list[list[int]]:
-    """Stage 2: prompt + answer token ids per prompt (resumable; a batch at a time, left-padded)."""
+def make_answers(
+    hf, tokenizer, prompts: list[str], work: Path, options: TrainOptions, say
+) -> tuple[list[list[int]], list[int]]:
+    """Stage 2: prompt + answer token ids per prompt, and where each answer starts (resumable; a batch at a
+    time, left-padded)."""
     import torch
 
     path = work / "answers.jsonl"
@@ -148,7 +151,8 @@ def make_answers(hf, tokenizer, prompts: list[str], work: Path, options: TrainOp
             _append_jsonl(path, {"prompt_ids": prompt_ids, "answer_ids": answer})
         rate = tokens / max(1e-9, time.perf_counter() - start)
         say(f"answers: {first + len(batch)}/{len(prompts)} ({tokens} tokens, {rate:.0f} tokens/s)")
-    return [r["prompt_ids"] + r["answer_ids"] for r in _read_jsonl(path)]
+    records = _read_jsonl(path)
+    return [r["prompt_ids"] + r["answer_ids"] for r in records], [len(r["prompt_ids"]) for r in records]
 
 
 def target_features(hf, sequences: list[list[int]]):
@@ -178,6 +182,7 @@ class Corpus:
     tokenizer: object
     prompts: int
     sequences: list[list[int]]
+    answer_starts: list[int]  # index in each sequence of the answer's first token
     data: list  # per sequence: (features [T, H] before the final norm, the target's argmax [T])
     train: list[int]  # indices of the training sequences
     valid: list[int]  # indices of the held-out ones
@@ -189,6 +194,13 @@ class Corpus:
     @property
     def tokens(self) -> int:
         return int(sum(len(s) for s in self.sequences))
+
+    def answer_positions(self, i: int, length: int):
+        """Of positions p = 0..length-1 of sequence i, those where the next token is part of the answer (bool):
+        the positions drafting happens at."""
+        import torch
+
+        return torch.arange(length) >= self.answer_starts[i] - 1
 
 
 def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[[str], None]) -> Corpus:
@@ -210,7 +222,7 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     prompts = make_prompts(hf, tokenizer, work, options, say)
     timed("prompts_s", t0)
     t0 = time.perf_counter()
-    sequences = make_answers(hf, tokenizer, prompts, work, options, say)
+    sequences, starts = make_answers(hf, tokenizer, prompts, work, options, say)
     timed("answers_s", t0)
     t0 = time.perf_counter()
     data = target_features(hf, sequences)
@@ -223,7 +235,9 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     times["features_s"] = time.perf_counter() - t0  # recomputed by every run
     say(f"features: {len(sequences)} sequences, {sum(map(len, sequences))} tokens ({times['features_s']:.0f} s)")
     coverage = sum(counts[t] for t in draft_ids) / max(1, sum(counts.values()))
-    return Corpus(hf, tokenizer, len(prompts), sequences, data, train, valid, draft_ids, to_draft, coverage, times)
+    return Corpus(
+        hf, tokenizer, len(prompts), sequences, starts, data, train, valid, draft_ids, to_draft, coverage, times
+    )
 
 
 def train_loop(

@@ -129,7 +129,8 @@ def nn_loss(out, s_next, logits, labels):
 
 
 def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
-    """How often the head's first draft equals the target's next choice, over the sequences `which`."""
+    """How often the head's first draft equals the target's next choice at the answer positions of the
+    sequences `which` (where drafting happens; the prompt's chat template would flatter the figure)."""
     import torch
 
     hits = total = 0
@@ -138,9 +139,9 @@ def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
             (f, argmax), ids = corpus.data[i], torch.tensor(corpus.sequences[i])
             _, logits = head(embed[ids[1:]][None], ((f - mean) / std)[:-1][None])
             labels = corpus.to_draft[argmax[1:]]
-            kept = labels >= 0
+            kept = corpus.answer_positions(i, labels.numel())
             hits += int((logits[0].argmax(-1)[kept] == labels[kept]).sum())
-            total += int(labels.numel())
+            total += int(kept.sum())
     return hits / max(1, total)
 
 

@@ -86,17 +86,19 @@ def train(
 
 
 def top1_by_head(head, corpus, which: list[int], normed, k: int) -> list[float]:
-    """Per head, how often its top draft equals the target's choice, over the sequences `which`."""
+    """Per head, how often its top draft equals the target's choice, at the answer positions of the sequences
+    `which` (where drafting happens)."""
     import torch
 
     hits, totals = [0] * k, [0] * k
     with torch.no_grad():
         for i in which:
             logits, argmax = head(normed(i)), corpus.data[i][1]
+            kept = corpus.answer_positions(i, argmax.numel())
             for j in range(1, min(k, argmax.numel() - 1) + 1):
-                labels = corpus.to_draft[argmax[j:]]
-                hits[j - 1] += int((logits[j - 1, :-j].argmax(-1) == labels).sum())
-                totals[j - 1] += int(labels.numel())
+                labels, at = corpus.to_draft[argmax[j:]], kept[:-j]
+                hits[j - 1] += int((logits[j - 1, :-j].argmax(-1)[at] == labels[at]).sum())
+                totals[j - 1] += int(at.sum())
     return [round(h / max(1, t), 4) for h, t in zip(hits, totals, strict=True)]
 
 

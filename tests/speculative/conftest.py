@@ -53,3 +53,32 @@ def held_in_prompt(work, case: str) -> list[int]:
     if case == "long":
         return records[0]["prompt_ids"] + records[0]["answer_ids"] + records[1]["prompt_ids"]
     return records[int(case)]["prompt_ids"]
+
+
+def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = 800) -> None:
+    """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target (T = 1.5, top-6)."""
+    import numpy as np
+
+    from doppler_py.sampling import SamplingParams
+    from doppler_py.speculative.engine import SpeculativeEngine
+    from doppler_py.testing.distribution import assert_samples_follow
+    from doppler_py.testing.sampling_reference import filtered_probs
+
+    prompt = list(prompt)
+    params = SamplingParams(temperature=1.5, top_k=6)
+    vocab = target.config.vocab_size
+    cache = target.new_cache(16)
+    p1 = filtered_probs(target.forward(prompt, cache, 0), params)
+    joint = np.zeros((vocab, vocab))
+    for t1 in np.flatnonzero(p1):
+        cache.truncate(len(prompt))
+        joint[t1] = p1[t1] * filtered_probs(target.forward([int(t1)], cache), params)
+    target.release_cache(cache)
+
+    engine = SpeculativeEngine(target, drafter)
+    counts = np.zeros_like(joint)
+    for seed in range(trials):
+        t1, t2 = engine.generate(prompt, 2, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=2).tokens
+        counts[t1, t2] += 1
+    engine.close()
+    assert_samples_follow(counts, joint)

@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-from speculative.conftest import TARGET, held_in_prompt, replay_accepted
+from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, replay_accepted
 
 from doppler_py.api import load
 from doppler_py.errors import GenerationOptionError, ModelFormatError, VocabularyMismatchError
@@ -87,6 +87,10 @@ def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(models,
     expected = torch_accepted(head_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained head is right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
+
+
+def test_sampled_output_keeps_the_target_joint_distribution(models, head):
+    check_two_token_joint(models["target"], EagleDrafter(models["target"], head))
 
 
 def test_sampled_eagle_is_reproducible_by_seed(models, head):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from speculative.conftest import check_two_token_joint
 
 from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
 from doppler_py.sampling import SamplingParams
@@ -11,8 +11,6 @@ from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLo
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.testing.decode import reference_decode
-from doppler_py.testing.distribution import assert_samples_follow
-from doppler_py.testing.sampling_reference import filtered_probs
 
 GREEDY = SamplingParams(temperature=0.0)
 # A prompt with repeats, so prompt lookup finds matches and some drafts are accepted.
@@ -107,22 +105,4 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
 
 def test_two_token_joint_distribution_matches_the_target(models):
     """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target."""
-    target = models["target"]
-    prompt = [3, 17, 5]
-    params = SamplingParams(temperature=1.5, top_k=6)
-    cache = target.new_cache(16)
-    p1 = filtered_probs(target.forward(prompt, cache, 0), params)
-    joint = np.zeros((48, 48))
-    for t1 in np.flatnonzero(p1):
-        cache.truncate(len(prompt))
-        joint[t1] = p1[t1] * filtered_probs(target.forward([int(t1)], cache), params)
-    target.release_cache(cache)
-
-    engine = SpeculativeEngine(target, drafter_for("draft-model", models))
-    counts = np.zeros_like(joint)
-    trials = 800
-    for seed in range(trials):
-        t1, t2 = engine.generate(prompt, 2, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=2).tokens
-        counts[t1, t2] += 1
-    engine.close()
-    assert_samples_follow(counts, joint)
+    check_two_token_joint(models["target"], drafter_for("draft-model", models))

@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-from speculative.conftest import TARGET, held_in_prompt, replay_accepted
+from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, replay_accepted
 
 from doppler_py.api import load
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
@@ -76,6 +76,10 @@ def test_greedy_medusa_equals_plain_greedy_and_drafts_as_the_trainer_does(
     expected = torch_accepted(heads_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained heads are right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
+
+
+def test_sampled_output_keeps_the_target_joint_distribution(models, heads):
+    check_two_token_joint(models["target"], MedusaDrafter(models["target"], heads))
 
 
 def test_sampled_medusa_is_reproducible_by_seed(models, heads):

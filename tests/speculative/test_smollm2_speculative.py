@@ -1,4 +1,5 @@
-"""Greedy speculative decoding on SmolLM2-135M equals plain greedy decoding, for every drafter and k in 1..8."""
+"""Greedy speculative decoding on SmolLM2-135M equals plain greedy decoding, for every drafter and k in 1..8
+(the trained heads: those shipped with the package, on open-ended prompts)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from doppler_py.model.catalog import DEFAULT_MODEL
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative.eagle import EagleDrafter, load_head
 from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
+from doppler_py.testing.decode import reference_decode
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 
@@ -30,14 +34,14 @@ def setup():
         draft = Transformer(type(target.weights)(**vars(target.weights)), target.registry, max_positions=256)
         ids = engine.encode_prompt(PROMPT)
         plain = engine.generate(PROMPT, max_tokens=NEW_TOKENS, speculative=None).tokens
-        yield target, draft, ids, plain
+        yield target, draft, ids, plain, engine.encode_prompt
         draft.close()
 
 
 @pytest.mark.parametrize("k", range(1, 9))
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "layer-skip", "draft-model"])
 def test_greedy_speculative_equals_plain_greedy_on_smollm2(setup, drafter, k):
-    target, draft, ids, plain = setup
+    target, draft, ids, plain, _ = setup
     make = {
         "prompt-lookup": PromptLookupDrafter,
         "layer-skip": lambda: LayerSkipDrafter(target, 10),
@@ -48,3 +52,31 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(setup, drafter, k):
     engine.close()
     assert result.tokens == plain[: len(result.tokens)]
     assert len(result.tokens) == len(plain)
+
+
+OPEN_ENDED = [
+    [{"role": "user", "content": "Write a short story about a girl who finds a lost kite."}],
+    [{"role": "user", "content": "Explain why leaves change colour in autumn."}],
+]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts(setup, kind, k):
+    from doppler_py.model.catalog import known_head
+
+    if known_head(DEFAULT_MODEL, kind) is None:
+        pytest.skip(f"no {kind} head is shipped for {DEFAULT_MODEL}")
+    target, encode = setup[0], setup[4]
+    heads = {"eagle": lambda: load_head(known_head(DEFAULT_MODEL, "eagle"), target, "q4_1"),
+             "medusa": lambda: load_medusa(known_head(DEFAULT_MODEL, "medusa"), target, "q4_1")}[kind]()  # fmt: skip
+    drafter = {"eagle": EagleDrafter, "medusa": MedusaDrafter}[kind](target, heads)
+    engine = SpeculativeEngine(target, drafter)
+    for prompt in OPEN_ENDED:
+        ids = encode(prompt)
+        plain = reference_decode(target, ids, NEW_TOKENS, SamplingParams())
+        result = engine.generate(ids, NEW_TOKENS, SamplingParams(), k=k)
+        assert result.tokens == plain, prompt
+        assert result.stats.drafted > 0
+    engine.close()
+    heads.close()
