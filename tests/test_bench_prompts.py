@@ -1,0 +1,48 @@
+"""The speculative benchmark's prompts and summary: two labelled groups, geometric means, the worst prompt.
+
+No model runs here; `tools/bench_speculative.py` itself is run by hand (see README's results)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from doppler_py.training.data import SEED_PROMPTS
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_speculative.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prompts_come_in_two_labelled_groups_with_six_open_ended_ones_unseen_in_training(bench):
+    groups = {name: group for name, (group, _) in bench.PROMPTS.items()}
+    assert set(groups.values()) == {bench.COPY_HEAVY, bench.OPEN_ENDED}
+    open_ended = [name for name, group in groups.items() if group == bench.OPEN_ENDED]
+    assert len(open_ended) >= 6
+    assert groups["chat-echo"] == bench.COPY_HEAVY  # its answer echoes the question
+    seeds = {line.strip() for line in SEED_PROMPTS.read_text().splitlines()}
+    texts = {messages[-1]["content"] for _, messages in bench.PROMPTS.values()}
+    assert not texts & seeds  # the heads' training seeds are not benchmarked
+
+
+def test_summary_is_the_geometric_mean_and_worst_prompt_per_group_and_method(bench):
+    rows = [
+        {"weights": "q4_1", "group": "open-ended", "method": "eagle", "speedup_vs_plain": s, "tokens_per_step": t}
+        for s, t in ((2.0, 2.0), (0.5, 1.0), (1.0, 1.5))
+    ]
+    rows.append({"weights": "q4_1", "group": "copy-heavy", "method": "eagle", "speedup_vs_plain": 3.0,
+                 "tokens_per_step": 4.0})  # fmt: skip
+    summary = {(r["group"], r["method"]): r for r in bench.summarise(rows)}
+    open_ended = summary[("open-ended", "eagle")]
+    assert math.isclose(open_ended["geomean_speedup"], 1.0) and open_ended["worst_speedup"] == 0.5
+    assert open_ended["prompts"] == 3 and math.isclose(open_ended["mean_tokens_per_step"], 1.5)
+    assert summary[("copy-heavy", "eagle")]["geomean_speedup"] == 3.0
