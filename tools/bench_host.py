@@ -1,0 +1,105 @@
+"""Host cost of one SmolLM2 step (GPU time excluded), and how long a new process takes to show a first token.
+
+    python tools/bench_host.py --weights q4_1 --repeats 200 --cold --json host.json
+
+Per step: build a command encoder, record the target forward (T = 1: a decode step; T = 5: the rows a k = 4
+speculative step verifies, logits for every row) and submit it — the host's share of a step. The GPU's work is
+awaited after each step, outside the timed span, so the figures exclude GPU time and one step's GPU work never
+overlaps the next step's recording. The verifier's own dispatches and the readback come on top of these.
+Cold (--cold): fresh `doppler-py generate` processes, time to the first streamed byte and to the end, with
+speculation auto (the default command) and none. The last line is `host_ms_per_decode_step=X`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONTEXT = 64  # positions already in the KV cache when a step is recorded
+COLD_PROMPT = "Name three rivers."
+
+
+def host_step(model, cache, rows: int, repeats: int) -> dict:
+    """Median host ms to record + submit a forward over `rows` rows at position CONTEXT."""
+    logits = "last" if rows == 1 else "all"
+    samples, dispatches = [], 0
+    model.ids.view((rows,)).write(model.check_ids([1] * rows))
+    for i in range(repeats + 5):
+        start = time.perf_counter()
+        rec = model.registry.recorder()
+        model.record_forward(rec, rows, cache, CONTEXT, logits=logits)
+        rec.submit()
+        elapsed = time.perf_counter() - start
+        model.gpu.wait_idle()
+        cache.truncate(CONTEXT)
+        dispatches = rec.dispatches
+        if i >= 5:  # the first steps bind groups and compile pipelines
+            samples.append(elapsed * 1e3)
+    median = statistics.median(samples)
+    return {
+        "rows": rows,
+        "host_ms": round(median, 3),
+        "host_ms_p90": round(statistics.quantiles(samples, n=10)[-1], 3),
+        "dispatches": dispatches,
+        "host_us_per_dispatch": round(median * 1e3 / dispatches, 1),
+    }
+
+
+def cold_start(speculative: str, weights: str) -> dict:
+    """A fresh process: seconds to its first streamed byte and to its exit."""
+    doppler = Path(sys.executable).with_name("doppler-py")
+    args = [str(doppler), "generate", COLD_PROMPT, "--max-tokens", "32", "--weights", weights]
+    start = time.perf_counter()
+    proc = subprocess.Popen([*args, "--speculative", speculative], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    first = time.perf_counter() - start
+    proc.communicate()
+    return {
+        "speculative": speculative,
+        "first_token_s": round(first, 2),
+        "total_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", default="q4_1")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--cold", action="store_true", help="also time fresh processes to their first token")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    import doppler_py
+
+    report: dict = {"weights": args.weights}
+    with doppler_py.load(weights=args.weights, progress=False, max_seq=256, draft_head=False) as engine:
+        model = engine.model
+        print(f"adapter: {model.gpu.name} via {model.gpu.backend}", file=sys.stderr)
+        cache = model.new_cache(256)
+        model.forward(list(range(1, CONTEXT + 1)), cache, 0, logits="none")
+        report["steps"] = [host_step(model, cache, rows, args.repeats) for rows in (1, 5)]
+        model.release_cache(cache)
+    if args.cold:
+        report["cold"] = [cold_start(mode, args.weights) for mode in ("auto", "none")]
+
+    print(f"{'rows':>4s} {'host ms':>8s} {'p90':>7s} {'dispatches':>10s} {'µs/dispatch':>11s}")
+    for row in report["steps"]:
+        print(
+            f"{row['rows']:4d} {row['host_ms']:8.3f} {row['host_ms_p90']:7.3f} {row['dispatches']:10d} "
+            f"{row['host_us_per_dispatch']:11.1f}"
+        )
+    for row in report.get("cold", []):
+        print(f"cold, speculative {row['speculative']}: first token {row['first_token_s']} s, end {row['total_s']} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    print(f"host_ms_per_decode_step={report['steps'][0]['host_ms']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
