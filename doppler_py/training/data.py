@@ -4,6 +4,7 @@
                          the chat template's user prefix, sampled until the end of the turn)
     work/answers.jsonl   the target's answers (greedy; every `sampled_every`th batch sampled at T = 0.7), appended a
                          batch at a time (a restart skips what is there)
+    work/features.pt     the target's features and choices for those sequences (reused while they are the same)
     work/KIND.pt         a head's checkpoint every `save_every` steps (a restart resumes from it)
 
 Nothing is downloaded: the prompts and answers come from the target itself. The last `holdout` sequences are
@@ -12,6 +13,7 @@ kept out of training, to report how the head does on text it never saw.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -203,6 +205,30 @@ class Corpus:
         return torch.arange(length) >= self.answer_starts[i] - 1
 
 
+def _features_key(sequences: list[list[int]], model: str) -> str:
+    return hashlib.sha256(json.dumps([model, sequences]).encode()).hexdigest()
+
+
+def cached_features(sequences: list[list[int]], path: Path, model: str, say) -> list | None:
+    """Stage 3's result from an earlier run on the same model and sequences, else None."""
+    import torch
+
+    if not path.is_file():
+        return None
+    cached = torch.load(path)
+    if cached.get("key") != _features_key(sequences, model):
+        return None
+    say(f"features: reused from {path.name}")
+    return list(zip(cached["features"], cached["argmax"], strict=True))
+
+
+def save_features(data: list, sequences: list[list[int]], path: Path, model: str) -> None:
+    import torch
+
+    record = {"key": _features_key(sequences, model), "features": [f for f, _ in data], "argmax": [a for _, a in data]}
+    torch.save(record, path)
+
+
 def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[[str], None]) -> Corpus:
     """Stages 1–3: prompts, answers, the target's features; then the draft vocabulary and the split."""
     import torch
@@ -225,15 +251,19 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     sequences, starts = make_answers(hf, tokenizer, prompts, work, options, say)
     timed("answers_s", t0)
     t0 = time.perf_counter()
-    data = target_features(hf, sequences)
+    data = cached_features(sequences, work / "features.pt", str(model), say)
+    if data is None:
+        data = target_features(hf, sequences)
+        save_features(data, sequences, work / "features.pt", str(model))
+        timed("features_s", t0)
+        tokens, seconds = sum(map(len, sequences)), time.perf_counter() - t0
+        say(f"features: {len(sequences)} sequences, {tokens} tokens ({seconds:.0f} s)")
     held = min(len(sequences) - 1, max(1 if len(sequences) > 1 else 0, round(options.holdout * len(sequences))))
     train, valid = list(range(len(sequences) - held)), list(range(len(sequences) - held, len(sequences)))
     counts = Counter(int(t) for i in train for t in data[i][1].tolist())
     draft_ids = [t for t, _ in counts.most_common(min(options.draft_vocab, hf.config.vocab_size))]
     to_draft = torch.full((hf.config.vocab_size,), -100, dtype=torch.long)
     to_draft[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
-    times["features_s"] = time.perf_counter() - t0  # recomputed by every run
-    say(f"features: {len(sequences)} sequences, {sum(map(len, sequences))} tokens ({times['features_s']:.0f} s)")
     coverage = sum(counts[t] for t in draft_ids) / max(1, sum(counts.values()))
     return Corpus(
         hf, tokenizer, len(prompts), sequences, starts, data, train, valid, draft_ids, to_draft, coverage, times

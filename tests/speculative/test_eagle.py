@@ -45,7 +45,7 @@ def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
     said: list[str] = []
     card = train(tiny_folder(TARGET), tmp_path / "again", work, OPTIONS, say=said.append)
     assert {name: (work / name).read_text() for name in lines} == lines
-    assert f"train: resumed at step {OPTIONS.steps}" in said
+    assert f"train: resumed at step {OPTIONS.steps}" in said and "features: reused from features.pt" in said
     assert card["held_in_top1"] > 0.15  # chance is 1/40
     assert card["validation_sequences"] == 1 and 0 <= card["validation_top1"] <= 1
 
