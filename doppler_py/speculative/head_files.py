@@ -19,6 +19,8 @@ from doppler_py.model.safetensors_file import load_array, read_header
 from doppler_py.model.transformer import Transformer
 from doppler_py.tokenizer import Tokenizer
 
+HEAD_NAMES = {"eagle": "an EAGLE", "medusa": "a Medusa"}
+
 
 def vocabulary_digest(tokenizer: Tokenizer) -> str:
     """A fingerprint of a tokenizer's id ↔ token string table (added tokens included)."""
@@ -51,12 +53,12 @@ def read_meta(folder: Path, kind: str, target: Transformer, tokenizer: Tokenizer
     """KIND.json, checked against the target (hidden size, vocabulary, tokenizer)."""
     meta_file = folder / f"{kind}.json"
     if not meta_file.is_file():
-        raise ModelFormatError(f"{folder}: no {kind}.json, so this is not a {kind.upper()} head folder")
+        raise ModelFormatError(f"{folder}: no {kind}.json, so this is not {HEAD_NAMES[kind]} head folder")
     try:
         meta = json.loads(meta_file.read_text())
         target_record = dict(meta["target"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ModelFormatError(f"{meta_file}: not a valid {kind.upper()} head description ({exc})") from exc
+        raise ModelFormatError(f"{meta_file}: not a valid {HEAD_NAMES[kind]} head description ({exc})") from exc
     cfg = target.config
     if target_record.get("hidden_size") != cfg.hidden_size:
         raise ModelFormatError(
