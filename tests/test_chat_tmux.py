@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -27,12 +28,19 @@ if shutil.which("tmux") is None:
 
 
 class Terminal:
-    """One tmux server (its own socket) running one command in a 200x50 window."""
+    """One tmux server (its own socket) running one command in a 200x50 window.
 
-    def __init__(self, command: list[str], env: dict[str, str]):
+    The command's exit status goes to a file: tmux 3.3a sometimes leaves the exited command a zombie it never
+    reaps, so `pane_dead_status` stays empty although the command has exited."""
+
+    def __init__(self, command: list[str], env: dict[str, str], status_file: Path):
         self.socket = f"doppler-test-{uuid.uuid4().hex[:8]}"
+        self.status_file = status_file
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        line = f"env {exports} {shlex.join(command)}"
+        # `trap :` keeps the shell alive through the Ctrl-C the tests type (a handler, not an ignored signal, so the
+        # command itself still receives SIGINT with its default disposition).
+        script = f"trap : INT; {shlex.join(command)}; echo $? > {shlex.quote(str(status_file))}"
+        line = f"env {exports} sh -c {shlex.quote(script)}"
         self.tmux("new-session", "-d", "-s", "t", "-x", "200", "-y", "50", line)
         self.tmux("set-option", "-t", "t", "remain-on-exit", "on")
         self.tmux("set-option", "-t", "t", "history-limit", "10000")
@@ -60,10 +68,9 @@ class Terminal:
             time.sleep(0.1)
 
     def wait_for_exit(self, status: int, timeout: float = 30) -> None:
-        """Wait until the command has exited (tmux reports its status a moment after the pane dies)."""
-        fmt = "#{pane_dead}:#{pane_dead_status}:#{pane_dead_signal}"
-        self.wait_for(lambda _: self.pane(fmt).split(":")[1] != "" or self.pane(fmt).split(":")[2] != "", timeout)
-        assert self.pane(fmt) == f"1:{status}:", self.screen()
+        """Wait until the command has exited with `status`."""
+        self.wait_for(lambda _: self.status_file.is_file() and self.status_file.read_text().strip() != "", timeout)
+        assert self.status_file.read_text().strip() == str(status), self.screen()
 
     def pane(self, fmt: str) -> str:
         return self.tmux("display-message", "-p", "-t", "t", fmt).strip()
@@ -80,7 +87,7 @@ def chat(tiny_folder, tmp_path):
     def start(*options: str) -> Terminal:
         command = [sys.executable, "-m", "doppler_py.cli", "chat", "--model", str(folder), "--no-progress", *options]
         env = {"XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "DOPPLER_CACHE": str(tmp_path)}
-        terminals.append(Terminal(command, env))
+        terminals.append(Terminal(command, env, tmp_path / f"status-{len(terminals)}"))
         return terminals[-1]
 
     yield start
