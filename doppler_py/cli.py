@@ -328,14 +328,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_train_draft(args: argparse.Namespace) -> int:
     from doppler_py.errors import GenerationOptionError
 
-    try:
-        from doppler_py.training import eagle, medusa
-        from doppler_py.training.data import TrainOptions
+    try:  # the trainers import torch lazily, so check for the optional extra here, before any work starts
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
     except ImportError as exc:
         raise GenerationOptionError(
             f"train-draft needs torch and transformers ({exc.name} is missing)",
             advice="install them with `pip install -e .[reference]`",
         ) from exc
+    from doppler_py.training import eagle, medusa
+    from doppler_py.training.data import TrainOptions
+
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty; choose a new --out folder")
