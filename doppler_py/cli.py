@@ -5,7 +5,7 @@
     doppler-py serve --port 8000                     OpenAI-compatible HTTP server on 127.0.0.1
     doppler-py convert model.gguf --out folder       GGUF -> Hugging Face style folder
     doppler-py train-draft MODEL --out folder        train an EAGLE draft head by self-distillation (torch)
-    doppler-py models | info | bench | selfcheck
+    doppler-py models | info | profile | bench | selfcheck
 
 Errors doppler-py raises on purpose print one line on stderr and exit with status 2.
 """
@@ -275,6 +275,23 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from doppler_py.errors import GenerationOptionError
+    from doppler_py.profile import PROMPT, check_options, format_report, profile_model
+
+    check_options(args.steps, args.rows)  # before the model loads
+    if args.draft or args.draft_head:
+        raise GenerationOptionError("profile times the target model alone: --draft and --draft-head do not apply")
+    args.draft_head = ["none"]
+    with _load(args) as engine:
+        report = profile_model(engine.model, engine.tokenizer.encode(PROMPT), steps=args.steps, rows=args.rows)
+        report = {"model": engine.name, "weights": engine.weights} | report
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from doppler_py.selfcheck import run_selfcheck
 
@@ -425,6 +442,14 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--browser-limits", action="store_true", help="show the WebGPU default-limits device")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_info)
+
+    profile = sub.add_parser("profile", help="GPU time per kernel and the host/GPU split of decode and verify steps")
+    profile.add_argument("--steps", type=int, default=32, help="decode steps (T=1) to time (default 32)")
+    profile.add_argument("--rows", type=int, default=5, help="rows of the verify-sized forward (default 5)")
+    profile.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
+    _add_model_options(profile)
+    # `_load` checks sampling flags this command does not have.
+    profile.set_defaults(func=_cmd_profile, temperature=0.0, top_k=0, top_p=1.0, seed=None)
 
     bench = sub.add_parser("bench", help="speculative decoding and kernel benchmarks (tools/bench_*.py)")
     bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHES))
