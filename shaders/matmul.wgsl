@@ -2,13 +2,15 @@
 // dequantised in registers. `accumulate` adds the result into out (folds a residual add into the projection).
 // With RMS_NORM the register kernels first normalise x like rmsnorm.wgsl, x[t, k] / rms(x[t]) * norm_weight[k],
 // which saves the norm's own dispatch: the gain scales x as it is loaded and 1 / rms, summed from the same
-// loads, scales each dot product at the end.
+// loads, scales each dot product at the end. With GLU, x is a gated MLP's [gate | up] output (rows of 2k) and
+// the product's input is act(gate) * up, computed as x is loaded (swiglu.wgsl's formula, which this folds into
+// the down projection, saving its dispatch and the round trip of the activations through memory).
 // One invocation owns COLS consecutive weight rows and ROWS consecutive x rows, so every weight it loads is
 // used for all ROWS rows (T=1 decode: ROWS=1; speculative verification: ROWS up to 8, more via grid y).
 //
 // Bindings:
 //   0 params  (uniform Params)
-//   1 x       (read)        f32 [rows, k] as vec4
+//   1 x       (read)        f32 [rows, k] as vec4 ([rows, 2k] with GLU)
 //   2 weights (read)        one part of W (rows n_offset .. n_offset + n), layout by FORMAT, see below
 //   3 scales  (read)        packed f16 block scales (block formats; a 4-byte dummy otherwise)
 //   4 bias    (read)        f32 [n_total] (a 4-byte dummy unless has_bias)
@@ -22,7 +24,8 @@
 //   SUBGROUP_MIN (main_subgroups: the smallest subgroup size the pipeline can run with, 4 unless the host
 //   measured more; 8 or more drops the second x load that subgroups of 4 need), SIMD_LANES (how many
 //   invocations a CPU adapter runs as the lanes of one vector loop; 1 on GPUs; see first_col), RMS_NORM
-//   (register kernels: normalise x first).
+//   (register kernels: normalise x first), GLU (0: x as is; 1: silu(gate) * up; 2: gelu_tanh(gate) * up;
+//   all entry points; not with RMS_NORM).
 // Weight layouts, per block b of 32 weights along k; blocks are ordered by (group of 8 rows, block column,
 // row in group): b = ((row / 8) * k / 32 + block) * 8 + row % 8, so an invocation's 8 rows are contiguous.
 //   f32   weights[b * 8 + i] = W[row, 32 block + 4 i .. + 3] (bit patterns of the f32 values)
@@ -36,8 +39,8 @@
 //                   any subgroup size >= SUBGROUP_MIN). (ceil(n / (COLS * WORKGROUP_SIZE)), ceil(rows / ROWS), 1)
 //                   workgroups of WORKGROUP_SIZE.
 //   main            the same without subgroups: every invocation loads x itself. Same dispatch.
-//   gemm_tiled      prefill GEMM through 12 KiB of workgroup memory (see below; uses only the FORMAT
-//                   override, no RMS_NORM). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
+//   gemm_tiled      prefill GEMM through 12 KiB of workgroup memory (see below; uses only the FORMAT and GLU
+//                   overrides, no RMS_NORM). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
 
 enable subgroups;
 
@@ -73,6 +76,7 @@ override WORKGROUP_SIZE: u32 = 64u;
 override SUBGROUP_MIN: u32 = 4u;
 override SIMD_LANES: u32 = 1u;
 override RMS_NORM: bool = false;
+override GLU: u32 = 0u;
 
 const MAX_ROWS: u32 = 8u;
 const MAX_SPREAD: u32 = 16u;
@@ -91,7 +95,30 @@ var<private> acc_hi: array<vec4<f32>, MAX_ROWS>;
 // First x row of this invocation's tile, clamped so loads stay in bounds; rows past params.rows are
 // computed on duplicated data and never stored.
 fn x_row_base(t0: u32, t: u32) -> u32 {
-  return min(t0 + t, params.rows - 1u) * (params.k / 4u);
+  let row_vec4s = select(params.k / 4u, params.k / 2u, GLU != 0u);
+  return min(t0 + t, params.rows - 1u) * row_vec4s;
+}
+
+// sigmoid(v) per component as swiglu.wgsl computes it: exp() only sees -|v| > -87 (no overflow, and below
+// that the subnormal result is taken as 0).
+fn sigmoid4(v: vec4<f32>) -> vec4<f32> {
+  let a = abs(v);
+  let e = select(vec4<f32>(0.0), exp(-a), a < vec4<f32>(87.0));
+  return select(e / (1.0 + e), 1.0 / (1.0 + e), v >= vec4<f32>(0.0));
+}
+
+// vec4 i of x as the product's input: x itself, or with GLU act(gate) * up (up sits k values after gate).
+fn x_at(i: u32) -> vec4<f32> {
+  if (GLU == 0u) {
+    return x[i];
+  }
+  let g = x[i];
+  let u = x[i + params.k / 4u];
+  var z = g;
+  if (GLU == 2u) {
+    z = 1.5957691216057308 * (g + 0.044715 * g * g * g);  // 2 * sqrt(2 / pi) * (...)
+  }
+  return g * sigmoid4(z) * u;
 }
 
 fn load_x_block(t0: u32, block: u32) {
@@ -103,7 +130,7 @@ fn load_x_block(t0: u32, block: u32) {
   for (var t = 0u; t < ROWS; t++) {
     let base = x_row_base(t0, t) + block * 8u;
     for (var i = 0u; i < 8u; i++) {
-      xs[t][i] = x[base + i];
+      xs[t][i] = x_at(base + i);
     }
   }
 }
@@ -119,9 +146,9 @@ fn shared_block(from_x: bool, base: u32, lane: u32, subgroup_size: u32) -> array
   var lo: vec4<f32>;
   var hi = vec4<f32>(0.0);
   if (from_x) {
-    lo = x[base + (lane & 7u)];
+    lo = x_at(base + (lane & 7u));
     if (narrow) {
-      hi = x[base + 4u + (lane & 3u)];
+      hi = x_at(base + 4u + (lane & 3u));
     }
   } else {
     lo = norm_weight[base + (lane & 7u)];
@@ -424,7 +451,7 @@ fn gemm_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
   for (var block = 0u; block < params.k / 32u; block++) {
     for (var j = 0u; j < 4u; j++) {
       let idx = li + 64u * j;
-      tile_x[idx] = x[x_row_base(t0, idx / 8u) + block * 8u + idx % 8u];
+      tile_x[idx] = x_at(x_row_base(t0, idx / 8u) + block * 8u + idx % 8u);
     }
     let w = dequantize_block(block_index(min(tile_col0 + li, params.n - 1u), block));
     for (var i = 0u; i < 8u; i++) {

@@ -15,8 +15,11 @@ enforces this: a slot dispatched again in the same recorder with different bytes
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,13 +75,19 @@ class UniformLayout:
     def size(self) -> int:
         return 4 * len(self.fields)
 
+    @functools.cached_property
+    def _packers(self) -> dict[str, tuple[int, struct.Struct]]:
+        """Each field's byte offset and packer: `pack` runs for most dispatches, so nothing is looked up twice."""
+        return {name: (4 * i, struct.Struct("<" + _SCALAR_FORMATS[kind])) for i, (name, kind) in enumerate(self.fields)}
+
     def pack(self, values: dict[str, float | int], into: memoryview) -> None:
-        unknown = set(values) - {name for name, _ in self.fields}
-        if unknown:
-            raise KeyError(f"{self.struct_name} has no field(s) {sorted(unknown)}")
-        for i, (name, kind) in enumerate(self.fields):
-            if name in values:
-                struct.pack_into("<" + _SCALAR_FORMATS[kind], into, 4 * i, values[name])
+        packers = self._packers
+        for name, value in values.items():
+            entry = packers.get(name)
+            if entry is None:
+                unknown = sorted(set(values) - packers.keys())
+                raise KeyError(f"{self.struct_name} has no field(s) {unknown}")
+            entry[1].pack_into(into, entry[0], value)
 
 
 def parse_bindings(source: str) -> list[Binding]:
@@ -274,20 +283,67 @@ class Bound:
     params: UniformSlot | None
     resources: dict[str, Tensor]
 
+    def __post_init__(self) -> None:
+        # The native handles the fast dispatch path passes straight to wgpu-native (see _NativePassCalls).
+        self.native = (getattr(self.kernel.pipeline, "_internal", None), getattr(self.bind_group, "_internal", None))
+
+
+class _NativePassCalls:
+    """wgpu-native's three compute-pass entry points, called without wgpu-py's per-call wrapper.
+
+    A decode step records ~200 dispatches, and wgpu-py's wrapper (argument conversion, an error-capture
+    stack push and pop around every C call) cost ~3.5 of the ~5 µs each dispatch took on the host. Errors in a
+    pass are not lost: wgpu-core reports them when the pass ends or the encoder finishes, and those calls still
+    go through wgpu-py, which raises them. Where the private module or handles are missing (another wgpu-py
+    version or backend), `available` is False and the recorder uses the public API.
+    """
+
+    def __init__(self) -> None:
+        try:
+            from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+            self.set_pipeline = lib.wgpuComputePassEncoderSetPipeline
+            self.set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
+            self.dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
+            self.null = ffi.NULL
+            self.available = True
+        except (ImportError, AttributeError):
+            self.available = False
+
+
+_NATIVE = _NativePassCalls()
+
 
 class KernelRegistry:
     """Loads shaders by name and caches modules, pipelines and bind groups for one `Gpu`."""
 
-    def __init__(self, gpu: Gpu, shader_dir: Path = SHADER_DIR):
+    def __init__(self, gpu: Gpu, shader_dir: Path = SHADER_DIR, *, shared: KernelRegistry | None = None):
+        """`shared`: use that registry's compiled modules and pipelines (see `fork`)."""
         # Tests swap in a recorder that also replays each submit under Dawn (tests/parity/dawn).
         self.recorder_class: type[Recorder] = Recorder
         self.gpu = gpu
         self.shader_dir = shader_dir
-        self._modules: dict[str, tuple[object, str]] = {}
-        self._kernels: dict[tuple, Kernel] = {}
+        self._modules: dict[str, tuple[object, str]] = shared._modules if shared else {}
+        self._kernels: dict[tuple, Kernel] = shared._kernels if shared else {}
+        # Held while compiling, so two threads never compile one pipeline twice (wgpu-native releases the GIL).
+        self._compile_lock = shared._compile_lock if shared else threading.Lock()
+        self._is_fork = shared is not None
         self._bind_groups: dict[tuple, object] = {}
         self._arenas: list[_UniformArena] = []
         self._free_slots: list[UniformSlot] = []  # slots of released ops, reused before the arenas grow
+        self._placeholders: dict[int, Tensor] = {}
+        self.max_workgroups = int(gpu.limits.get("max-compute-workgroups-per-dimension", 65535))
+        # DOPPLER_PUBLIC_DISPATCH=1 records through wgpu-py's public API only (the tests run both paths).
+        self.native_dispatch = _NATIVE.available and os.environ.get("DOPPLER_PUBLIC_DISPATCH") != "1"
+
+    def fork(self) -> KernelRegistry:
+        """A registry for ops another thread records: it shares this one's compiled pipelines, so what it
+        compiles serves both, but has its own uniform arenas and bind groups, so nothing it records can touch a
+        uniform value this registry's ops have set. Closing it frees only its arenas; the buffers bound
+        through it belong to their owners."""
+        fork = KernelRegistry(self.gpu, self.shader_dir, shared=self)
+        fork.recorder_class = self.recorder_class
+        return fork
 
     # -- compilation ---------------------------------------------------------------------------------
     def source(self, name: str) -> str:
@@ -308,10 +364,17 @@ class KernelRegistry:
 
     def kernel(self, name: str, entry: str = "main", **constants: float | int | bool) -> Kernel:
         key = (name, entry, tuple(sorted(constants.items())))
-        if key in self._kernels:
-            return self._kernels[key]
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            with self._compile_lock:
+                kernel = self._kernels.get(key) or self._compile(key)
+                self._kernels[key] = kernel
+        return kernel
+
+    def _compile(self, key: tuple) -> Kernel:
         import wgpu
 
+        name, entry, constants = key
         module, source = self._module(name, entry)
         bindings = entry_bindings(source, entry, parse_bindings(source))
         self._check_limits(name, bindings)
@@ -327,20 +390,25 @@ class KernelRegistry:
         layout = self.gpu.device.create_pipeline_layout(bind_group_layouts=[bgl], label=name)
         stage = {"module": module, "entry_point": entry}
         if constants:
-            stage["constants"] = {k: float(v) for k, v in constants.items()}
+            stage["constants"] = {k: float(v) for k, v in constants}
         try:
             pipeline = self.gpu.device.create_compute_pipeline(layout=layout, compute=stage, label=f"{name}.{entry}")
         except Exception as exc:
-            raise ShaderError(f"pipeline {name}.{entry} {constants or ''} failed: {exc}") from exc
-        kernel = Kernel(name, entry, key[2], pipeline, bgl, tuple(bindings), parse_uniform(source, bindings))
-        self._kernels[key] = kernel
-        return kernel
+            raise ShaderError(f"pipeline {name}.{entry} {dict(constants) or ''} failed: {exc}") from exc
+        return Kernel(name, entry, constants, pipeline, bgl, tuple(bindings), parse_uniform(source, bindings))
 
     def _check_limits(self, name: str, bindings: list[Binding]) -> None:
         storage = sum(1 for b in bindings if b.kind != "uniform")
         limit = self.gpu.limits.get("max-storage-buffers-per-shader-stage", 8)
         if storage > limit:
             raise DeviceLimitError(f"shader {name}.wgsl binds {storage} storage buffers; the device allows {limit}")
+
+    def placeholder(self, elements: int) -> Tensor:
+        """An f32 tensor for a binding that an op's kernel variant never reads (WebGPU binds every buffer a
+        pipeline declares): one per size, shared by every op, destroyed with the registry, bound or not."""
+        if elements not in self._placeholders:
+            self._placeholders[elements] = Tensor.empty(self.gpu, elements, label=f"placeholder {elements}")
+        return self._placeholders[elements]
 
     # -- uniforms and bind groups --------------------------------------------------------------------
     def uniform_slot(self, layout: UniformLayout) -> UniformSlot:
@@ -422,17 +490,22 @@ class KernelRegistry:
     def close(self) -> None:
         """Destroy every buffer bound through this registry and its uniform arenas, and drop every cached
         module, pipeline and bind group: for an owner whose models and ops all live and end with the registry
-        (an engine). This also frees what ops allocate for themselves, like scratch and placeholder buffers."""
-        for _, buffers in self._bind_groups.values():
-            for buffer in buffers:
-                buffer.destroy()
+        (an engine). This also frees what ops allocate for themselves, like scratch and placeholder buffers.
+        A fork (see `fork`) only drops its bind groups and destroys its arenas."""
+        if not self._is_fork:
+            for _, buffers in self._bind_groups.values():
+                for buffer in buffers:
+                    buffer.destroy()
+            self._kernels.clear()
+            self._modules.clear()
         for arena in self._arenas:
             arena.buffer.destroy()
+        for tensor in self._placeholders.values():
+            tensor.destroy()
+        self._placeholders.clear()
         self._arenas.clear()
         self._free_slots.clear()
         self._bind_groups.clear()
-        self._kernels.clear()
-        self._modules.clear()
 
     def forget_buffer(self, buffer) -> None:
         """Drop cached bind groups that reference `buffer` (call before destroying it)."""
@@ -459,6 +532,9 @@ class Recorder:
         self.registry = registry
         self.encoder = registry.gpu.device.create_command_encoder()
         self._pass = None
+        self._native = registry.native_dispatch
+        self._native_pass = self._last_pipeline = self._last_group = None
+        self._max_workgroups = registry.max_workgroups
         self.dispatches = 0
         # Per uniform slot (arena, offset): its bytes at its first dispatch here, and that dispatch's kernel.
         # The arena is uploaded once at submit, so every dispatch of a slot runs with the LAST values set;
@@ -466,8 +542,8 @@ class Recorder:
         self._uniforms: dict[tuple[int, int], tuple[bytes, Kernel]] = {}
 
     def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> None:
-        limit = self.registry.gpu.limits.get("max-compute-workgroups-per-dimension", 65535)
-        if max(x, y, z) > limit or min(x, y, z) < 0:
+        limit = self._max_workgroups
+        if x > limit or y > limit or z > limit or x < 0 or y < 0 or z < 0:
             raise DeviceLimitError(f"{bound.kernel!r}: dispatch ({x}, {y}, {z}) exceeds {limit} per dimension")
         if x == 0 or y == 0 or z == 0:
             return
@@ -481,9 +557,22 @@ class Recorder:
                 self._uniform_clash(bound, first[0], first[1], data)
         if self._pass is None:
             self._pass = self.encoder.begin_compute_pass()
-        self._pass.set_pipeline(bound.kernel.pipeline)
-        self._pass.set_bind_group(0, bound.bind_group)
-        self._pass.dispatch_workgroups(x, y, z)
+            self._native_pass = self._pass._internal if self._native else None
+            self._last_pipeline = self._last_group = None
+        pipeline, group = bound.native
+        if self._native_pass is not None and pipeline is not None and group is not None:
+            native = _NATIVE
+            if pipeline != self._last_pipeline:  # consecutive dispatches of one kernel keep it set
+                native.set_pipeline(self._native_pass, pipeline)
+                self._last_pipeline = pipeline
+            if group != self._last_group:
+                native.set_bind_group(self._native_pass, 0, group, 0, native.null)
+                self._last_group = group
+            native.dispatch(self._native_pass, x, y, z)
+        else:
+            self._pass.set_pipeline(bound.kernel.pipeline)
+            self._pass.set_bind_group(0, bound.bind_group)
+            self._pass.dispatch_workgroups(x, y, z)
         self.dispatches += 1
 
     @staticmethod
@@ -501,7 +590,7 @@ class Recorder:
     def _end_pass(self) -> None:
         if self._pass is not None:
             self._pass.end()
-            self._pass = None
+            self._pass = self._native_pass = None
 
     def copy(
         self, src: Tensor, dst: Tensor, nbytes: int | None = None, *, src_offset: int = 0, dst_offset: int = 0

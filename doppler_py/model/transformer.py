@@ -4,7 +4,7 @@
                           │ qkv = rmsnorm(x)·Wqkv (+b)   Qwen3, Gemma 3: rmsnorm(q, k heads) │
                           │ rope(q); cache[pos] = rope(k), v        a = attention(q, cache)  │
                           │ x += a·Wo                  gu = rmsnorm(x)·[Wg;Wu]               │
-                          │ h = silu(g)·u              x += h·Wd                             │
+                          │ x += (silu(g)·u)·Wd                                              │
                           └──────────────────────────────────────────────────────────────────┘
     x ─ rmsnorm ─ LM head ─▶ logits       (stay on the GPU: the speculative engine's verifier picks tokens)
 
@@ -14,13 +14,14 @@ x += rmsnorm(y), the same after the MLP); gelu_tanh(g)·u instead of silu(g)·u;
 query_pre_attn_scalar^-1/2; sliding-window layers, with their own RoPE base, see only the last W positions.
 
 Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·hd; KV = n_kv_heads·hd):
-    x, xn, y [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]   act [T, F]
+    x, xn, y [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]
     logits [L, V] with L = 1 ("last") or T ("all", T ≤ max_logit_rows)
 
-The layers' RMSNorms run inside the projections that follow them (Linear's `norm`; xn is only written when a
-long prefill takes the tiled GEMM on a GPU). All buffers and bind groups are created once here; a forward only
-sets uniforms (rows, positions) and records dispatches. Ops bound to a KV cache (cache write, attention) are
-built once per cache.
+The RMSNorms before the projections run inside them (Linear's `norm`, the final norm too; xn and xn_head are
+only written when a long prefill takes the tiled GEMM on a GPU), and the down projection computes silu(g)·u
+as it loads gate_up (Linear's `glu`): a decode step is 6 dispatches per layer plus 2. All buffers and bind
+groups are created once here; a forward only sets uniforms (rows, positions) and records dispatches. Ops bound
+to a KV cache (cache write, attention) are built once per cache.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
 from doppler_py.ops.attention import Attention
-from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import InputNorm, Linear
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
@@ -52,7 +52,7 @@ class _LayerOps:
     o: Linear  # into x (residual add), or into y when post_attn normalises it
     post_attn: RMSNorm | None  # x += rmsnorm(y) (Gemma post_attention_layernorm)
     gate_up: Linear  # normalises x first (LLaMA post_attention_layernorm, Gemma pre_feedforward_layernorm)
-    down: Linear  # into x, or into y when post_mlp normalises it
+    down: Linear  # silu(gate)·up from gate_up, into x, or into y when post_mlp normalises it
     post_mlp: RMSNorm | None  # x += rmsnorm(y) (Gemma post_feedforward_layernorm)
 
 
@@ -99,7 +99,6 @@ class Transformer:
         self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size), "f32", "qkv")
         self.attn = Tensor.empty(gpu, (max_rows, self.q_size), "f32", "attn")
         self.gate_up = Tensor.empty(gpu, (max_rows, 2 * ffn), "f32", "gate_up")
-        self.act = Tensor.empty(gpu, (max_rows, ffn), "f32", "act")
         self.x_last = Tensor.empty(gpu, (1, h), "f32", "x_last")
         self.xn_head = Tensor.empty(gpu, (self.max_logit_rows, h), "f32", "xn_head")
         self.logits = Tensor.empty(gpu, (self.max_logit_rows, vocab), "f32", "logits")
@@ -119,18 +118,14 @@ class Transformer:
                 table = rope_table(hd, self.max_positions, theta, scaling)
                 self.rope_tables[key] = Tensor.from_numpy(gpu, table, "f32", f"rope {theta:g}")
         self.embed = Embedding(registry, weights.embed, self.ids, self.x, max_rows=max_rows, scale=cfg.embed_scale)
-        self.swiglu = SwiGLU(
-            registry, self.gate_up, self.act, ffn_dim=ffn, max_rows=max_rows, activation=cfg.hidden_act
-        )
         self.layers = [self._layer_ops(lw) for lw in weights.layers]
-        # Final norm + LM head over all rows ("all") or over the last row copied into x_last ("last").
-        self.final_norm_all = RMSNorm(
-            registry, self.x, weights.norm, self.xn_head, dim=h, eps=cfg.rms_norm_eps, max_rows=self.max_logit_rows
+        # Final norm + LM head over the first rows of x ("all", and "last" of a one-row forward) or over the last
+        # row copied into x_last ("last" of a longer forward).
+        final_norm = InputNorm(weights.norm, cfg.rms_norm_eps, self.xn_head)
+        self.lm_head = Linear(
+            registry, weights.lm_head, self.x, self.logits, max_rows=self.max_logit_rows, norm=final_norm
         )
-        self.final_norm_last = RMSNorm(
-            registry, self.x_last, weights.norm, self.xn_head, dim=h, eps=cfg.rms_norm_eps, max_rows=1
-        )
-        self.lm_head = Linear(registry, weights.lm_head, self.xn_head, self.logits, max_rows=self.max_logit_rows)
+        self.lm_head_last = Linear(registry, weights.lm_head, self.x_last, self.logits, max_rows=1, norm=final_norm)
         self._cache_ops: dict[int, tuple[KVCache, _CacheOps]] = {}
         self.closed = False
 
@@ -173,7 +168,7 @@ class Transformer:
             gate_up=Linear(
                 reg, lw.gate_up, self.x, self.gate_up, max_rows=rows, norm=InputNorm(lw.mlp_norm, eps, self.xn)
             ),
-            down=Linear(reg, lw.down, self.act, out, max_rows=rows, accumulate=out is self.x),
+            down=Linear(reg, lw.down, self.gate_up, out, max_rows=rows, accumulate=out is self.x, glu=cfg.hidden_act),
             post_mlp=post_norm(lw.post_mlp_norm),
         )
 
@@ -288,14 +283,12 @@ class Transformer:
             if layer.post_attn:
                 layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
             layer.gate_up.record(rec, rows=rows)  # matmul: gate_up = rmsnorm(x)·[Wg; Wu]
-            self.swiglu.record(rec, rows=rows)  # swiglu: act = silu(gate)·up (Gemma: gelu_tanh)
-            layer.down.record(rec, rows=rows)  # matmul: x += act·Wd (Gemma: y = act·Wd)
+            layer.down.record(rec, rows=rows)  # matmul: x += (silu(gate)·up)·Wd (Gemma: gelu_tanh; into y)
             if layer.post_mlp:
                 layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
         cache.advance_to(max(cache.length, start_pos + rows))
-        if logits == "all":
-            self.final_norm_all.record(rec, rows=rows)  # rmsnorm: xn_head = rmsnorm(x)
-            self.lm_head.record(rec, rows=rows)  # matmul: logits = xn_head·Wlm
+        if logits == "all" or (logits == "last" and rows == 1):
+            self.lm_head.record(rec, rows=rows)  # matmul: logits = rmsnorm(x)·Wlm
         elif logits == "last":
             row_bytes = self.config.hidden_size * 4
             rec.copy(  # copy: x_last = x[rows - 1]
@@ -304,8 +297,7 @@ class Transformer:
                 row_bytes,
                 src_offset=(rows - 1) * row_bytes,
             )
-            self.final_norm_last.record(rec, rows=1)  # rmsnorm: xn_head = rmsnorm(x[last])
-            self.lm_head.record(rec, rows=1)  # matmul: logits = xn_head·Wlm
+            self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[last])·Wlm
 
     def forward(
         self,
@@ -353,7 +345,7 @@ class Transformer:
         if self.closed:
             return
         self.registry.release_tensors(
-            self.ids, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
+            self.ids, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.x_last,
             self.xn_head, self.logits, *self.rope_tables.values(),
         )  # fmt: skip
         self.closed = True

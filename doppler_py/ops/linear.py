@@ -14,6 +14,8 @@ A weight split into parts (larger than one storage binding) is one dispatch per 
 
 `norm=InputNorm(...)` applies an RMSNorm to x first: inside the register kernels (no dispatch of its own), or
 as a separate rmsnorm dispatch into `InputNorm.scratch` before the tiled GEMM, which cannot fuse it.
+`glu="silu"` (or "gelu_pytorch_tanh") takes x as a gated MLP's [gate | up] rows of 2K and multiplies by
+act(gate) * up, computed as x is loaded in every kernel: the down projection then needs no SwiGLU dispatch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder, workgroups
 from doppler_py.gpu.subgroups import simd_lanes, smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
+from doppler_py.ops.elementwise import ACTIVATIONS
 from doppler_py.ops.norms import RMSNorm
 
 SHADER = "matmul"
@@ -71,7 +74,7 @@ class InputNorm:
 class Linear:
     """out[t, n] (+)= sum_k x[t, k] * W[n, k] (+ bias[n]) for t < rows, with x f32 [>= max_rows, K] and out
     f32 [>= max_rows, N] (row-major, row strides K and N). `accumulate=True` adds into out (residual fold);
-    `norm` normalises x first (see the module docstring)."""
+    `norm` normalises x first; `glu` reads x as [gate | up] rows of 2K (see the module docstring)."""
 
     def __init__(
         self,
@@ -85,12 +88,18 @@ class Linear:
         accumulate: bool = False,
         tiled_gemm: bool | None = None,
         norm: InputNorm | None = None,
+        glu: str | None = None,
     ):
         n, k = weight.shape
         if max_rows < 1:
             raise ValueError(f"Linear: max_rows must be >= 1, got {max_rows}")
+        if glu is not None and (glu not in ACTIVATIONS or norm is not None):
+            raise ValueError(
+                f"Linear: glu must be one of {sorted(ACTIVATIONS)} and not combined with norm, got {glu!r}"
+            )
         label = weight.name or "weight"
-        _check_tensor("x", x, max_rows * k, f"max_rows={max_rows} x K={k} of {label}")
+        x_width = 2 * k if glu else k
+        _check_tensor("x", x, max_rows * x_width, f"max_rows={max_rows} x {x_width} of {label}")
         _check_tensor("out", out, max_rows * n, f"max_rows={max_rows} x N={n} of {label}")
         if bias is not None:
             _check_tensor("bias", bias, n, f"N={n} of {label}")
@@ -112,10 +121,12 @@ class Linear:
         self.max_rows = max_rows
         self.tiled_gemm = tiled_gemm
         self.flags = {"FORMAT": weight.format_id}
+        if glu is not None:
+            self.flags["GLU"] = ACTIVATIONS[glu] + 1
         self.switches = {"has_bias": int(bias is not None), "accumulate": int(accumulate)}
-        self.tensors = {"x": x, "out": out, "bias": bias if bias is not None else Tensor.empty(gpu, 1, label="no bias")}
+        self.tensors = {"x": x, "out": out, "bias": bias if bias is not None else registry.placeholder(1)}
         self.norm = norm
-        self.norm_weight = norm.weight if norm is not None else Tensor.empty(gpu, 4, label="no norm")
+        self.norm_weight = norm.weight if norm is not None else registry.placeholder(4)
         # The tiled GEMM cannot fuse the norm: it reads the rows this dispatch writes into the scratch.
         self._tiled_norm = (
             RMSNorm(registry, x, norm.weight, norm.scratch, dim=k, eps=norm.eps, max_rows=max_rows)

@@ -21,7 +21,7 @@ from doppler_py.gpu.weights import (
     quantize_blocks,
 )
 from doppler_py.ops.linear import InputNorm, Linear
-from doppler_py.testing.references import rmsnorm
+from doppler_py.testing.references import gelu_tanh, rmsnorm, silu
 
 U = 2.0**-24
 ROW_COUNTS = (1, 2, 3, 5, 8, 13, 16, 17, 40)
@@ -55,12 +55,12 @@ def _check(got: np.ndarray, x: np.ndarray, raw: np.ndarray, fmt: str, shape, exp
 
 
 def _run_linear(gpu, registry, w_raw, fmt, shape, x, *, rows, bias=None, out_init=None, **kwargs):
-    n, k = shape
+    n = shape[0]
     weight = Weight.from_gguf_blocks(
         gpu, w_raw, fmt, shape, name="w", max_part_bytes=kwargs.pop("max_part_bytes", None)
     )
     max_rows = kwargs.pop("max_rows", rows)
-    x_t = Tensor.from_numpy(gpu, np.resize(x, (max_rows, k)).astype(np.float32))
+    x_t = Tensor.from_numpy(gpu, np.resize(x, (max_rows, np.shape(x)[1])).astype(np.float32))
     init = out_init if out_init is not None else np.full((max_rows, n), np.nan, np.float32)
     out = Tensor.from_numpy(gpu, init)
     bias_t = Tensor.from_numpy(gpu, bias) if bias is not None else None
@@ -241,6 +241,37 @@ def test_input_norm_matches_rmsnorm_then_matmul(gpu, registry, rng, fmt, rows, t
     assert (err <= bound).all(), f"worst error {err.max():.3g}"
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("fmt", ["f32", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("tiled_gemm", [False, True])
+def test_glu_input_matches_the_gated_activation_then_matmul(gpu, registry, rng, activation, fmt, rows, tiled_gemm):
+    """GLU (the down projection with the gated MLP's activation folded into its loads): x rows are [gate | up]
+    and the product's input is act(gate) * up, as swiglu.wgsl computes it; gates of +-100 pass exp's cut-off."""
+    n, k = 203, 608
+    raw = quantize_blocks(_random_weight(rng, n, k), fmt)
+    gate = rng.standard_normal((rows, k)) * 6
+    gate[:, :4] = [100.0, -100.0, 90.0, -90.0]
+    up = rng.standard_normal((rows, k))
+    x = np.concatenate([gate, up], axis=1).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    residual = rng.standard_normal((rows, n)).astype(np.float32)
+    got = _run_linear(
+        gpu, registry, raw, fmt, (n, k), x, rows=rows, bias=bias, out_init=residual, accumulate=True,
+        tiled_gemm=tiled_gemm, glu=activation,
+    )  # fmt: skip
+    g, u = x[:, :k].astype(np.float64), x[:, k:].astype(np.float64)
+    act = (silu(g) if activation == "silu" else gelu_tanh(g)) * u
+    w = dequantize_blocks(raw, fmt, (n, k)).astype(np.float64)
+    product = act @ w.T
+    # act carries the activation's own error (2e-6 relative, tests/kernels/test_swiglu.py), then the dot
+    # product's bound and the roundings of the bias and residual adds.
+    bound = 2e-6 * (np.abs(act) @ np.abs(w).T) + k * U * (np.abs(act) @ _terms(raw, fmt, (n, k)).T)
+    bound += 2 * U * (np.abs(bias) + np.abs(residual) + np.abs(product))
+    err = np.abs(got - (product + bias + residual))
+    assert (err <= bound).all(), f"worst error {err.max():.3g}"
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_bias_and_accumulate_add_to_the_product(gpu, registry, rng, rows):
     n, k = 77, 64
@@ -330,6 +361,10 @@ def test_linear_rejects_bad_tensors_and_row_counts(gpu, registry):
         Linear(registry, weight, x, out, max_rows=4, bias=Tensor.empty(gpu, 7))
     with pytest.raises(ValueError, match="aliasing"):
         Linear(registry, weight, x, x.view((4, 8)), max_rows=4)
+    with pytest.raises(ValueError, match=r"x has 128 elements.*4 x 64"):  # [gate | up] rows are 2K wide
+        Linear(registry, weight, x, out, max_rows=4, glu="silu")
+    with pytest.raises(ValueError, match="glu must be one of"):
+        Linear(registry, weight, Tensor.empty(gpu, (4, 64)), out, max_rows=4, glu="relu")
     linear = Linear(registry, weight, x, out, max_rows=4)
     for rows in (0, 5):
         with pytest.raises(ValueError, match=r"rows must be in \[1, 4\]"):

@@ -41,13 +41,15 @@ _FORMATS = [0, 1, 2, 3, 4]
 _MATMUL_FLAGS = _product(FORMAT=_FORMATS)
 # Linear uses workgroups of 16 and SIMD_LANES 8 or 16 on CPU adapters, 64 and 1 on GPUs (doppler_py/ops/linear.py);
 # its subgroup kernel gets SUBGROUP_MIN 4 on GPUs and the measured size (4 or 8) on CPU adapters.
-# The projections after a norm (qkv, gate_up) fuse it: RMS_NORM.
+# The projections after a norm (qkv, gate_up, the LM head) fuse it: RMS_NORM; the down projection fuses the
+# gated MLP's activation: GLU 1 (silu) or 2 (gelu_tanh).
+_MATMUL_INPUTS = [{"RMS_NORM": 0}, {"RMS_NORM": 1}, {"GLU": 1}, {"GLU": 2}]
 _MATMUL_REGISTER = [
-    {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g, "SIMD_LANES": 8 if g == 16 else 1, "RMS_NORM": norm}
+    {**f, "ROWS": r, "COLS": 8, "WORKGROUP_SIZE": g, "SIMD_LANES": 8 if g == 16 else 1, **inputs}
     for f in _MATMUL_FLAGS
     for r in range(1, 9)
     for g in (16, 64)
-    for norm in (0, 1)
+    for inputs in _MATMUL_INPUTS
 ]
 _MATMUL_SUBGROUPS = [
     {**v, "SUBGROUP_MIN": m} for v in _MATMUL_REGISTER for m in ((4, 8) if v["WORKGROUP_SIZE"] == 16 else (4,))
@@ -59,7 +61,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
     "logprobs": {"main": []},
-    "matmul": {"main": _MATMUL_REGISTER, "main_subgroups": _MATMUL_SUBGROUPS, "gemm_tiled": _MATMUL_FLAGS},
+    "matmul": {"main": _MATMUL_REGISTER, "main_subgroups": _MATMUL_SUBGROUPS, "gemm_tiled": _product(FORMAT=_FORMATS, GLU=[0, 1, 2])},
     "residual": {"main": []},
     "rmsnorm": {"main": [{"ACCUMULATE": True}], "heads": []},
     "rope": {"main": []},
