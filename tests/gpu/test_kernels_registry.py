@@ -62,7 +62,12 @@ def test_wrong_binding_names_raise(registry, gpu):
         registry.bind(registry.kernel("residual"), params={"n": 4}, acc=t)
 
 
-def test_many_dispatches_in_one_submit_see_each_others_writes_and_their_own_uniforms(gpu, registry, rng):
+@pytest.mark.parametrize("native", [True, False], ids=["native-calls", "wgpu-py-api"])
+def test_many_dispatches_in_one_submit_see_each_others_writes_and_their_own_uniforms(
+    gpu, registry, rng, monkeypatch, native
+):
+    """Both recording paths: wgpu-native's pass functions called directly, and wgpu-py's public API."""
+    monkeypatch.setattr(registry, "native_dispatch", native and registry.native_dispatch)
     n = 1000
     x = rng.standard_normal(n).astype(np.float32)
     acc = Tensor.from_numpy(gpu, np.zeros(n, np.float32))
@@ -111,6 +116,26 @@ def test_a_slot_dispatched_twice_with_the_same_values_or_in_the_next_submit_is_f
     expected = 2 * x
     expected[: n // 2] += x[: n // 2]
     np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-6)
+
+
+def test_a_fork_shares_pipelines_but_not_uniforms_and_frees_only_its_own(gpu, registry, rng):
+    n = 64
+    x = rng.standard_normal(n).astype(np.float32)
+    acc = Tensor.from_numpy(gpu, np.zeros(n, np.float32))
+    delta = Tensor.from_numpy(gpu, x)
+    fork = registry.fork()
+    assert fork.kernel("residual") is registry.kernel("residual")
+    mine = registry.bind(registry.kernel("residual"), params={"n": n}, delta=delta, acc=acc)
+    theirs = fork.bind(fork.kernel("residual"), params={"n": n // 2}, delta=delta, acc=acc)
+    assert theirs.params.arena is not mine.params.arena
+    for reg, op in ((registry, mine), (fork, theirs)):
+        rec = reg.recorder()
+        rec.dispatch(op, 1)
+        rec.submit()
+    fork.close()
+    expected = x.copy()
+    expected[: n // 2] += x[: n // 2]
+    np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-6)  # the buffers bound through the fork live on
 
 
 def test_odd_sized_tensors_round_trip(gpu):
