@@ -28,6 +28,7 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.best_of import BestOfDrafter
+from doppler_py.speculative.cost_cache import cost_key, load_costs, save_costs
 from doppler_py.speculative.draft_model import DraftModelDrafter, check_vocabularies
 from doppler_py.speculative.eagle import EagleDrafter, load_head
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
@@ -98,9 +99,13 @@ class Engine:
         draft: Transformer | None = None,
         heads: dict | None = None,
         owns_registry: bool = False,
+        folder: Path | None = None,
+        warmup: str = "now",
     ):
         """`heads`: trained draft heads for `model` by kind ("eagle", "medusa"); `owns_registry`: the models' kernel
-        registry was made for this engine and is closed with it."""
+        registry was made for this engine and is closed with it; `folder`: the model's files, which key the
+        on-disk cache of measured verification costs (None: no cache); `warmup`: see `load`."""
+        check_warmup(warmup)
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -113,6 +118,8 @@ class Engine:
         self.piece_logprobs: list[TokenLogprob] | None = None
         self.last_result: GenerationResult | None = None
         self.owns_registry = owns_registry
+        self.folder = folder
+        self.warmup = warmup
         self.closed = False
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -178,9 +185,21 @@ class Engine:
                 }[mode]()
             engine = SpeculativeEngine(self.model, drafter)
             if mode != "none":
-                engine.calibrate()
+                self._prepare(engine)
             self._spec[mode] = engine
         return self._spec[mode]
+
+    def _prepare(self, engine: SpeculativeEngine) -> None:
+        """Costs from the on-disk cache when this device and model were measured before, else a calibration
+        whose result is stored there; now, or with the pipelines compiling in the background (`warmup`)."""
+        costs = None
+        if self.folder is not None:
+            key = cost_key(
+                self.model.gpu, self.folder, self.weights, max_rows=self.model.max_rows, capacity=engine.capacity
+            )
+            costs = load_costs(key)
+            engine.on_calibrated = lambda measured: save_costs(key, measured)
+        engine.prepare(costs=costs, background=self.warmup == "background")
 
     def should_speculate(self, speculative: str = "auto") -> bool:
         """Whether `speculative` is predicted to pay here, from measured costs and acceptance so far."""
@@ -439,6 +458,7 @@ def load(
     browser_limits: bool = False,
     progress: bool = True,
     gpu: Gpu | None = None,
+    warmup: str = "now",
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -447,7 +467,14 @@ def load(
     draft: an optional smaller model with the same vocabulary for speculative="draft-model".
     draft_head: a trained head folder (or several: one per kind) for speculative="eagle"/"medusa" and "auto";
     None: the heads shipped for a known model, if any; False: none.
+    warmup: how a speculative mode gets ready on first use. "now": compile its pipelines and measure this
+    device's verification costs before its first generation starts (its step structure is then the same from
+    the first token). "background": compile them in a background thread while the first generations stream
+    plain tokens, then switch speculation on (what the CLI and the server use: the first token comes as fast
+    as without speculation). Either way measured costs are cached on disk per device, model and precision,
+    so later processes skip the measuring.
     """
+    check_warmup(warmup)
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     gpu = gpu or default_gpu(browser_limits)
@@ -484,8 +511,24 @@ def load(
         registry.close()
         raise
     return Engine(
-        target, tokenizer, name=str(model), weights=weights, draft=draft_model, heads=heads, owns_registry=True
+        target,
+        tokenizer,
+        name=str(model),
+        weights=weights,
+        draft=draft_model,
+        heads=heads,
+        owns_registry=True,
+        folder=folder,
+        warmup=warmup,
     )
+
+
+WARMUP_MODES = ("now", "background")
+
+
+def check_warmup(warmup: str) -> None:
+    if warmup not in WARMUP_MODES:
+        raise GenerationOptionError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {warmup!r}")
 
 
 def load_heads(model, draft_head, target: Transformer, weights: str, tokenizer: Tokenizer) -> dict:

@@ -56,6 +56,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
     group.add_argument("--browser-limits", action="store_true", help="run under the WebGPU default limits")
     group.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
+    group.add_argument(
+        "--warmup",
+        choices=("background", "now"),
+        default="background",
+        help="speculation's pipelines compile while the first tokens stream plainly (background, the default) "
+        "or before the first token (now)",
+    )
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +94,7 @@ def _load(args: argparse.Namespace):
         max_seq=args.max_seq,
         browser_limits=args.browser_limits,
         progress=not args.no_progress,
+        warmup=args.warmup,
     )
 
 

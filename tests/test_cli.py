@@ -263,7 +263,7 @@ def test_train_draft_writes_heads_that_generate_drafts_with(runs, env, tmp_path)
         card = json.loads(train.stdout)
         assert card["kind"] == kind and card["steps"] == 4 and card["sequences"] == 42
         assert "answers_s" in card["wall_time_s"] and "train: step 4/4" in train.stderr
-    common = ["--model", runs["model"], "--max-tokens", "12", "--no-progress"]
+    common = ["--model", runs["model"], "--max-tokens", "12", "--no-progress", "--warmup", "now"]
     common += ["--draft-head", str(heads["eagle"]), "--draft-head", str(heads["medusa"])]
     plain = json.loads(ok(run_cli(["generate", PROMPT, *common, "--speculative", "none", "--json"], env)).stdout)
     for kind in heads:

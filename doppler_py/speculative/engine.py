@@ -23,7 +23,7 @@ verification. The same seed therefore reproduces the same tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,7 @@ from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Pro
 from doppler_py.speculative.policy import DraftLengthPolicy
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.timing import StepClock
+from doppler_py.speculative.warmup import PipelineWarmup
 
 
 @dataclass
@@ -83,7 +84,90 @@ class SpeculativeEngine:
         self.logprobs: int | None = None  # top alternatives per token while a generation asks for log-probs
         self.last_logprobs = None  # the last step's committed tokens' TokenLogprobs (None when not asked)
         self._logprob_op: LogProbs | None = None
+        # Getting ready to speculate (see `prepare`): pipelines compiling in the background, a calibration due,
+        # and who wants the measured costs (the on-disk cost cache).
+        self.warmup: PipelineWarmup | None = None
+        self.warmup_pending = False  # `prepare(background=True)` before the first token of a generation
+        self.usable_rows = self.capacity + 1  # most rows a step may verify (fewer while `prepare` compiles)
+        self.needs_calibration = False
+        self.on_calibrated: Callable[[dict[int, float]], None] | None = None
         self.closed = False
+
+    # -- getting ready ------------------------------------------------------------------------------------
+    def prepare(self, *, costs: dict[int, float] | None = None, background: bool = False) -> None:
+        """Make the engine ready to speculate. `costs`: verification costs measured earlier on this device and
+        model (`cost_cache`), so no calibration is needed. `background`: take plain steps while a background
+        thread compiles the verification pipelines (`PipelineWarmup`, started once the next generation's first
+        token is out: before, it would compete with the prefill and the first step for the CPU and the
+        compiler), and speculate with drafts as long as the compiled row counts allow meanwhile; else calibrate
+        now, which compiles them all first."""
+        for rows, seconds in (costs or {}).items():
+            self.policy.costs.observe_verify(rows, seconds)
+        self.needs_calibration = not costs
+        self.warmup_pending = background
+        self.usable_rows = 1
+        if not background:
+            self._use_rows(max(self.verify_rows()), between_steps=False)
+
+    def verify_rows(self) -> list[int]:
+        """Every row count a step may verify: 1 (a plain step) to k_max + 1."""
+        return [r for r in range(1, self.policy.k_max + 2) if r <= self.capacity + 1]
+
+    def _ready(self, ctx: StepContext, first_step: bool) -> bool:
+        """Whether this step may speculate (at most `policy.limit` drafts while pipelines still compile)."""
+        seeded = not ctx.params.greedy and ctx.params.seed is not None
+        if self.warmup_pending and (not first_step or seeded):
+            self.warmup_pending = False
+            self.warmup = PipelineWarmup(
+                self.target, lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity), self.verify_rows()
+            )
+        if self.warmup_pending:
+            return False
+        warmup = self.warmup
+        if warmup is not None:
+            if seeded:
+                # Which steps speculate decides which random numbers each token uses: with a seed that must not
+                # depend on how long compiling takes.
+                warmup.done.wait()
+            if warmup.done.is_set():
+                self.warmup = None
+                warmup.finish()
+                self._use_rows(max(self.verify_rows()), between_steps=True)
+            elif warmup.compiled_rows >= max(3, self.usable_rows + 2):  # each step up may pause to calibrate
+                self._use_rows(warmup.compiled_rows, between_steps=True)
+        return self.usable_rows >= 2
+
+    def _use_rows(self, rows: int, *, between_steps: bool) -> None:
+        """Steps may now verify up to `rows` rows: calibrate the new row counts if no costs were cached."""
+        if self.needs_calibration:
+            new_rows = [r for r in self.verify_rows() if self.usable_rows < r <= rows or r == 1]
+            if between_steps:
+                self._calibrate_between_steps(new_rows)
+            else:
+                self.calibrate(new_rows)
+        self.usable_rows = rows
+        full = rows >= max(self.verify_rows())
+        self.policy.limit = None if full else rows - 1
+        if full and self.needs_calibration:
+            self.needs_calibration = False
+            if self.on_calibrated is not None:
+                self.on_calibrated(dict(self.policy.costs.verify))
+
+    def _calibrate_between_steps(self, rows: list[int]) -> None:
+        """Calibration runs the target on its own KV cache but through the target's activation buffers, where
+        drafters read the last verified rows' features (ctx.hidden): those are kept."""
+        target = self.target
+        saved = Tensor.empty(target.gpu, target.x.shape, "f32", "x during calibration")
+        rec = self.registry.recorder()
+        rec.copy(target.x, saved)
+        rec.submit()
+        try:
+            self.calibrate(rows)
+        finally:
+            rec = self.registry.recorder()
+            rec.copy(saved, target.x)
+            rec.submit()
+            self.registry.release_tensors(saved)
 
     # -- the algorithm ------------------------------------------------------------------------------------
     def step(self, ctx: StepContext, k: int) -> StepOutcome:
@@ -215,7 +299,8 @@ class SpeculativeEngine:
             target.gpu.wait_idle()
             stats.prefill_s = time.perf_counter() - start
             while produced < max_new_tokens:
-                draft_len = self.policy.next_k(max_new_tokens - produced) if self.speculative else 0
+                speculate = self.speculative and self._ready(ctx, first_step=produced == 0)
+                draft_len = self.policy.next_k(max_new_tokens - produced) if speculate else 0
                 new = self._measured_step(ctx, draft_len, stats)[: max_new_tokens - produced]
                 for j, token in enumerate(new):
                     if token in stop_ids:
@@ -265,12 +350,13 @@ class SpeculativeEngine:
         keep refining it."""
         target = self.target
         # Every verification size the policy may use (this also compiles their pipelines up front).
-        rows = [r for r in (rows or range(1, self.policy.k_max + 2)) if r <= self.capacity + 1]
+        rows = [r for r in (rows or self.verify_rows()) if r <= self.capacity + 1]
         context = min(context, target.max_positions - max(rows) - 1)
         cache = target.new_cache(context + max(rows) + 1)
         tokens = [0] * (context + 1)
         ctx = StepContext(tokens, target, cache, SamplingParams(), Mulberry32(0), cache.max_seq)
         drafter, self.drafter = self.drafter, _Replay()
+        logprobs, self.logprobs = self.logprobs, None  # between two steps of a generation that asked for them
         try:
             target.forward(tokens[:-1], cache, 0, logits="none")
             for n in rows:
@@ -283,13 +369,16 @@ class SpeculativeEngine:
                     cache.truncate(context)
                 self.policy.costs.observe_verify(n, best)
         finally:
-            self.drafter = drafter
+            self.drafter, self.logprobs = drafter, logprobs
             target.release_cache(cache)
 
     def close(self) -> None:
         """Free the step buffers and ops (the target and a draft model belong to the caller)."""
         if self.closed:
             return
+        if self.warmup is not None:
+            self.warmup.cancel()
+            self.warmup = None
         self.drafter.close()
         for _, verifier in self._verifiers.values():
             verifier.op.release(self.registry)

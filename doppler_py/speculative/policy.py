@@ -80,6 +80,7 @@ class DraftLengthPolicy:
 
     capacity: int = K_CEILING
     costs: CostModel = field(default_factory=CostModel)
+    limit: int | None = None  # fewer drafts allowed for now (verification pipelines still compiling); None: k_max
     k_min: int = 1
     max_pause: int = 64
     # Per generation (see `reset`):
@@ -95,6 +96,11 @@ class DraftLengthPolicy:
     @property
     def k_max(self) -> int:
         return min(K_CEILING, self.capacity)
+
+    @property
+    def k_now(self) -> int:
+        """The most drafts a step may take now: k_max, or the limit while pipelines compile."""
+        return self.k_max if self.limit is None else min(self.k_max, self.limit)
 
     def check_k(self, k: int | None) -> None:
         """Refuse a user's draft length the engine cannot verify in one step."""
@@ -129,11 +135,11 @@ class DraftLengthPolicy:
             best = self.best_k()
             if best is not None:
                 k = min(k, best)
-        return min(k, remaining - 1)
+        return min(k, remaining - 1, self.k_now)
 
     def best_k(self) -> int | None:
         """The draft length with the highest predicted speedup at the current acceptance estimate."""
-        scored = [(s, k) for k in range(self.k_min, self.k_max + 1) if (s := self.costs.speedup(self.alpha, k))]
+        scored = [(s, k) for k in range(self.k_min, self.k_now + 1) if (s := self.costs.speedup(self.alpha, k))]
         return max(scored)[1] if scored else None
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -157,7 +163,7 @@ class DraftLengthPolicy:
             self.next_pause = 4
 
     def best_speedup(self) -> float | None:
-        estimates = [s for k in range(self.k_min, self.k_max + 1) if (s := self.costs.speedup(self.alpha, k))]
+        estimates = [s for k in range(self.k_min, self.k_now + 1) if (s := self.costs.speedup(self.alpha, k))]
         return max(estimates) if estimates else None
 
     def should_speculate(self) -> bool:

@@ -1,0 +1,132 @@
+"""Getting ready to speculate without holding up the first token: pipelines compiled in a background thread
+(`doppler_py.speculative.warmup`), drafts limited to the row counts already compiled, the calibration between
+two steps, and the on-disk cost cache (`doppler_py.speculative.cost_cache`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import doppler_py
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative import DraftModelDrafter
+from doppler_py.speculative.cost_cache import cost_key, load_costs, save_costs
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.policy import DraftLengthPolicy
+from doppler_py.testing.decode import reference_decode
+from doppler_py.testing.tiny import TinySpec
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 5, 9, 1, 30, 3, 17]
+MODEL = TinySpec(num_hidden_layers=2, seed=5)  # with a tokenizer, for `doppler_py.load`
+
+
+def draft_engine(models) -> SpeculativeEngine:
+    return SpeculativeEngine(models["target"], DraftModelDrafter(models["draft"], 48))
+
+
+def test_background_warmup_streams_plain_tokens_then_speculates(models):
+    """The first generation's first step is plain and starts the compile thread; once it is done, the next step
+    calibrates every row count (the costs go to `on_calibrated`) and speculation is on. Greedy output never
+    changes."""
+    plain = reference_decode(models["target"], PROMPT, 24, GREEDY)
+    engine = draft_engine(models)
+    calibrated = []
+    engine.on_calibrated = calibrated.append
+    engine.prepare(background=True)
+    try:
+        first = engine.generate(PROMPT, 24, GREEDY)
+        assert first.tokens == plain and first.stats.plain_steps >= 1
+        if engine.warmup is not None:
+            assert engine.warmup.done.wait(timeout=300), "the pipelines never finished compiling"
+        second = engine.generate(PROMPT, 24, GREEDY)
+    finally:
+        engine.close()
+    assert second.tokens == plain and second.stats.drafted > 0
+    assert engine.policy.limit is None and engine.usable_rows == max(engine.verify_rows())
+    assert len(calibrated) == 1 and sorted(calibrated[0]) == engine.verify_rows()
+    assert all(seconds > 0 for seconds in calibrated[0].values())
+
+
+def test_a_seeded_sampled_generation_waits_for_the_warmup(models):
+    """Which steps speculate decides which random numbers each token uses: with a seed the tokens must not
+    depend on how long compiling took, so a background engine gives what a ready one gives."""
+    params = SamplingParams(temperature=1.0, top_k=8, seed=7)
+    ready = draft_engine(models)
+    ready.prepare(costs={1: 1.0, 5: 2.0})
+    warming = draft_engine(models)
+    warming.prepare(costs={1: 1.0, 5: 2.0}, background=True)
+    try:
+        assert warming.generate(PROMPT, 20, params).tokens == ready.generate(PROMPT, 20, params).tokens
+    finally:
+        ready.close()
+        warming.close()
+
+
+def test_closing_while_compiling_stops_the_thread(models):
+    engine = draft_engine(models)
+    engine.prepare(costs={1: 1.0, 2: 1.5}, background=True)
+    engine.generate(PROMPT, 3, GREEDY)  # the first token is out: the thread starts
+    warmup = engine.warmup
+    engine.close()
+    assert warmup is None or not warmup._thread.is_alive()
+
+
+def test_drafts_stay_within_the_compiled_row_counts():
+    policy = DraftLengthPolicy(capacity=8)
+    policy.reset()
+    policy.limit = 2
+    assert all(policy.next_k(100) <= 2 for _ in range(10))
+    policy.reset(k=6)  # a pinned k too, until its pipelines exist
+    assert policy.next_k(100) == 2
+    policy.limit = None
+    assert policy.next_k(100) == 6
+
+
+# --- the on-disk cost cache -------------------------------------------------------------------------------------
+@pytest.fixture
+def cost_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOPPLER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "verify-costs"
+
+
+def test_costs_are_kept_per_device_model_and_precision(gpu, tiny_folder, cost_dir):
+    folder = tiny_folder(MODEL)
+    key = cost_key(gpu, folder, "f32", max_rows=32, capacity=8)
+    assert load_costs(key) is None
+    save_costs(key, {1: 0.01, 5: 0.03})
+    assert load_costs(key) == {1: 0.01, 5: 0.03}
+    assert load_costs(cost_key(gpu, folder, "f16", max_rows=32, capacity=8)) is None
+    assert load_costs(cost_key(gpu, folder, "f32", max_rows=32, capacity=4)) is None
+    (path,) = cost_dir.iterdir()
+    path.write_text("{not json")
+    assert load_costs(key) is None
+    path.write_text(json.dumps({"key": key, "verify": {"1": -1.0}}))
+    assert load_costs(key) is None
+
+
+def test_changed_model_files_invalidate_the_costs(gpu, tiny_folder, cost_dir, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(tiny_folder(MODEL), tmp_path / "model")
+    save_costs(cost_key(gpu, folder, "f32", max_rows=32, capacity=8), {1: 0.01})
+    weights = folder / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    assert load_costs(cost_key(gpu, folder, "f32", max_rows=32, capacity=8)) is None
+
+
+def test_a_second_engine_for_the_same_model_skips_the_calibration(gpu, tiny_folder, cost_dir, monkeypatch):
+    calls = []
+    calibrate = SpeculativeEngine.calibrate
+    monkeypatch.setattr(
+        SpeculativeEngine, "calibrate", lambda self, *a, **k: calls.append(a) or calibrate(self, *a, **k)
+    )
+    folder = tiny_folder(MODEL)
+    for expected_calls in (1, 1):
+        with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=False) as engine:
+            engine.generate("hello", max_tokens=4, speculative="prompt-lookup")
+        assert len(calls) == expected_calls
+    (path,) = cost_dir.iterdir()
+    assert sorted(json.loads(path.read_text())["verify"], key=int) == [str(r) for r in range(1, 10)]
