@@ -325,8 +325,10 @@ class KernelRegistry:
         self.shader_dir = shader_dir
         self._modules: dict[str, tuple[object, str]] = shared._modules if shared else {}
         self._kernels: dict[tuple, Kernel] = shared._kernels if shared else {}
-        # Held while compiling, so two threads never compile one pipeline twice (wgpu-native releases the GIL).
-        self._compile_lock = shared._compile_lock if shared else threading.Lock()
+        # Two threads never compile one pipeline twice (a lock per pipeline), but may compile two different ones
+        # at once: wgpu-native releases the GIL while compiling, so a software adapter uses two CPU cores.
+        self._compile_lock = shared._compile_lock if shared else threading.Lock()  # guards the two dicts below
+        self._pipeline_locks: dict[tuple, threading.Lock] = shared._pipeline_locks if shared else {}
         self._is_fork = shared is not None
         self._bind_groups: dict[tuple, object] = {}
         self._arenas: list[_UniformArena] = []
@@ -350,6 +352,10 @@ class KernelRegistry:
         return read_shader(name, self.shader_dir)
 
     def _module(self, name: str, entry: str):
+        with self._compile_lock:
+            return self._module_locked(name, entry)
+
+    def _module_locked(self, name: str, entry: str):
         # Without subgroups each entry point gets a module pruned to what it calls (see prune_to_entry).
         key = name if self.gpu.has_subgroups else f"{name}.{entry}"
         if key not in self._modules:
@@ -367,6 +373,8 @@ class KernelRegistry:
         kernel = self._kernels.get(key)
         if kernel is None:
             with self._compile_lock:
+                lock = self._pipeline_locks.setdefault(key, threading.Lock())
+            with lock:
                 kernel = self._kernels.get(key) or self._compile(key)
                 self._kernels[key] = kernel
         return kernel

@@ -42,6 +42,12 @@ from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.timing import StepClock
 from doppler_py.speculative.warmup import PipelineWarmup
 
+# While pipelines compile in the background: the verified row counts at which speculation steps up when each
+# step up must calibrate first, and the context of calibrations between steps (shorter than the 64 of a full
+# one: the stream pauses less).
+CALIBRATION_STAGES = (3, 5)
+QUICK_CONTEXT = 32
+
 
 @dataclass
 class SpecResult:
@@ -133,27 +139,34 @@ class SpeculativeEngine:
                 self.warmup = None
                 warmup.finish()
                 self._use_rows(max(self.verify_rows()), between_steps=True)
-            elif warmup.compiled_rows >= max(3, self.usable_rows + 2):  # each step up may pause to calibrate
+            elif warmup.compiled_rows > self.usable_rows and self._worth_a_step_up(warmup.compiled_rows):
                 self._use_rows(warmup.compiled_rows, between_steps=True)
         return self.usable_rows >= 2
 
+    def _worth_a_step_up(self, rows: int) -> bool:
+        """With cached costs every newly compiled row count is used at once; a step up that must calibrate
+        pauses the stream (~0.8 s on lavapipe), so then only at k = 2 and k = 4 (START_K) drafts. Those quick
+        calibrations run while the thread still compiles, so the final one (`_use_rows`) measures every row
+        count again once it is done, and only that one is stored."""
+        return not self.needs_calibration or any(self.usable_rows < r <= rows for r in CALIBRATION_STAGES)
+
     def _use_rows(self, rows: int, *, between_steps: bool) -> None:
         """Steps may now verify up to `rows` rows: calibrate the new row counts if no costs were cached."""
+        full = rows >= max(self.verify_rows())
         if self.needs_calibration:
-            new_rows = [r for r in self.verify_rows() if self.usable_rows < r <= rows or r == 1]
+            new_rows = [r for r in self.verify_rows() if self.usable_rows < r <= rows or r == 1 or full]
             if between_steps:
-                self._calibrate_between_steps(new_rows)
+                self._calibrate_between_steps(new_rows, quick=not full)
             else:
                 self.calibrate(new_rows)
         self.usable_rows = rows
-        full = rows >= max(self.verify_rows())
         self.policy.limit = None if full else rows - 1
         if full and self.needs_calibration:
             self.needs_calibration = False
             if self.on_calibrated is not None:
                 self.on_calibrated(dict(self.policy.costs.verify))
 
-    def _calibrate_between_steps(self, rows: list[int]) -> None:
+    def _calibrate_between_steps(self, rows: list[int], *, quick: bool) -> None:
         """Calibration runs the target on its own KV cache but through the target's activation buffers, where
         drafters read the last verified rows' features (ctx.hidden): those are kept."""
         target = self.target
@@ -162,7 +175,7 @@ class SpeculativeEngine:
         rec.copy(target.x, saved)
         rec.submit()
         try:
-            self.calibrate(rows)
+            self.calibrate(rows, context=QUICK_CONTEXT, repeats=1 if quick else 2)
         finally:
             rec = self.registry.recorder()
             rec.copy(saved, target.x)
@@ -359,6 +372,7 @@ class SpeculativeEngine:
         logprobs, self.logprobs = self.logprobs, None  # between two steps of a generation that asked for them
         try:
             target.forward(tokens[:-1], cache, 0, logits="none")
+            target.gpu.wait_idle()  # else the first row count's first step would wait for this prefill too
             for n in rows:
                 best = float("inf")
                 for _ in range(repeats):
@@ -367,7 +381,7 @@ class SpeculativeEngine:
                     best = min(best, time.perf_counter() - t0)
                     del tokens[context + 1 :]
                     cache.truncate(context)
-                self.policy.costs.observe_verify(n, best)
+                self.policy.costs.verify[n] = best  # a deliberate measurement replaces what steps estimated
         finally:
             self.drafter, self.logprobs = drafter, logprobs
             target.release_cache(cache)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from doppler_py.model.transformer import Transformer
 
-COMPILE_CONTEXT = 8  # positions before the compiled steps: enough to run them, cheap to prefill
+COMPILE_CONTEXT = 1  # positions before the compiled steps: a one-row prefill, whose pipelines exist
 
 
 class PipelineWarmup:
