@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from doppler_py.errors import CapacityError, GenerationOptionError
+from doppler_py.errors import CapacityError, GenerationOptionError, InternalError
 from doppler_py.gpu.device import Gpu
 from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder
 from doppler_py.gpu.weights import FORMATS
@@ -111,11 +111,12 @@ class ProfilingRecorder(Recorder):
         self.labels: list[str] = []
         self.times_ns = np.zeros((0, 2), np.int64)
 
-    def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> None:
+    def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> Bound | None:
         limit = int(self.registry.gpu.limits.get("max-compute-workgroups-per-dimension", 65535))
         if not (0 < x <= limit and 0 < y <= limit and 0 < z <= limit):
-            super().dispatch(bound, x, y, z)  # the ordinary recorder refuses these or records nothing
-            return
+            return super().dispatch(bound, x, y, z)  # the ordinary recorder refuses these or records nothing
+        if self.phase:
+            raise InternalError("the profiler stamps single forwards: it records no phased (batched) submits")
         # The ordinary recorder's check that a uniform slot is not reused with other values is not repeated:
         # profiled steps record the same forwards the ordinary recorder has already run.
         index = len(self.labels)
@@ -135,6 +136,7 @@ class ProfilingRecorder(Recorder):
         stamped.end()
         self.labels.append(kernel_label(bound))
         self.dispatches += 1
+        return bound
 
     def submit(self) -> None:
         count = 2 * len(self.labels)

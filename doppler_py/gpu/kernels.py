@@ -334,6 +334,8 @@ class KernelRegistry:
         self._arenas: list[_UniformArena] = []
         self._free_slots: list[UniformSlot] = []  # slots of released ops, reused before the arenas grow
         self._placeholders: dict[int, Tensor] = {}
+        # Per op slot (its key): (id of the bound, phase) -> (the bound, its copy for that phase); see `phased`.
+        self._phased: dict[tuple[int, int], dict[tuple[int, int], tuple[Bound, Bound]]] = {}
         self.max_workgroups = int(gpu.limits.get("max-compute-workgroups-per-dimension", 65535))
         # DOPPLER_PUBLIC_DISPATCH=1 records through wgpu-py's public API only (the tests run both paths).
         self.native_dispatch = _NATIVE.available and os.environ.get("DOPPLER_PUBLIC_DISPATCH") != "1"
@@ -483,11 +485,28 @@ class KernelRegistry:
             raise DeviceLimitError(f"{kernel!r}: binding {name} has unaligned offset {tensor.offset}")
 
     def release_slot(self, slot: UniformSlot) -> None:
-        """Take back the slot of an op that is gone (e.g. one bound to a released KV cache) for reuse.
+        """Take back the slot of an op that is gone (e.g. one bound to a released KV cache) for reuse, and the
+        slots of its phase copies.
 
         Ops bound per generation would otherwise grow the arenas without end in a long-running process.
         """
         self._free_slots.append(slot)
+        for _, phased in self._phased.pop(slot.key, {}).values():
+            self._free_slots.append(phased.params)
+
+    def phased(self, bound: Bound, phase: int) -> Bound:
+        """`bound` for phase `phase` of a recorder (`Recorder.phase`): the same kernel and resources with a
+        uniform slot of its own, holding a copy of the values the op has just set in its slot."""
+        slot = bound.params
+        copies = self._phased.setdefault(slot.key, {})
+        entry = copies.get((id(bound), phase))
+        if entry is None or entry[0] is not bound:
+            entry = (bound, self.bind(bound.kernel, self.uniform_slot(slot.layout), **bound.resources))
+            copies[(id(bound), phase)] = entry
+        copy = entry[1].params
+        copy.view[:] = slot.view
+        copy.arena.dirty = True
+        return entry[1]
 
     def release_tensors(self, *tensors: Tensor) -> None:
         """Forget the bind groups of tensors this registry's ops owned, then destroy their buffers."""
@@ -511,6 +530,7 @@ class KernelRegistry:
         for tensor in self._placeholders.values():
             tensor.destroy()
         self._placeholders.clear()
+        self._phased.clear()
         self._arenas.clear()
         self._free_slots.clear()
         self._bind_groups.clear()
@@ -544,19 +564,35 @@ class Recorder:
         self._native_pass = self._last_pipeline = self._last_group = None
         self._max_workgroups = registry.max_workgroups
         self.dispatches = 0
+        # Dispatches recorded while `phase` > 0 use per-phase copies of their ops' uniform slots, so one submit
+        # can hold several forward passes whose ops set different values (consecutive decode steps). A submit
+        # that uses phases must use them for every dispatch of such ops: the op's own slot is uploaded with the
+        # last values set, which a phase-0 dispatch would then run with.
+        self.phase = 0
+        self._phased_origins: set[tuple[int, int]] = set()  # keys of the slots dispatched through phase copies
         # Per uniform slot (arena, offset): its bytes at its first dispatch here, and that dispatch's kernel.
         # The arena is uploaded once at submit, so every dispatch of a slot runs with the LAST values set;
         # a later dispatch that sees other bytes would silently run the earlier one with them too.
         self._uniforms: dict[tuple[int, int], tuple[bytes, Kernel]] = {}
 
-    def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> None:
+    def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> Bound | None:
+        """Record a dispatch of `bound`; returns what was dispatched (its phase copy while `phase` > 0), or None
+        for an empty grid."""
         limit = self._max_workgroups
         if x > limit or y > limit or z > limit or x < 0 or y < 0 or z < 0:
             raise DeviceLimitError(f"{bound.kernel!r}: dispatch ({x}, {y}, {z}) exceeds {limit} per dimension")
         if x == 0 or y == 0 or z == 0:
-            return
+            return None
         slot = bound.params
         if slot is not None:
+            if self.phase:
+                self._phased_origins.add(slot.key)
+                if slot.key in self._uniforms:
+                    self._phase_mix(bound)
+                bound = self.registry.phased(bound, self.phase)
+                slot = bound.params
+            elif slot.key in self._phased_origins:
+                self._phase_mix(bound)
             data = slot.view.tobytes()
             first = self._uniforms.get(slot.key)
             if first is None:
@@ -582,6 +618,14 @@ class Recorder:
             self._pass.set_bind_group(0, bound.bind_group)
             self._pass.dispatch_workgroups(x, y, z)
         self.dispatches += 1
+        return bound
+
+    @staticmethod
+    def _phase_mix(bound: Bound) -> None:
+        raise InternalError(
+            f"{bound.kernel!r}: dispatched both with and without a phase in one submit; its own uniform slot "
+            "would hold the last values set for every phase, so record all of its dispatches with phase > 0"
+        )
 
     @staticmethod
     def _uniform_clash(bound: Bound, before: bytes, first_kernel: Kernel, now: bytes) -> None:

@@ -39,7 +39,7 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.policy import DraftLengthPolicy
 from doppler_py.speculative.stats import SpecStats
-from doppler_py.speculative.timing import StepClock
+from doppler_py.speculative.timing import StepClock, StepTimes
 from doppler_py.speculative.warmup import PipelineWarmup
 
 # While pipelines compile in the background: the verified row counts at which speculation steps up when each
@@ -47,6 +47,9 @@ from doppler_py.speculative.warmup import PipelineWarmup
 # one: the stream pauses less).
 CALIBRATION_STAGES = (3, 5)
 QUICK_CONTEXT = 32
+# Plain decoding: at most this many steps per submit, sized to take about BATCH_TARGET_S.
+MAX_PLAIN_BATCH = 16
+BATCH_TARGET_S = 0.2
 
 
 @dataclass
@@ -84,6 +87,11 @@ class SpeculativeEngine:
         self.spec_tokens = Tensor.empty(gpu, self.capacity + 1, "u32", "spec_tokens")
         self.randoms = Tensor.empty(gpu, 2 * self.capacity + 1, "f32", "spec_randoms")
         self.result = Tensor.empty(gpu, self.capacity + 3, "u32", "spec_result")
+        # Plain decoding in batches (`plain_batch`): each step's random number, and its (token, status) pair.
+        self.batch_randoms = Tensor.empty(gpu, MAX_PLAIN_BATCH, "f32", "batch randoms")
+        self.batch_out = Tensor.empty(gpu, 2 * MAX_PLAIN_BATCH, "u32", "batch tokens")
+        self.max_plain_batch = MAX_PLAIN_BATCH  # 1: every plain step is its own submit (the tests compare)
+        self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
         # One verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
         self._verifiers: dict[int | None, tuple[Tensor | None, _Verifier]] = {}
         self.clock = StepClock(gpu)
@@ -312,9 +320,13 @@ class SpeculativeEngine:
             target.gpu.wait_idle()
             stats.prefill_s = time.perf_counter() - start
             while produced < max_new_tokens:
-                speculate = self.speculative and self._ready(ctx, first_step=produced == 0)
-                draft_len = self.policy.next_k(max_new_tokens - produced) if speculate else 0
-                new = self._measured_step(ctx, draft_len, stats)[: max_new_tokens - produced]
+                remaining = max_new_tokens - produced
+                if self.speculative:
+                    speculate = self._ready(ctx, first_step=produced == 0)
+                    draft_len = self.policy.next_k(remaining) if speculate else 0
+                    new = self._measured_step(ctx, draft_len, stats)[:remaining]
+                else:
+                    new = self._measured_batch(ctx, self._batch_size(remaining, first=produced == 0), stats)
                 for j, token in enumerate(new):
                     if token in stop_ids:
                         new, stats.stopped_by = new[: j + 1], "eos"
@@ -330,6 +342,64 @@ class SpeculativeEngine:
             self.logprobs = None
             self.drafter.finish()
             target.release_cache(cache)
+
+    def _batch_size(self, remaining: int, first: bool) -> int:
+        """Plain steps for the next submit: one for a generation's first token (it shows at once), then as many
+        as take about BATCH_TARGET_S by the measured cost per token, so the stream still moves several times a
+        second; one when log-probs are asked for (they are read per step)."""
+        if first or self.logprobs is not None or self._plain_token_s is None:
+            return 1
+        return max(1, min(remaining, self.max_plain_batch, int(BATCH_TARGET_S / self._plain_token_s)))
+
+    def _measured_batch(self, ctx: StepContext, n: int, stats: SpecStats) -> list[int]:
+        """`n` plain steps (one submit, one readback) with their statistics and the KV-cache invariant check."""
+        start = time.perf_counter()
+        if n == 1:
+            new = self._measured_step(ctx, 0, stats)
+            seconds = time.perf_counter() - start
+        else:
+            if self.closed:
+                raise DopplerError("the engine was closed during this generation", advice="load the model again")
+            new = self.plain_batch(ctx, n)
+            seconds = (time.perf_counter() - start) / n
+            for _ in new:
+                stats.record(0, 0, StepTimes(0.0, seconds, None, None))
+            self._check_cache(ctx)
+        self._plain_token_s = seconds if self._plain_token_s is None else 0.7 * self._plain_token_s + 0.3 * seconds
+        return new
+
+    def plain_batch(self, ctx: StepContext, n: int) -> list[int]:
+        """`n` plain steps in ONE submit: each step's token, chosen on the GPU exactly as a plain step chooses it,
+        is copied into the next step's input id, and the n tokens come back in one readback. The same random
+        numbers are drawn in the same order as n single steps, so the tokens are the same. Tokens after a stop
+        token are the caller's to drop (the generation ends there)."""
+        if not 1 <= n <= MAX_PLAIN_BATCH:
+            raise InternalError(f"a plain batch holds 1..{MAX_PLAIN_BATCH} steps, got {n}")
+        target, cache = self.target, ctx.target_cache
+        pos = len(ctx.tokens) - 1
+        self.batch_randoms.view((n,)).write(np.array([ctx.rng.random() for _ in range(n)], np.float32))
+        self.spec_tokens.view((1,)).write(np.array([ctx.tokens[-1]], np.uint32))
+        verifier = self._verifier(None)
+        rec = self.registry.recorder()
+        rec.copy(self.spec_tokens, target.ids, 4)
+        for j in range(n):
+            # Each step's ops set their own positions: per-step uniform slots. Phase 0 (the ops' own slots) is not
+            # used, since the last values set there would be the ones its dispatches run with.
+            rec.phase = j + 1
+            if j:
+                rec.copy(self.result, target.ids, 4, src_offset=4)  # the last step's token is this one's input
+            rec.copy(self.batch_randoms, self.randoms, 4, src_offset=4 * j)
+            target.record_forward(rec, 1, cache, pos + j, logits="last")
+            verifier.record(rec, 0, ctx.params)
+            rec.copy(self.result, self.batch_out, 8, src_offset=4, dst_offset=8 * j)  # (token, status)
+        rec.submit()
+        out = np.frombuffer(self.registry.gpu.queue.read_buffer(self.batch_out.buffer, 0, 8 * n), np.uint32)
+        tokens, statuses = out[0::2].tolist(), out[1::2].tolist()
+        for j, status in enumerate(statuses):
+            check_status(status, pos + j, 0)
+        ctx.tokens.extend(tokens)
+        ctx.hidden_rows = 1
+        return tokens
 
     def _measured_step(self, ctx: StepContext, k: int, stats: SpecStats) -> list[int]:
         """One step with its timing, statistics, policy update and the KV-cache invariant check around it."""
@@ -347,6 +417,11 @@ class SpeculativeEngine:
                 costs.observe_verify(outcome.drafted + 1, times.verify_s)
             costs.observe_step(outcome.drafted, times.total_s)
             self.policy.observe(outcome.drafted, outcome.accepted)
+        self._check_cache(ctx)
+        return outcome.new
+
+    @staticmethod
+    def _check_cache(ctx: StepContext) -> None:
         # Every rollback path must leave the cache holding exactly the committed tokens before the last one
         # (which the next step feeds); anything else would attend to stale or missing positions silently.
         committed, cached = len(ctx.tokens), ctx.target_cache.length
@@ -355,7 +430,6 @@ class SpeculativeEngine:
                 f"the target KV cache holds {cached} positions after a step, but {committed} tokens are committed "
                 f"(expected {committed - 1})"
             )
-        return outcome.new
 
     def calibrate(self, rows: Sequence[int] | None = None, context: int = 64, repeats: int = 2) -> None:
         """Measure plain and verification steps of each row count (forward + verify + readback) at a typical
@@ -398,7 +472,7 @@ class SpeculativeEngine:
             verifier.op.release(self.registry)
         if self._logprob_op is not None:
             self._logprob_op.release(self.registry)
-        self.registry.release_tensors(self.spec_tokens, self.randoms, self.result)
+        self.registry.release_tensors(self.spec_tokens, self.randoms, self.result, self.batch_randoms, self.batch_out)
         self.clock.close()
         self.closed = True
 

@@ -138,6 +138,31 @@ def test_a_fork_shares_pipelines_but_not_uniforms_and_frees_only_its_own(gpu, re
     np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-6)  # the buffers bound through the fork live on
 
 
+def test_phases_give_one_submit_several_sets_of_uniform_values(gpu, registry, rng):
+    """Recorder.phase: each phase dispatches a copy of the op's slot holding the values set just before, so an
+    op can run with different values in one submit; mixing phase 0 (the op's own slot) in is refused."""
+    n = 64
+    x = rng.standard_normal(n).astype(np.float32)
+    acc = Tensor.from_numpy(gpu, np.zeros(n, np.float32))
+    op = registry.bind(registry.kernel("residual"), params={"n": n}, delta=Tensor.from_numpy(gpu, x), acc=acc)
+    rec = registry.recorder()
+    for phase, count in enumerate((n, n // 2, n // 4), start=1):
+        rec.phase = phase
+        op.params.set(n=count)
+        rec.dispatch(op, 1)
+    rec.submit()
+    expected = x.copy()
+    expected[: n // 2] += x[: n // 2]
+    expected[: n // 4] += x[: n // 4]
+    np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-6)
+    rec = registry.recorder()
+    rec.phase = 1
+    rec.dispatch(op, 1)
+    rec.phase = 0
+    with pytest.raises(InternalError, match="with and without a phase"):
+        rec.dispatch(op, 1)
+
+
 def test_odd_sized_tensors_round_trip(gpu):
     for dtype, data in [("f16", np.arange(7, dtype=np.float16)), ("u32", np.arange(3, dtype=np.uint32))]:
         t = Tensor.from_numpy(gpu, data)

@@ -61,7 +61,11 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
     "logprobs": {"main": []},
-    "matmul": {"main": _MATMUL_REGISTER, "main_subgroups": _MATMUL_SUBGROUPS, "gemm_tiled": _product(FORMAT=_FORMATS, GLU=[0, 1, 2])},
+    "matmul": {
+        "main": _MATMUL_REGISTER,
+        "main_subgroups": _MATMUL_SUBGROUPS,
+        "gemm_tiled": _product(FORMAT=_FORMATS, GLU=[0, 1, 2]),
+    },
     "residual": {"main": []},
     "rmsnorm": {"main": [{"ACCUMULATE": True}], "heads": []},
     "rope": {"main": []},

@@ -419,10 +419,11 @@ class ReplayRecorder(Recorder):
         super().__init__(registry)
         self.steps: list[_Dispatch | _Copy] = []
 
-    def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> None:
-        super().dispatch(bound, x, y, z)
-        if x and y and z:
-            self.steps.append(_Dispatch(bound, (x, y, z)))
+    def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> Bound | None:
+        dispatched = super().dispatch(bound, x, y, z)
+        if dispatched is not None:
+            self.steps.append(_Dispatch(dispatched, (x, y, z)))
+        return dispatched
 
     def copy(
         self, src: Tensor, dst: Tensor, nbytes: int | None = None, *, src_offset: int = 0, dst_offset: int = 0
