@@ -24,8 +24,8 @@
 //   SUBGROUP_MIN (main_subgroups: the smallest subgroup size the pipeline can run with, 4 unless the host
 //   measured more; 8 or more drops the second x load that subgroups of 4 need), SIMD_LANES (how many
 //   invocations a CPU adapter runs as the lanes of one vector loop; 1 on GPUs; see first_col), RMS_NORM
-//   (register kernels: normalise x first), GLU (0: x as is; 1: silu(gate) * up; 2: gelu_tanh(gate) * up;
-//   all entry points; not with RMS_NORM).
+//   (register kernels: normalise x first), GLU (register kernels: 0: x as is; 1: silu(gate) * up;
+//   2: gelu_tanh(gate) * up; not with RMS_NORM).
 // Weight layouts, per block b of 32 weights along k; blocks are ordered by (group of 8 rows, block column,
 // row in group): b = ((row / 8) * k / 32 + block) * 8 + row % 8, so an invocation's 8 rows are contiguous.
 //   f32   weights[b * 8 + i] = W[row, 32 block + 4 i .. + 3] (bit patterns of the f32 values)
@@ -39,8 +39,8 @@
 //                   any subgroup size >= SUBGROUP_MIN). (ceil(n / (COLS * WORKGROUP_SIZE)), ceil(rows / ROWS), 1)
 //                   workgroups of WORKGROUP_SIZE.
 //   main            the same without subgroups: every invocation loads x itself. Same dispatch.
-//   gemm_tiled      prefill GEMM through 12 KiB of workgroup memory (see below; uses only the FORMAT and GLU
-//                   overrides, no RMS_NORM). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
+//   gemm_tiled      prefill GEMM through 12 KiB of workgroup memory (see below; uses only the FORMAT
+//                   override, no RMS_NORM or GLU). (ceil(n / 64), ceil(rows / 32), 1) workgroups of 8 x 8.
 
 enable subgroups;
 
@@ -451,7 +451,7 @@ fn gemm_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
   for (var block = 0u; block < params.k / 32u; block++) {
     for (var j = 0u; j < 4u; j++) {
       let idx = li + 64u * j;
-      tile_x[idx] = x_at(x_row_base(t0, idx / 8u) + block * 8u + idx % 8u);
+      tile_x[idx] = x[x_row_base(t0, idx / 8u) + block * 8u + idx % 8u];
     }
     let w = dequantize_block(block_index(min(tile_col0 + li, params.n - 1u), block));
     for (var i = 0u; i < 8u; i++) {

@@ -19,7 +19,8 @@ Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·
 
 The RMSNorms before the projections run inside them (Linear's `norm`, the final norm too; xn and xn_head are
 only written when a long prefill takes the tiled GEMM on a GPU), and the down projection computes silu(g)·u
-as it loads gate_up (Linear's `glu`): a decode step is 6 dispatches per layer plus 2. All buffers and bind
+as it loads gate_up (Linear's `glu`; act is only written by prefills of more than 16 rows): a decode step is
+6 dispatches per layer plus 2. All buffers and bind
 groups are created once here; a forward only sets uniforms (rows, positions) and records dispatches. Ops bound
 to a KV cache (cache write, attention) are built once per cache.
 """
@@ -38,7 +39,7 @@ from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
 from doppler_py.ops.attention import Attention
 from doppler_py.ops.embedding import Embedding
-from doppler_py.ops.linear import InputNorm, Linear
+from doppler_py.ops.linear import GatedInput, InputNorm, Linear
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 
@@ -99,6 +100,7 @@ class Transformer:
         self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size), "f32", "qkv")
         self.attn = Tensor.empty(gpu, (max_rows, self.q_size), "f32", "attn")
         self.gate_up = Tensor.empty(gpu, (max_rows, 2 * ffn), "f32", "gate_up")
+        self.act = Tensor.empty(gpu, (max_rows, ffn), "f32", "act")  # silu(gate)·up, only for long prefills
         self.x_last = Tensor.empty(gpu, (1, h), "f32", "x_last")
         self.xn_head = Tensor.empty(gpu, (self.max_logit_rows, h), "f32", "xn_head")
         self.logits = Tensor.empty(gpu, (self.max_logit_rows, vocab), "f32", "logits")
@@ -168,7 +170,15 @@ class Transformer:
             gate_up=Linear(
                 reg, lw.gate_up, self.x, self.gate_up, max_rows=rows, norm=InputNorm(lw.mlp_norm, eps, self.xn)
             ),
-            down=Linear(reg, lw.down, self.gate_up, out, max_rows=rows, accumulate=out is self.x, glu=cfg.hidden_act),
+            down=Linear(
+                reg,
+                lw.down,
+                self.gate_up,
+                out,
+                max_rows=rows,
+                accumulate=out is self.x,
+                glu=GatedInput(cfg.hidden_act, self.act),
+            ),
             post_mlp=post_norm(lw.post_mlp_norm),
         )
 
@@ -345,7 +355,7 @@ class Transformer:
         if self.closed:
             return
         self.registry.release_tensors(
-            self.ids, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.x_last,
+            self.ids, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
             self.xn_head, self.logits, *self.rope_tables.values(),
         )  # fmt: skip
         self.closed = True

@@ -14,8 +14,11 @@ A weight split into parts (larger than one storage binding) is one dispatch per 
 
 `norm=InputNorm(...)` applies an RMSNorm to x first: inside the register kernels (no dispatch of its own), or
 as a separate rmsnorm dispatch into `InputNorm.scratch` before the tiled GEMM, which cannot fuse it.
-`glu="silu"` (or "gelu_pytorch_tanh") takes x as a gated MLP's [gate | up] rows of 2K and multiplies by
-act(gate) * up, computed as x is loaded in every kernel: the down projection then needs no SwiGLU dispatch.
+`glu=GatedInput(...)` takes x as a gated MLP's [gate | up] rows of 2K and multiplies by act(gate) * up: for
+calls of up to FUSED_GLU_MAX_ROWS rows (decoding, verification) computed as x is loaded, so the down projection
+needs no SwiGLU dispatch; for longer calls (prefill) by a SwiGLU dispatch into `GatedInput.scratch` first, since
+there every invocation recomputing the activation of its whole row tile measured slower (SmolLM2 q4_1 prefill
+on lavapipe: 157 against 186 tok/s).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder, workgroups
 from doppler_py.gpu.subgroups import simd_lanes, smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
-from doppler_py.ops.elementwise import ACTIVATIONS
+from doppler_py.ops.elementwise import ACTIVATIONS, SwiGLU
 from doppler_py.ops.norms import RMSNorm
 
 SHADER = "matmul"
@@ -37,6 +40,7 @@ WORKGROUP_SIZE = {"cpu": 16, "gpu": 64}
 MAX_TILE_ROWS = 8  # x rows per invocation (register kernels)
 GEMM_TILE_ROWS, GEMM_TILE_COLS = 32, 64  # per workgroup of the tiled GEMM (fixed in the shader)
 REGISTER_TILED_MAX_ROWS = 16
+FUSED_GLU_MAX_ROWS = 16  # longer calls run the gated activation as its own dispatch (module docstring)
 
 
 def row_tile(rows: int, tiled_gemm: bool) -> int:
@@ -71,6 +75,14 @@ class InputNorm:
     scratch: Tensor  # f32 [>= max_rows, K]: the normalised rows, written only for the tiled GEMM
 
 
+@dataclass(frozen=True)
+class GatedInput:
+    """Linear's x is a gated MLP's [gate | up] output (rows of 2K); the product's input is act(gate) * up."""
+
+    activation: str  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    scratch: Tensor  # f32 [>= max_rows, K]: act(gate) * up, written only by calls over more than 16 rows
+
+
 class Linear:
     """out[t, n] (+)= sum_k x[t, k] * W[n, k] (+ bias[n]) for t < rows, with x f32 [>= max_rows, K] and out
     f32 [>= max_rows, N] (row-major, row strides K and N). `accumulate=True` adds into out (residual fold);
@@ -88,17 +100,18 @@ class Linear:
         accumulate: bool = False,
         tiled_gemm: bool | None = None,
         norm: InputNorm | None = None,
-        glu: str | None = None,
+        glu: GatedInput | None = None,
     ):
         n, k = weight.shape
         if max_rows < 1:
             raise ValueError(f"Linear: max_rows must be >= 1, got {max_rows}")
-        if glu is not None and (glu not in ACTIVATIONS or norm is not None):
+        if glu is not None and (glu.activation not in ACTIVATIONS or norm is not None):
             raise ValueError(
-                f"Linear: glu must be one of {sorted(ACTIVATIONS)} and not combined with norm, got {glu!r}"
+                f"Linear: the gated activation must be one of {sorted(ACTIVATIONS)} and not combined with a norm, "
+                f"got {glu.activation!r}"
             )
         label = weight.name or "weight"
-        x_width = 2 * k if glu else k
+        x_width = 2 * k if glu is not None else k
         _check_tensor("x", x, max_rows * x_width, f"max_rows={max_rows} x {x_width} of {label}")
         _check_tensor("out", out, max_rows * n, f"max_rows={max_rows} x N={n} of {label}")
         if bias is not None:
@@ -121,8 +134,14 @@ class Linear:
         self.max_rows = max_rows
         self.tiled_gemm = tiled_gemm
         self.flags = {"FORMAT": weight.format_id}
+        self.glu = glu
+        self._glu_op = None
         if glu is not None:
-            self.flags["GLU"] = ACTIVATIONS[glu] + 1
+            _check_tensor("glu scratch", glu.scratch, max_rows * k, f"max_rows={max_rows} x K={k} of {label}")
+            if _overlap(glu.scratch, out) or _overlap(glu.scratch, x):
+                raise ValueError("Linear: the gated activation's scratch must not share memory with x or out")
+            if max_rows > FUSED_GLU_MAX_ROWS:
+                self._glu_op = SwiGLU(registry, x, glu.scratch, ffn_dim=k, max_rows=max_rows, activation=glu.activation)
         self.switches = {"has_bias": int(bias is not None), "accumulate": int(accumulate)}
         self.tensors = {"x": x, "out": out, "bias": bias if bias is not None else registry.placeholder(1)}
         self.norm = norm
@@ -138,18 +157,23 @@ class Linear:
         self.device_flags = {"SIMD_LANES": simd_lanes(registry)}
         if gpu.has_subgroups:
             self.device_flags["SUBGROUP_MIN"] = smallest_subgroup_size(registry)
-        self._variants: dict[int, list[tuple[Bound, int]]] = {}  # row tile -> [(bound, grid x)] per weight part
+        # (row tile, gated activation fused) -> [(bound, grid x)] per weight part
+        self._variants: dict[tuple[int, bool], list[tuple[Bound, int]]] = {}
 
-    def _variant(self, tile: int) -> list[tuple[Bound, int]]:
-        if tile not in self._variants:
+    def _variant(self, tile: int, fused_glu: bool) -> list[tuple[Bound, int]]:
+        if (tile, fused_glu) not in self._variants:
             registry, (n, k) = self.registry, self.weight.shape
             tensors = dict(self.tensors)
+            if self.glu is not None and not fused_glu:
+                tensors["x"] = self.glu.scratch
             if tile == 0:
                 kernel = registry.kernel(SHADER, "gemm_tiled", **self.flags)
                 if self.norm is not None:
                     tensors["x"] = self.norm.scratch
             else:
-                norm_flags = {"RMS_NORM": True} if self.norm is not None else {}
+                input_flags = {"RMS_NORM": True} if self.norm is not None else {}
+                if fused_glu:
+                    input_flags["GLU"] = ACTIVATIONS[self.glu.activation] + 1
                 kernel = registry.kernel(
                     SHADER,
                     self.entry,
@@ -158,7 +182,7 @@ class Linear:
                     WORKGROUP_SIZE=self.group,
                     **self.flags,
                     **self.device_flags,
-                    **norm_flags,
+                    **input_flags,
                 )
                 tensors["norm_weight"] = self.norm_weight
             eps = self.norm.eps if self.norm is not None else 0.0
@@ -178,8 +202,8 @@ class Linear:
                     workgroups(part.rows, GEMM_TILE_COLS) if tile == 0 else workgroups(part.rows, COLS * self.group)
                 )
                 bounds.append((bound, grid_x))
-            self._variants[tile] = bounds
-        return self._variants[tile]
+            self._variants[(tile, fused_glu)] = bounds
+        return self._variants[(tile, fused_glu)]
 
     def record(self, rec: Recorder, rows: int) -> None:
         if not 1 <= rows <= self.max_rows:
@@ -190,6 +214,9 @@ class Linear:
         grid_y = workgroups(rows, tile or GEMM_TILE_ROWS)
         if tile == 0 and self._tiled_norm is not None:
             self._tiled_norm.record(rec, rows)
-        for bound, grid_x in self._variant(tile):
+        fused_glu = self.glu is not None and rows <= FUSED_GLU_MAX_ROWS
+        if self.glu is not None and not fused_glu:
+            self._glu_op.record(rec, rows)
+        for bound, grid_x in self._variant(tile, fused_glu):
             bound.params.set(rows=rows)
             rec.dispatch(bound, grid_x, grid_y)

@@ -20,7 +20,7 @@ from doppler_py.gpu.weights import (
     dequantize_blocks,
     quantize_blocks,
 )
-from doppler_py.ops.linear import InputNorm, Linear
+from doppler_py.ops.linear import GatedInput, InputNorm, Linear
 from doppler_py.testing.references import gelu_tanh, rmsnorm, silu
 
 U = 2.0**-24
@@ -247,7 +247,8 @@ def test_input_norm_matches_rmsnorm_then_matmul(gpu, registry, rng, fmt, rows, t
 @pytest.mark.parametrize("tiled_gemm", [False, True])
 def test_glu_input_matches_the_gated_activation_then_matmul(gpu, registry, rng, activation, fmt, rows, tiled_gemm):
     """GLU (the down projection with the gated MLP's activation folded into its loads): x rows are [gate | up]
-    and the product's input is act(gate) * up, as swiglu.wgsl computes it; gates of +-100 pass exp's cut-off."""
+    and the product's input is act(gate) * up, as swiglu.wgsl computes it; gates of +-100 pass exp's cut-off.
+    40 rows take the other path: a SwiGLU dispatch into the scratch, then the plain kernel."""
     n, k = 203, 608
     raw = quantize_blocks(_random_weight(rng, n, k), fmt)
     gate = rng.standard_normal((rows, k)) * 6
@@ -258,7 +259,7 @@ def test_glu_input_matches_the_gated_activation_then_matmul(gpu, registry, rng, 
     residual = rng.standard_normal((rows, n)).astype(np.float32)
     got = _run_linear(
         gpu, registry, raw, fmt, (n, k), x, rows=rows, bias=bias, out_init=residual, accumulate=True,
-        tiled_gemm=tiled_gemm, glu=activation,
+        tiled_gemm=tiled_gemm, glu=GatedInput(activation, Tensor.empty(gpu, (rows, k))),
     )  # fmt: skip
     g, u = x[:, :k].astype(np.float64), x[:, k:].astype(np.float64)
     act = (silu(g) if activation == "silu" else gelu_tanh(g)) * u
@@ -362,9 +363,11 @@ def test_linear_rejects_bad_tensors_and_row_counts(gpu, registry):
     with pytest.raises(ValueError, match="aliasing"):
         Linear(registry, weight, x, x.view((4, 8)), max_rows=4)
     with pytest.raises(ValueError, match=r"x has 128 elements.*4 x 64"):  # [gate | up] rows are 2K wide
-        Linear(registry, weight, x, out, max_rows=4, glu="silu")
-    with pytest.raises(ValueError, match="glu must be one of"):
-        Linear(registry, weight, Tensor.empty(gpu, (4, 64)), out, max_rows=4, glu="relu")
+        Linear(registry, weight, x, out, max_rows=4, glu=GatedInput("silu", Tensor.empty(gpu, (4, 32))))
+    with pytest.raises(ValueError, match="gated activation must be one of"):
+        Linear(registry, weight, Tensor.empty(gpu, (4, 64)), out, max_rows=4, glu=GatedInput("relu", x))
+    with pytest.raises(ValueError, match=r"glu scratch has 32 elements"):
+        Linear(registry, weight, Tensor.empty(gpu, (4, 64)), out, max_rows=4, glu=GatedInput("silu", x.view((1, 32))))
     linear = Linear(registry, weight, x, out, max_rows=4)
     for rows in (0, 5):
         with pytest.raises(ValueError, match=r"rows must be in \[1, 4\]"):

@@ -64,7 +64,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "matmul": {
         "main": _MATMUL_REGISTER,
         "main_subgroups": _MATMUL_SUBGROUPS,
-        "gemm_tiled": _product(FORMAT=_FORMATS, GLU=[0, 1, 2]),
+        "gemm_tiled": _MATMUL_FLAGS,
     },
     "residual": {"main": []},
     "rmsnorm": {"main": [{"ACCUMULATE": True}], "heads": []},
