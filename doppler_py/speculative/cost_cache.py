@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 from doppler_py.gpu.device import Gpu
@@ -59,9 +60,18 @@ def load_costs(key: dict) -> dict[int, float] | None:
     return costs if costs and all(c > 0 for c in costs.values()) else None
 
 
-def save_costs(key: dict, costs: dict[int, float]) -> None:
-    """Store `costs` under `key` (written to a temporary file, then renamed: readers never see half a file)."""
-    path = _path(key)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "verify": {str(r): c for r, c in sorted(costs.items())}}, indent=1))
-    os.replace(tmp, path)
+def save_costs(key: dict, costs: dict[int, float]) -> bool:
+    """Store `costs` under `key` (written to a temporary file, then renamed: readers never see half a file).
+
+    It runs in the middle of a generation: a cache that cannot be written (read-only, full disk) costs only
+    a warning and the next process's calibration, never the generation. Returns whether the costs were stored.
+    """
+    try:
+        path = _path(key)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "verify": {str(r): c for r, c in sorted(costs.items())}}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"the measured verification costs could not be cached ({exc})", RuntimeWarning, stacklevel=2)
+        return False
+    return True

@@ -40,7 +40,7 @@ from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Pro
 from doppler_py.speculative.policy import DraftLengthPolicy
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.timing import StepClock, StepTimes
-from doppler_py.speculative.warmup import PipelineWarmup
+from doppler_py.speculative.warmup import COMPILE_CONTEXT, PipelineWarmup
 
 # While pipelines compile in the background: the verified row counts at which speculation steps up when each
 # step up must calibrate first, and the context of calibrations between steps (shorter than the 64 of a full
@@ -121,6 +121,8 @@ class SpeculativeEngine:
         self.warmup_pending = background
         self.usable_rows = 1
         if not background:
+            if costs:  # nothing to measure, but "now" means every step size runs without compiling first
+                self.calibrate(context=COMPILE_CONTEXT, repeats=1, store=False)
             self._use_rows(max(self.verify_rows()), between_steps=False)
 
     def verify_rows(self) -> list[int]:
@@ -431,10 +433,12 @@ class SpeculativeEngine:
                 f"(expected {committed - 1})"
             )
 
-    def calibrate(self, rows: Sequence[int] | None = None, context: int = 64, repeats: int = 2) -> None:
+    def calibrate(
+        self, rows: Sequence[int] | None = None, context: int = 64, repeats: int = 2, *, store: bool = True
+    ) -> None:
         """Measure plain and verification steps of each row count (forward + verify + readback) at a typical
         context, so the adaptive policy knows cost(T=k+1)/cost(T=1) of THIS device from the start; live steps
-        keep refining it."""
+        keep refining it. `store=False` only runs the steps (compiling their pipelines), keeping the costs."""
         target = self.target
         # Every verification size the policy may use (this also compiles their pipelines up front).
         rows = [r for r in (rows or self.verify_rows()) if r <= self.capacity + 1]
@@ -455,7 +459,8 @@ class SpeculativeEngine:
                     best = min(best, time.perf_counter() - t0)
                     del tokens[context + 1 :]
                     cache.truncate(context)
-                self.policy.costs.verify[n] = best  # a deliberate measurement replaces what steps estimated
+                if store:
+                    self.policy.costs.verify[n] = best  # a deliberate measurement replaces what steps estimated
         finally:
             self.drafter, self.logprobs = drafter, logprobs
             target.release_cache(cache)

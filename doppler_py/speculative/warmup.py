@@ -55,7 +55,7 @@ class PipelineWarmup:
             for rows in self.rows:
                 if self._cancel.is_set():
                     break
-                engine.calibrate([rows], context=COMPILE_CONTEXT, repeats=1)
+                engine.calibrate([rows], context=COMPILE_CONTEXT, repeats=1, store=False)
                 self.compiled_rows = rows
         except BaseException as exc:  # reported to the main thread by `finish`
             self.error = exc

@@ -107,6 +107,14 @@ def test_costs_are_kept_per_device_model_and_precision(gpu, tiny_folder, cost_di
     assert load_costs(key) is None
 
 
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_generation(gpu, tiny_folder, tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("DOPPLER_CACHE", str(blocked))  # a file where the cache folder should be
+    with pytest.warns(RuntimeWarning, match="could not be cached"):
+        assert not save_costs(cost_key(gpu, tiny_folder(MODEL), "f32", max_rows=32, capacity=8), {1: 0.01})
+
+
 def test_changed_model_files_invalidate_the_costs(gpu, tiny_folder, cost_dir, tmp_path):
     import shutil
 
@@ -118,15 +126,20 @@ def test_changed_model_files_invalidate_the_costs(gpu, tiny_folder, cost_dir, tm
 
 
 def test_a_second_engine_for_the_same_model_skips_the_calibration(gpu, tiny_folder, cost_dir, monkeypatch):
-    calls = []
+    """The second engine measures nothing; with warmup="now" it still runs every step size once (storing no
+    cost), so that none compiles during a generation."""
+    measured, compiled = [], []
     calibrate = SpeculativeEngine.calibrate
-    monkeypatch.setattr(
-        SpeculativeEngine, "calibrate", lambda self, *a, **k: calls.append(a) or calibrate(self, *a, **k)
-    )
+
+    def spy(self, *args, store=True, **kwargs):
+        (measured if store else compiled).append(args)
+        return calibrate(self, *args, store=store, **kwargs)
+
+    monkeypatch.setattr(SpeculativeEngine, "calibrate", spy)
     folder = tiny_folder(MODEL)
-    for expected_calls in (1, 1):
+    for expected in ((1, 0), (1, 1)):
         with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=False) as engine:
             engine.generate("hello", max_tokens=4, speculative="prompt-lookup")
-        assert len(calls) == expected_calls
+        assert (len(measured), len(compiled)) == expected
     (path,) = cost_dir.iterdir()
     assert sorted(json.loads(path.read_text())["verify"], key=int) == [str(r) for r in range(1, 10)]
