@@ -413,10 +413,12 @@ class StopMatcher:
 
 
 class PlainStepCosts:
-    """Wall times of live plain decoding steps (one token each) measured in this process, for `time_saved_s`.
+    """Seconds per token of live plain decoding measured in this process, for `time_saved_s`: one sample per
+    single plain step, and one per batch of plain steps (`SpeculativeEngine.plain_batch`: its time / tokens,
+    what plain decoding costs a token there).
 
     Excluded: calibration (it never goes through `watch`), each generation's first step, and the first
-    WARMUP plain steps after loading (pipelines, bind groups and buffers are created on first use).
+    WARMUP plain steps or batches after loading (pipelines, bind groups and buffers are created on first use).
     """
 
     WARMUP = 3
@@ -428,14 +430,15 @@ class PlainStepCosts:
         self.samples: list[float] = []
 
     def watch(self, steps: Iterator[list[int]], stats: SpecStats) -> Iterator[list[int]]:
-        """Pass a generation's steps through, recording each plain step's time from `stats`."""
-        plain_steps, plain_s, first = stats.plain_steps, stats.plain_s, True
+        """Pass a generation's steps through, recording each plain step's or batch's time per token."""
+        plain_steps, plain_s, drafted, first = stats.plain_steps, stats.plain_s, stats.drafted, True
         for new in steps:
-            if stats.plain_steps == plain_steps + 1:
+            tokens = stats.plain_steps - plain_steps
+            if tokens >= 1 and stats.drafted == drafted:  # only plain steps since the last yield
                 self.seen += 1
                 if not first and self.seen > self.WARMUP:
-                    self.samples = [*self.samples[-self.KEEP + 1 :], stats.plain_s - plain_s]
-            plain_steps, plain_s, first = stats.plain_steps, stats.plain_s, False
+                    self.samples = [*self.samples[-self.KEEP + 1 :], (stats.plain_s - plain_s) / tokens]
+            plain_steps, plain_s, drafted, first = stats.plain_steps, stats.plain_s, stats.drafted, False
             yield new
 
     def estimate(self) -> tuple[float, float, int] | None:

@@ -56,21 +56,30 @@ def make_drafter(name: str, models):
 
 
 def checked_steps(engine: SpeculativeEngine, vocab: int, log: list[int]):
-    """Wrap the engine's step so the caches are checked after every one (log: committed tokens per step)."""
-    step = engine.step
+    """Wrap the engine's step and its batch of plain steps so the caches are checked after every one (log:
+    committed tokens after each)."""
+    step, plain_batch = engine.step, engine.plain_batch
 
-    def run(ctx, k):
-        outcome = step(ctx, k)
+    def check(ctx, new):
         committed = len(ctx.tokens)
         assert ctx.target_cache.length == committed - 1
         drafter = engine.drafter
         if isinstance(drafter, DraftModelDrafter):
             assert drafter.draft_cache.length == drafter.consumed <= committed - 1
-        assert all(0 <= t < vocab for t in outcome.new)
+        assert all(0 <= t < vocab for t in new)
         log.append(committed)
+
+    def run(ctx, k):
+        outcome = step(ctx, k)
+        check(ctx, outcome.new)
         return outcome
 
-    engine.step = run
+    def run_batch(ctx, n):
+        new = plain_batch(ctx, n)
+        check(ctx, new)
+        return new
+
+    engine.step, engine.plain_batch = run, run_batch
 
 
 PROMPTS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24).map(

@@ -22,6 +22,7 @@ from wgpu.backends.wgpu_native import GPUBuffer, GPUDevice
 
 import doppler_py
 from doppler_py.errors import DeviceLimitError, DopplerError, VocabularyMismatchError
+from doppler_py.speculative.engine import MAX_PLAIN_BATCH, SpeculativeEngine
 from doppler_py.testing.tiny import TinySpec, write_tiny_model
 
 MODES = [None, "prompt-lookup", "layer-skip"]
@@ -62,9 +63,22 @@ def load(folder: Path, gpu, **options):
     return doppler_py.load(folder, weights="f32", gpu=gpu, max_seq=None, progress=False, **options)
 
 
-def exercise(engine, tokens: int = 8) -> None:
+@pytest.fixture(autouse=True)
+def full_plain_batches(monkeypatch):
+    """Plain batches as large as allowed whatever the machine's speed: memory is flat once the largest batch
+    has run (its per-step uniform copies are made once per batch size and kept), and it must run first."""
+    monkeypatch.setattr(
+        SpeculativeEngine, "_batch_size", lambda self, remaining, first: 1 if first else min(remaining, MAX_PLAIN_BATCH)
+    )
+
+
+def exercise(engine, tokens: int = 8, *, full_batches: bool = False) -> None:
+    """Every mode once. `full_batches`: plain decoding also reaches its largest batch, whose per-step uniform
+    copies are then made (they are made once per batch size and kept, so memory is flat only after that)."""
     for mode in MODES:
         engine.generate(GOOD_PROMPT, max_tokens=tokens, speculative=mode, k=3 if mode else None)
+    if full_batches:
+        engine.generate(GOOD_PROMPT, max_tokens=2 + MAX_PLAIN_BATCH)
 
 
 def test_close_destroys_every_buffer_the_engine_made(tiny_dir, gpu, ledger, request):
@@ -122,7 +136,7 @@ def test_loading_a_second_model_leaks_nothing(tiny_dir, gpu, tmp_path):
 def test_cancelling_a_stream_mid_generation_leaks_nothing(tiny_dir, gpu):
     engine = load(tiny_dir, gpu)
     try:
-        exercise(engine)  # every speculative engine exists and is calibrated
+        exercise(engine, full_batches=True)  # every speculative engine exists and is calibrated
         warm = buffer_use()
         for mode in MODES * 2:
             stream = engine.stream(GOOD_PROMPT, max_tokens=60, speculative=mode, k=3 if mode else None)
@@ -142,7 +156,7 @@ def test_cancelling_a_stream_mid_generation_leaks_nothing(tiny_dir, gpu):
 def test_memory_stays_flat_across_many_generations(tiny_dir, gpu):
     engine = load(tiny_dir, gpu)
     try:
-        exercise(engine)
+        exercise(engine, full_batches=True)
         warm, groups = buffer_use(), engine.model.registry.cache_sizes["bind_groups"]
         for _ in range(5):
             exercise(engine, tokens=12)
