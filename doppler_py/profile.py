@@ -112,7 +112,7 @@ class ProfilingRecorder(Recorder):
         self.times_ns = np.zeros((0, 2), np.int64)
 
     def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> Bound | None:
-        limit = int(self.registry.gpu.limits.get("max-compute-workgroups-per-dimension", 65535))
+        limit = self._max_workgroups
         if not (0 < x <= limit and 0 < y <= limit and 0 < z <= limit):
             return super().dispatch(bound, x, y, z)  # the ordinary recorder refuses these or records nothing
         if self.phase:

@@ -32,7 +32,7 @@ def cost_key(gpu: Gpu, model_folder: Path, weights: str, *, max_rows: int, capac
     for shader in sorted(SHADER_DIR.glob("*.wgsl")):
         shaders.update(shader.read_bytes())
     return {
-        "gpu": {k: v for k, v in gpu.summary().items()},
+        "gpu": gpu.summary(),
         "cpus": os.cpu_count(),
         "lavapipe_threads": os.environ.get("LP_NUM_THREADS"),
         "model": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],

@@ -90,7 +90,6 @@ class SpeculativeEngine:
         # Plain decoding in batches (`plain_batch`): each step's random number, and its (token, status) pair.
         self.batch_randoms = Tensor.empty(gpu, MAX_PLAIN_BATCH, "f32", "batch randoms")
         self.batch_out = Tensor.empty(gpu, 2 * MAX_PLAIN_BATCH, "u32", "batch tokens")
-        self.max_plain_batch = MAX_PLAIN_BATCH  # 1: every plain step is its own submit (the tests compare)
         self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
         # One verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
         self._verifiers: dict[int | None, tuple[Tensor | None, _Verifier]] = {}
@@ -131,7 +130,9 @@ class SpeculativeEngine:
 
     def _ready(self, ctx: StepContext, first_step: bool) -> bool:
         """Whether this step may speculate (at most `policy.limit` drafts while pipelines still compile)."""
-        seeded = not ctx.params.greedy and ctx.params.seed is not None
+        # A seeded sampled generation (the policy's timing-blind mode): which steps speculate decides which
+        # random numbers each token uses, so that must not depend on how long compiling takes.
+        seeded = not self.policy.cost_aware
         if self.warmup_pending and (not first_step or seeded):
             self.warmup_pending = False
             self.warmup = PipelineWarmup(
@@ -142,8 +143,6 @@ class SpeculativeEngine:
         warmup = self.warmup
         if warmup is not None:
             if seeded:
-                # Which steps speculate decides which random numbers each token uses: with a seed that must not
-                # depend on how long compiling takes.
                 warmup.done.wait()
             if warmup.done.is_set():
                 self.warmup = None
@@ -351,7 +350,7 @@ class SpeculativeEngine:
         second; one when log-probs are asked for (they are read per step)."""
         if first or self.logprobs is not None or self._plain_token_s is None:
             return 1
-        return max(1, min(remaining, self.max_plain_batch, int(BATCH_TARGET_S / self._plain_token_s)))
+        return max(1, min(remaining, MAX_PLAIN_BATCH, int(BATCH_TARGET_S / self._plain_token_s)))
 
     def _measured_batch(self, ctx: StepContext, n: int, stats: SpecStats) -> list[int]:
         """`n` plain steps (one submit, one readback) with their statistics and the KV-cache invariant check."""
@@ -360,8 +359,7 @@ class SpeculativeEngine:
             new = self._measured_step(ctx, 0, stats)
             seconds = time.perf_counter() - start
         else:
-            if self.closed:
-                raise DopplerError("the engine was closed during this generation", advice="load the model again")
+            self._check_open()
             new = self.plain_batch(ctx, n)
             seconds = (time.perf_counter() - start) / n
             for _ in new:
@@ -405,8 +403,7 @@ class SpeculativeEngine:
 
     def _measured_step(self, ctx: StepContext, k: int, stats: SpecStats) -> list[int]:
         """One step with its timing, statistics, policy update and the KV-cache invariant check around it."""
-        if self.closed:  # a stream still iterated after its engine was closed: its buffers are gone
-            raise DopplerError("the engine was closed during this generation", advice="load the model again")
+        self._check_open()
         self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.step(ctx, k)
         times = self.clock.stop()
@@ -421,6 +418,10 @@ class SpeculativeEngine:
             self.policy.observe(outcome.drafted, outcome.accepted)
         self._check_cache(ctx)
         return outcome.new
+
+    def _check_open(self) -> None:
+        if self.closed:  # a stream still iterated after its engine was closed: its buffers are gone
+            raise DopplerError("the engine was closed during this generation", advice="load the model again")
 
     @staticmethod
     def _check_cache(ctx: StepContext) -> None:
