@@ -17,19 +17,32 @@
 // split across workgroups (grid z, split_len keys each): each split then writes unnormalised partials that
 // attention_reduce.wgsl combines (flash-decoding); with n_splits == 1 the result goes straight to `out`.
 //
+// RoPE inside (rope == 1, decode and verification): q holds the model's [q | k | v] projection rows as they
+// come out of the matmul, not yet rotated. Queries are rotated as they are loaded; keys at positions >=
+// start_pos (this call's rows) are read from the k section and rotated, values from the v section, instead
+// of from the caches; and workgroup (0, kv head, split 0) writes the rotated keys and the values of its kv
+// head to the caches for the next calls. No other workgroup reads those cache positions in this dispatch,
+// so the writes race with nothing. This saves the separate rope.wgsl dispatch per layer. Rotation follows
+// rope.wgsl (HF "rotate half": dim i pairs with i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4
+// HEAD_DIM / 8 away, and both halves use the angles of dims i mod HEAD_DIM / 2).
+//
 // Bindings: 0 params (uniform Params), 1 q (read) [rows, q_stride * 4], query heads in the first
-//           n_heads * HEAD_DIM floats of each row (RoPE applied; the model's fused [q | k | v] rows),
-//           2 k_cache (read) and 3 v_cache (read) [max_seq, n_kv_heads, HEAD_DIM],
+//           n_heads * HEAD_DIM floats of each row (RoPE applied unless rope == 1; the model's fused
+//           [q | k | v] rows, which rope == 1 requires),
+//           2 k_cache and 3 v_cache (read_write; written only when rope == 1) [max_seq, n_kv_heads, HEAD_DIM],
 //           4 out (read_write) [rows, n_heads * HEAD_DIM],
 //           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
-//           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split.
+//           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split,
+//           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope == 1).
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
 //         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
-//         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA).
+//         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
+//         rope (1: RoPE and the cache write inside, as above; 0: q rotated and the caches written before).
 // Overrides: HEAD_DIM (a multiple of 16, at most 256).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
-// Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage).
+// Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
+// with rope == 1, those at or beyond start_pos.
 
 struct Params {
   rows: u32,
@@ -42,15 +55,17 @@ struct Params {
   q_stride: u32,
   window: u32,
   scale: f32,
+  rope: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> k_cache: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> v_cache: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> k_cache: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> v_cache: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> out: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> part_acc: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> part_stats: array<vec2<f32>>;
+@group(0) @binding(7) var<storage, read> cos_sin: array<vec4<f32>>;
 
 override HEAD_DIM: u32 = 64u;
 
@@ -82,9 +97,121 @@ fn outer(p: vec4<f32>, v: vec4<f32>) -> mat4x4<f32> {
   return mat4x4<f32>(p * v.x, p * v.y, p * v.z, p * v.w);
 }
 
-// Slice i of the queries as a matrix: column c holds dim 4 * i + c of the four queries at q[at[c]].
-fn query_slice(at: vec4<u32>, scale: f32) -> mat4x4<f32> {
-  return transpose(mat4x4<f32>(q[at.x], q[at.y], q[at.z], q[at.w])) * scale;
+// Dims 4c..4c+3 of the head vector at q[head..], rotated for position `pos` (rope == 1).
+fn rotated(head: u32, c: u32, pos: u32) -> vec4<f32> {
+  let half4 = HEAD_DIM / 8u;
+  let first = c < half4;
+  let pair = select(c - half4, c, first);
+  let at = pos * (HEAD_DIM / 4u) + 2u * pair;  // vec4 (cos, sin, cos, sin) pairs of dims 4 * pair ..
+  let a = cos_sin[at];
+  let b = cos_sin[at + 1u];
+  let cosines = vec4<f32>(a.x, a.z, b.x, b.z);
+  let sines = vec4<f32>(a.y, a.w, b.y, b.w);
+  let x = q[head + c];
+  if (first) {
+    return x * cosines - q[head + c + half4] * sines;
+  }
+  return x * cosines + q[head + pair] * sines;
+}
+
+// Dims 4c..4c+3 of the query head at q[head..] of the row at position `pos`.
+fn query(head: u32, c: u32, pos: u32) -> vec4<f32> {
+  if (params.rope == 1u) {
+    return rotated(head, c, pos);
+  }
+  return q[head + c];
+}
+
+// Slice i of the queries as a matrix: column c holds dims 4 * i .. 4 * i + 3 of query c (its head at
+// q[head[c]..], its row at position pos[c]).
+fn query_slice(head: vec4<u32>, i: u32, pos: vec4<u32>, scale: f32) -> mat4x4<f32> {
+  let m = mat4x4<f32>(query(head.x, i, pos.x), query(head.y, i, pos.y), query(head.z, i, pos.z),
+                      query(head.w, i, pos.w));
+  return transpose(m) * scale;
+}
+
+// Vec4 index of kv head `kv_head` of key j's k section in q (v section: + n_kv_heads * HEAD_DIM / 4), for
+// a key of this call's rows (rope == 1).
+fn new_key_head(j: u32, kv_head: u32) -> u32 {
+  return (j - params.start_pos) * params.q_stride + (params.n_heads + kv_head) * (HEAD_DIM / 4u);
+}
+
+// Dims 4c..4c+3 of key j of kv head `kv_head`, RoPE applied; `new_key`: one of this call's rows (rope == 1).
+// Callers pass a constant `new_key`, so the compiled loops hold no branch on it.
+fn key(j: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
+  if (new_key) {
+    return rotated(new_key_head(j, kv_head), c, j);
+  }
+  return k_cache[(j * params.n_kv_heads + kv_head) * (HEAD_DIM / 4u) + c];
+}
+
+fn value(j: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
+  if (new_key) {
+    return q[new_key_head(j, kv_head) + params.n_kv_heads * (HEAD_DIM / 4u) + c];
+  }
+  return v_cache[(j * params.n_kv_heads + kv_head) * (HEAD_DIM / 4u) + c];
+}
+
+// What a lane scores keys with, fixed for the call (see main).
+struct Lane {
+  q0: mat4x4<f32>,
+  q1: mat4x4<f32>,
+  q2: mat4x4<f32>,
+  q3: mat4x4<f32>,
+  limit: vec4<u32>,
+  lower: vec4<u32>,
+  kv_head: u32,
+  slice: u32,
+  t: u32,
+  lane_group: u32,
+  key_lane: u32,
+  has_block: bool,
+}
+
+// The online softmax over keys [begin, end): each step, the key lanes of a block score STEP keys each, in
+// turn. begin, end and key_lanes must be uniform over the workgroup (the barriers); `new_keys` as in `key`.
+fn attend(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_keys: bool) -> State {
+  var st = state;
+  var n_steps = 0u;
+  if (end > begin) {
+    n_steps = (end - begin + key_lanes * STEP - 1u) / (key_lanes * STEP);
+  }
+  let slices = HEAD_DIM / 16u;
+  let c = 4u * lane.slice;
+  for (var it = 0u; it < n_steps; it++) {
+    let first = begin + (it * key_lanes + lane.key_lane) * STEP;
+    for (var u = 0u; u < STEP; u++) {
+      let j = first + u;
+      var s = vec4<f32>(0.0);
+      if (lane.has_block && j < end) {
+        s = lane.q0 * key(j, lane.kv_head, c, new_keys) + lane.q1 * key(j, lane.kv_head, c + 1u, new_keys)
+          + lane.q2 * key(j, lane.kv_head, c + 2u, new_keys) + lane.q3 * key(j, lane.kv_head, c + 3u, new_keys);
+      }
+      exchange[lane.t * STEP + u] = s;
+    }
+    workgroupBarrier();
+    for (var u = 0u; u < STEP; u++) {
+      let j = first + u;
+      if (lane.has_block && j < end) {
+        var s = vec4<f32>(0.0);
+        for (var d = 0u; d < slices; d++) {
+          s += exchange[(lane.lane_group * slices + d) * STEP + u];
+        }
+        let visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(j) >= lane.lower);
+        let m = max(st.m, select(vec4<f32>(NEG), s, visible));
+        let rescale = exp(st.m - m);
+        let p = select(vec4<f32>(0.0), exp(s - m), visible);
+        st.a0 = scale_queries(st.a0, rescale) + outer(p, value(j, lane.kv_head, c, new_keys));
+        st.a1 = scale_queries(st.a1, rescale) + outer(p, value(j, lane.kv_head, c + 1u, new_keys));
+        st.a2 = scale_queries(st.a2, rescale) + outer(p, value(j, lane.kv_head, c + 2u, new_keys));
+        st.a3 = scale_queries(st.a3, rescale) + outer(p, value(j, lane.kv_head, c + 3u, new_keys));
+        st.m = m;
+        st.l = st.l * rescale + p;
+      }
+    }
+    workgroupBarrier();
+  }
+  return st;
 }
 
 fn combine(x: State, y: State) -> State {
@@ -146,6 +273,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let kv_head = wid.y;
   let split = wid.z;
 
+  if (params.rope == 1u && wid.x == 0u && split == 0u) {
+    for (var e = t; e < params.rows * hd4; e += LANES) {
+      let pos = params.start_pos + e / hd4;
+      let c = e % hd4;
+      let at = (pos * params.n_kv_heads + kv_head) * hd4 + c;
+      k_cache[at] = key(pos, kv_head, c, true);
+      v_cache[at] = value(pos, kv_head, c, true);
+    }
+  }
+
   let slice = t % slices;
   let lane_group = t / slices;
   let key_lane = lane_group % key_lanes;
@@ -163,9 +300,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   }
   let key_begin = max(split * params.split_len, window_begin);
   let key_end = min((split + 1u) * params.split_len, params.start_pos + last_pair / group + 1u);
-  var n_steps = 0u;
-  if (key_end > key_begin) {
-    n_steps = (key_end - key_begin + key_lanes * STEP - 1u) / (key_lanes * STEP);
+  // With rope == 1, keys from start_pos on come from q (this call's rows), after those in the caches.
+  var cached_end = key_end;
+  var new_begin = key_end;
+  if (params.rope == 1u) {
+    cached_end = min(key_end, params.start_pos);
+    new_begin = max(key_begin, params.start_pos);
   }
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
@@ -175,11 +315,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   var lower = vec4<u32>(0u);
   var row_head = vec4<u32>(0u);
   var q_head = vec4<u32>(0u);
+  var q_pos = vec4<u32>(0u);
   for (var c = 0u; c < 4u; c++) {
     let pair = 4u * block + c;
     if (has_block && pair < n_pairs) {
       let head = kv_head * group + pair % group;
-      limit[c] = params.start_pos + pair / group + 1u;
+      q_pos[c] = params.start_pos + pair / group;
+      limit[c] = q_pos[c] + 1u;
       if (params.window > 0u && limit[c] > params.window) {
         lower[c] = limit[c] - params.window;
       }
@@ -187,54 +329,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       q_head[c] = (pair / group) * params.q_stride + head * hd4;
     }
   }
-  let scale = params.scale;
-  let q_at = q_head + vec4<u32>(4u * slice);
-  var q0 = mat4x4<f32>();
-  var q1 = mat4x4<f32>();
-  var q2 = mat4x4<f32>();
-  var q3 = mat4x4<f32>();
+  var lane = Lane(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), limit, lower, kv_head, slice, t,
+                  lane_group, key_lane, has_block);
   if (has_block) {
-    q0 = query_slice(q_at, scale);
-    q1 = query_slice(q_at + vec4<u32>(1u), scale);
-    q2 = query_slice(q_at + vec4<u32>(2u), scale);
-    q3 = query_slice(q_at + vec4<u32>(3u), scale);
+    lane.q0 = query_slice(q_head, 4u * slice, q_pos, params.scale);
+    lane.q1 = query_slice(q_head, 4u * slice + 1u, q_pos, params.scale);
+    lane.q2 = query_slice(q_head, 4u * slice + 2u, q_pos, params.scale);
+    lane.q3 = query_slice(q_head, 4u * slice + 3u, q_pos, params.scale);
   }
   var st = State(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), vec4<f32>(NEG), vec4<f32>(0.0));
-
-  for (var it = 0u; it < n_steps; it++) {
-    let first = key_begin + (it * key_lanes + key_lane) * STEP;
-    for (var u = 0u; u < STEP; u++) {
-      let j = first + u;
-      var s = vec4<f32>(0.0);
-      if (has_block && j < key_end) {
-        let at = (j * params.n_kv_heads + kv_head) * hd4 + 4u * slice;
-        s = q0 * k_cache[at] + q1 * k_cache[at + 1u] + q2 * k_cache[at + 2u] + q3 * k_cache[at + 3u];
-      }
-      exchange[t * STEP + u] = s;
-    }
-    workgroupBarrier();
-    for (var u = 0u; u < STEP; u++) {
-      let j = first + u;
-      if (has_block && j < key_end) {
-        var s = vec4<f32>(0.0);
-        for (var d = 0u; d < slices; d++) {
-          s += exchange[(lane_group * slices + d) * STEP + u];
-        }
-        let visible = (vec4<u32>(j) < limit) & (vec4<u32>(j) >= lower);
-        let m = max(st.m, select(vec4<f32>(NEG), s, visible));
-        let rescale = exp(st.m - m);
-        let p = select(vec4<f32>(0.0), exp(s - m), visible);
-        let at = (j * params.n_kv_heads + kv_head) * hd4 + 4u * slice;
-        st.a0 = scale_queries(st.a0, rescale) + outer(p, v_cache[at]);
-        st.a1 = scale_queries(st.a1, rescale) + outer(p, v_cache[at + 1u]);
-        st.a2 = scale_queries(st.a2, rescale) + outer(p, v_cache[at + 2u]);
-        st.a3 = scale_queries(st.a3, rescale) + outer(p, v_cache[at + 3u]);
-        st.m = m;
-        st.l = st.l * rescale + p;
-      }
-    }
-    workgroupBarrier();
-  }
+  st = attend(st, lane, key_begin, cached_end, key_lanes, false);
+  st = attend(st, lane, new_begin, key_end, key_lanes, true);
 
   // Merge the key lanes of each block pairwise: the upper half hands its states to the lower half.
   for (var half = key_lanes / 2u; half > 0u; half /= 2u) {
@@ -251,7 +356,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
   // A split whose keys all lie before the workgroup's windows has no steps; it still writes its (empty)
   // partials, which attention_reduce reads for every split up to the row's position.
-  if (has_block && key_lane == 0u && (n_steps > 0u || params.n_splits > 1u)) {
+  if (has_block && key_lane == 0u && (key_end > key_begin || params.n_splits > 1u)) {
     let r0 = transpose(st.a0);
     let r1 = transpose(st.a1);
     let r2 = transpose(st.a2);

@@ -553,6 +553,57 @@ class KernelRegistry:
         return {"modules": len(self._modules), "pipelines": len(self._kernels), "bind_groups": len(self._bind_groups)}
 
 
+class Tape:
+    """What one call recorded (dispatches and copies, in order), to record again by `Recorder.play_tape` without
+    the Python of the ops that recorded it: a decode step's ~150 dispatches then cost the host little more than
+    wgpu-native's own work. `restore()` puts every uniform slot the calls used back to its bytes at capture;
+    values that change between plays (positions) are the caller's to set after it. The tape keeps its bounds
+    (so their pipelines and bind groups) alive; drop it when any op or buffer it used is released.
+    """
+
+    def __init__(self, phase: int):
+        self.phase = phase
+        # (bound, x, y, z) per dispatch; (None, src, dst, nbytes, src_offset, dst_offset) per copy
+        self.calls: list[tuple] = []
+        self.bounds: dict[tuple[int, int], Bound] = {}  # per slot used (phase copies in a phase): a bound using it
+        self.origins: set[tuple[int, int]] = set()  # the ops' own slots behind the phase copies
+        self.dispatches = 0
+        self.keys: frozenset[tuple[int, int]] = frozenset()
+        # Per arena: the byte indices of the tape's slots in it, and their bytes at capture. Slot bytes are
+        # gathered and scattered per arena with one numpy call (a Python loop over ~150 slots cost ~100 µs).
+        self._groups: list[tuple[_UniformArena, np.ndarray, np.ndarray]] = []
+        self._where: dict[tuple[int, int], tuple[int, int, int]] = {}  # slot key -> (group, start, end)
+
+    def _finish(self) -> None:
+        self.keys = frozenset(self.bounds)
+        by_arena: dict[int, tuple[_UniformArena, list]] = {}
+        for key, bound in self.bounds.items():
+            slot = bound.params
+            by_arena.setdefault(id(slot.arena), (slot.arena, []))[1].append((key, slot))
+        for arena, slots in by_arena.values():
+            group, indices, at = len(self._groups), [], 0
+            for key, slot in slots:
+                size = slot.layout.size
+                indices.append(np.arange(slot.offset, slot.offset + size, dtype=np.int32))
+                self._where[key] = (group, at, at + size)
+                at += size
+            index = np.concatenate(indices)
+            self._groups.append((arena, index, arena.host[index]))
+
+    def restore(self) -> None:
+        for arena, index, data in self._groups:
+            arena.host[index] = data
+            arena.dirty = True
+
+    def gather(self) -> list[np.ndarray]:
+        """The tape's slots' bytes as they are now (for `slot_bytes`)."""
+        return [arena.host[index] for arena, index, _ in self._groups]
+
+    def slot_bytes(self, key: tuple[int, int], gathered: list[np.ndarray]) -> bytes:
+        group, start, end = self._where[key]
+        return gathered[group][start:end].tobytes()
+
+
 class Recorder:
     """Records dispatches and copies into ONE command encoder; `submit()` sends it with one queue submit."""
 
@@ -574,6 +625,78 @@ class Recorder:
         # The arena is uploaded once at submit, so every dispatch of a slot runs with the LAST values set;
         # a later dispatch that sees other bytes would silently run the earlier one with them too.
         self._uniforms: dict[tuple[int, int], tuple[bytes, Kernel]] = {}
+        self._tape: Tape | None = None  # being captured (`capture`)
+        self._played: list[tuple[Tape, list[np.ndarray]]] = []  # tapes played, with their slots' bytes then
+
+    @property
+    def can_play_tapes(self) -> bool:
+        """Whether `play_tape` takes the fast path; recorders that do more per dispatch (the profiler's, the
+        tests' Dawn replay) get every call through their own `dispatch` and `copy`."""
+        return bool(self._native) and type(self).dispatch is Recorder.dispatch and type(self).copy is Recorder.copy
+
+    def capture(self) -> Tape:
+        """Start a tape of the calls recorded from now until `end_capture`."""
+        if self._tape is not None:
+            raise InternalError("a recorder captures one tape at a time")
+        self._tape = Tape(self.phase)
+        return self._tape
+
+    def end_capture(self) -> Tape:
+        tape, self._tape = self._tape, None
+        tape._finish()
+        return tape
+
+    def play_tape(self, tape: Tape) -> None:
+        """Record `tape`'s calls again, each slot holding its bytes as they are now (after `Tape.restore` and the
+        caller's updates), under `dispatch`'s checks: a slot dispatched twice in one submit must hold the same
+        bytes both times, and an op's slot is not dispatched both with and without a phase."""
+        if tape.phase != self.phase:
+            raise InternalError(f"a tape captured in phase {tape.phase} played in phase {self.phase}")
+        if not self.can_play_tapes:
+            for bound, *args in tape.calls:
+                if bound is not None:
+                    self.dispatch(bound, *args)
+                else:
+                    self._play_copy(args)
+            return
+        gathered = tape.gather()
+        if tape.origins:
+            if any(self._first_use(key) is not None for key in tape.origins):
+                self._phase_mix(next(iter(tape.bounds.values())))
+            self._phased_origins.update(tape.origins)
+        elif not self._phased_origins.isdisjoint(tape.keys):
+            self._phase_mix(tape.bounds[next(iter(tape.keys & self._phased_origins))])
+        reused = tape.keys & self._uniforms.keys()
+        for other, _ in self._played:
+            reused |= tape.keys & other.keys
+        for key in reused:
+            first, now = self._first_use(key), tape.slot_bytes(key, gathered)
+            if first[0] != now:
+                self._uniform_clash(tape.bounds[key], first[0], first[1], now)
+        self._played.append((tape, gathered))
+        for bound, *args in tape.calls:
+            if bound is None:
+                self._play_copy(args)
+                continue
+            if self._pass is None:
+                self._begin_pass()
+            self._native_dispatch(*bound.native, *args)
+        self.dispatches += tape.dispatches
+
+    def _first_use(self, key: tuple[int, int]) -> tuple[bytes, Kernel, Bound | None] | None:
+        """A slot's bytes and kernel at its first dispatch in this submit (by `dispatch` or a played tape)."""
+        first = self._uniforms.get(key)
+        if first is not None:
+            return (*first, None)
+        for tape, gathered in self._played:
+            if key in tape.keys:
+                bound = tape.bounds[key]
+                return tape.slot_bytes(key, gathered), bound.kernel, bound
+        return None
+
+    def _play_copy(self, args: list) -> None:
+        src, dst, nbytes, src_offset, dst_offset = args
+        self.copy(src, dst, nbytes, src_offset=src_offset, dst_offset=dst_offset)
 
     def dispatch(self, bound: Bound, x: int, y: int = 1, z: int = 1) -> Bound | None:
         """Record a dispatch of `bound`; returns what was dispatched (its phase copy while `phase` > 0), or None
@@ -583,11 +706,12 @@ class Recorder:
             raise DeviceLimitError(f"{bound.kernel!r}: dispatch ({x}, {y}, {z}) exceeds {limit} per dimension")
         if x == 0 or y == 0 or z == 0:
             return None
-        slot = bound.params
+        slot = origin = bound.params
         if slot is not None:
+            played = self._played
             if self.phase:
                 self._phased_origins.add(slot.key)
-                if slot.key in self._uniforms:
+                if slot.key in self._uniforms or (played and self._first_use(slot.key)):
                     self._phase_mix(bound)
                 bound = self.registry.phased(bound, self.phase)
                 slot = bound.params
@@ -595,30 +719,45 @@ class Recorder:
                 self._phase_mix(bound)
             data = slot.view.tobytes()
             first = self._uniforms.get(slot.key)
+            if first is None and played:
+                first = self._first_use(slot.key)
             if first is None:
                 self._uniforms[slot.key] = (data, bound.kernel)
             elif first[0] != data:
                 self._uniform_clash(bound, first[0], first[1], data)
         if self._pass is None:
-            self._pass = self.encoder.begin_compute_pass()
-            self._native_pass = self._pass._internal if self._native else None
-            self._last_pipeline = self._last_group = None
+            self._begin_pass()
         pipeline, group = bound.native
         if self._native_pass is not None and pipeline is not None and group is not None:
-            native = _NATIVE
-            if pipeline != self._last_pipeline:  # consecutive dispatches of one kernel keep it set
-                native.set_pipeline(self._native_pass, pipeline)
-                self._last_pipeline = pipeline
-            if group != self._last_group:
-                native.set_bind_group(self._native_pass, 0, group, 0, native.null)
-                self._last_group = group
-            native.dispatch(self._native_pass, x, y, z)
+            self._native_dispatch(pipeline, group, x, y, z)
         else:
             self._pass.set_pipeline(bound.kernel.pipeline)
             self._pass.set_bind_group(0, bound.bind_group)
             self._pass.dispatch_workgroups(x, y, z)
         self.dispatches += 1
+        if self._tape is not None:
+            self._tape.calls.append((bound, x, y, z))
+            self._tape.dispatches += 1
+            if slot is not None:
+                self._tape.bounds.setdefault(slot.key, bound)
+                if self.phase:
+                    self._tape.origins.add(origin.key)
         return bound
+
+    def _begin_pass(self) -> None:
+        self._pass = self.encoder.begin_compute_pass()
+        self._native_pass = self._pass._internal if self._native else None
+        self._last_pipeline = self._last_group = None
+
+    def _native_dispatch(self, pipeline, group, x: int, y: int, z: int) -> None:
+        native = _NATIVE
+        if pipeline != self._last_pipeline:  # consecutive dispatches of one kernel keep it set
+            native.set_pipeline(self._native_pass, pipeline)
+            self._last_pipeline = pipeline
+        if group != self._last_group:
+            native.set_bind_group(self._native_pass, 0, group, 0, native.null)
+            self._last_group = group
+        native.dispatch(self._native_pass, x, y, z)
 
     @staticmethod
     def _phase_mix(bound: Bound) -> None:
@@ -650,6 +789,8 @@ class Recorder:
         """Copy bytes between buffers inside this encoder (offsets relative to each tensor's own offset)."""
         self._end_pass()
         size = nbytes if nbytes is not None else src.binding_size
+        if self._tape is not None:
+            self._tape.calls.append((None, src, dst, size, src_offset, dst_offset))
         self.encoder.copy_buffer_to_buffer(
             src.buffer, src.offset + src_offset, dst.buffer, dst.offset + dst_offset, size
         )

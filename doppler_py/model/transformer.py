@@ -19,8 +19,9 @@ Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·
 
 The RMSNorms before the projections run inside them (Linear's `norm`, the final norm too; xn and xn_head are
 only written when a long prefill takes the tiled GEMM on a GPU), and the down projection computes silu(g)·u
-as it loads gate_up (Linear's `glu`; act is only written by prefills of more than 16 rows): a decode step is
-6 dispatches per layer plus 2. All buffers and bind
+as it loads gate_up (Linear's `glu`; act is only written by prefills of more than 16 rows), and attention
+applies RoPE and writes the cache itself (a rope dispatch of its own only for prefills of more than 16 rows):
+a decode step is 5 dispatches per layer plus 2. All buffers and bind
 groups are created once here; a forward only sets uniforms (rows, positions) and records dispatches. Ops bound
 to a KV cache (cache write, attention) are built once per cache.
 """
@@ -33,15 +34,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from doppler_py.errors import CapacityError, GenerationOptionError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry, Recorder, Tape, UniformSlot
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
-from doppler_py.ops.attention import Attention
+from doppler_py.ops.attention import FUSED_ROPE_MAX_ROWS, Attention
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
-from doppler_py.ops.rope import RoPE, rope_table
+from doppler_py.ops.rope import rope_table
 
 LOGITS_MODES = ("last", "all", "none")
 
@@ -58,9 +59,15 @@ class _LayerOps:
 
 
 @dataclass
-class _CacheOps:
-    rope: list[RoPE]  # rotates q in place, writes rotated k and v into the layer's cache
-    attention: list[Attention]
+class _ForwardTape:
+    """A recorded forward to play again (`Recorder.play_tape`): the slots its attention dispatches used, per
+    attention window, take each play's positions; every other uniform is as captured."""
+
+    tape: Tape
+    attention_slots: dict[int, list[UniformSlot]]
+
+
+MAX_TAPES = 64  # forwards kept for playing again (keys: rows, logits, layers, cache, phase, attention grids)
 
 
 def _rope_key(theta: float, scaling: dict | None) -> tuple:
@@ -128,7 +135,13 @@ class Transformer:
             registry, weights.lm_head, self.x, self.logits, max_rows=self.max_logit_rows, norm=final_norm
         )
         self.lm_head_last = Linear(registry, weights.lm_head, self.x_last, self.logits, max_rows=1, norm=final_norm)
-        self._cache_ops: dict[int, tuple[KVCache, _CacheOps]] = {}
+        self._cache_ops: dict[int, tuple[KVCache, list[Attention]]] = {}
+        # The first layer of each attention window (0: full attention): all layers of one window share their
+        # attention uniforms' values in a call.
+        self._window_layers: dict[int, int] = {}
+        for i in range(len(self.layers)):
+            self._window_layers.setdefault(cfg.layer_window(i), i)
+        self._tapes: dict[tuple, _ForwardTape] = {}
         self.closed = False
 
     def _layer_ops(self, lw: LayerWeights) -> _LayerOps:
@@ -192,47 +205,43 @@ class Transformer:
         max_seq = min(max_seq or self.max_positions, self.max_positions)
         return KVCache(self.gpu, self.num_layers, max_seq, cfg.num_key_value_heads, cfg.head_dim)
 
-    def _ops_for(self, cache: KVCache) -> _CacheOps:
+    def _ops_for(self, cache: KVCache) -> list[Attention]:
+        """Each layer's attention over `cache` (RoPE and the cache write included), built once per cache."""
         entry = self._cache_ops.get(id(cache))
         if entry is None or entry[0] is not cache:
-            cfg, reg = self.config, self.registry
-            shape = dict(
-                n_heads=cfg.num_attention_heads,
-                n_kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim,
-                max_seq=cache.max_seq,
-                max_rows=self.max_rows,
-            )
-            layers = list(enumerate(zip(cache.keys, cache.values, strict=True)))
-            ops = _CacheOps(
-                rope=[
-                    RoPE(reg, self.qkv, self.rope_tables[_rope_key(*self.layer_rope[i])], k, v, **shape)
-                    for i, (k, v) in layers
-                ],
-                attention=[
-                    Attention(
-                        reg,
-                        self.qkv,
-                        k,
-                        v,
-                        self.attn,
-                        q_row_stride=self.qkv.shape[1],
-                        window=cfg.layer_window(i),
-                        scale=cfg.attention_scale,
-                        **shape,
-                    )
-                    for i, (k, v) in layers
-                ],
-            )
+            cfg = self.config
+            ops = [
+                Attention(
+                    self.registry,
+                    self.qkv,
+                    k,
+                    v,
+                    self.attn,
+                    n_heads=cfg.num_attention_heads,
+                    n_kv_heads=cfg.num_key_value_heads,
+                    head_dim=cfg.head_dim,
+                    max_seq=cache.max_seq,
+                    max_rows=self.max_rows,
+                    window=cfg.layer_window(i),
+                    scale=cfg.attention_scale,
+                    rope=self.rope_tables[_rope_key(*self.layer_rope[i])],
+                )
+                for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True))
+            ]
             entry = (cache, ops)
             self._cache_ops[id(cache)] = entry
+            self._drop_tapes(cache)  # a cache that was not released may have left tapes under the same id
         return entry[1]
+
+    def _drop_tapes(self, cache: KVCache) -> None:
+        self._tapes = {key: tape for key, tape in self._tapes.items() if key[0] != id(cache)}
 
     def release_cache(self, cache: KVCache) -> None:
         """Free `cache` and everything built for it (ops, their scratch buffers and uniform slots)."""
         entry = self._cache_ops.pop(id(cache), None)
+        self._drop_tapes(cache)
         if entry is not None and entry[0] is cache:
-            for op in (*entry[1].rope, *entry[1].attention):
+            for op in entry[1]:
                 op.release(self.registry)
         for t in cache.keys + cache.values:
             self.registry.forget_buffer(t.buffer)
@@ -280,15 +289,54 @@ class Transformer:
         if logits == "all" and rows > self.max_logit_rows:
             raise CapacityError(f"logits for {rows} rows requested; at most {self.max_logit_rows} per forward")
         cache.check_room(start_pos, rows)
-        cache_ops = self._ops_for(cache)
+        attention = self._ops_for(cache)
+        key = None
+        if rec.can_play_tapes and rows <= FUSED_ROPE_MAX_ROWS:  # longer calls set the rope op's positions too
+            calls = {window: attention[i].call(rows, start_pos) for window, i in self._window_layers.items()}
+            grids = tuple((window, grid) for window, (_, grid) in calls.items())
+            key = (id(cache), rows, logits, num_layers, embedded, rec.phase, grids)
+            played = self._tapes.get(key)
+            if played is not None:
+                played.tape.restore()
+                for window, slots in played.attention_slots.items():
+                    slots[0].set(**calls[window][0])
+                    for slot in slots[1:]:
+                        slot.view[:] = slots[0].view
+                rec.play_tape(played.tape)
+                cache.advance_to(max(cache.length, start_pos + rows))
+                return
+            rec.capture()
+        try:
+            attention_slots = self._record_layers(rec, rows, start_pos, attention, logits, num_layers, embedded)
+        finally:
+            tape = rec.end_capture() if key is not None else None
+        cache.advance_to(max(cache.length, start_pos + rows))
+        if tape is not None:
+            if len(self._tapes) >= MAX_TAPES:
+                del self._tapes[next(iter(self._tapes))]
+            self._tapes[key] = _ForwardTape(tape, attention_slots)
+
+    def _record_layers(
+        self,
+        rec: Recorder,
+        rows: int,
+        start_pos: int,
+        attention: list[Attention],
+        logits: str,
+        num_layers: int | None,
+        embedded: bool,
+    ) -> dict[int, list[UniformSlot]]:
+        """Record the forward's dispatches; returns the uniform slots the attention dispatches used, per window."""
+        attention_slots: dict[int, list[UniformSlot]] = {}
         if not embedded:
             self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
         for i, layer in enumerate(self.layers[:num_layers]):
             layer.qkv.record(rec, rows=rows)  # matmul: qkv = rmsnorm(x)·Wqkv (+ b)
             if layer.qk_norm:
                 layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
-            cache_ops.rope[i].record(rec, rows=rows, start_pos=start_pos)  # rope: q, k rotated; k, v → cache
-            cache_ops.attention[i].record(rec, rows=rows, start_pos=start_pos)  # attention: attn = softmax(q·K)·V
+            # attention: q, k rotated (RoPE); k, v → cache; attn = softmax(q·K)·V
+            used = attention[i].record(rec, rows=rows, start_pos=start_pos)
+            attention_slots.setdefault(attention[i].window, []).extend(used)
             layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
             if layer.post_attn:
                 layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
@@ -296,7 +344,6 @@ class Transformer:
             layer.down.record(rec, rows=rows)  # matmul: x += (silu(gate)·up)·Wd (Gemma: gelu_tanh; into y)
             if layer.post_mlp:
                 layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
-        cache.advance_to(max(cache.length, start_pos + rows))
         if logits == "all" or (logits == "last" and rows == 1):
             self.lm_head.record(rec, rows=rows)  # matmul: logits = rmsnorm(x)·Wlm
         elif logits == "last":
@@ -308,6 +355,7 @@ class Transformer:
                 src_offset=(rows - 1) * row_bytes,
             )
             self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[last])·Wlm
+        return attention_slots
 
     def forward(
         self,
@@ -350,6 +398,7 @@ class Transformer:
 
     def close(self) -> None:
         """Free the KV caches and the buffers this model allocated (the weights belong to the caller)."""
+        self._tapes.clear()
         for cache, _ in list(self._cache_ops.values()):
             self.release_cache(cache)
         if self.closed:

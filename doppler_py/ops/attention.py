@@ -8,6 +8,12 @@ shader header explains the work split. Per call the op picks two numbers:
 * splits: for few rows over a long context the key range is also split across workgroups (flash-decoding),
   merged by a second dispatch (shaders/attention_reduce.wgsl), so a call has enough workgroups to keep
   every core busy.
+
+With `rope=` (the model's cos/sin table) the op takes the [q | k | v] projection rows as they leave the
+matmul and also applies RoPE and writes the new keys and values to the caches: inside the attention dispatch
+for calls of up to FUSED_ROPE_MAX_ROWS rows (decode, verification: one dispatch per layer fewer), by a
+rope.wgsl dispatch first for longer calls (prefill), where every workgroup rotating every new key it reads
+would repeat the rotation once per workgroup.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from __future__ import annotations
 import os
 
 from doppler_py.errors import DeviceLimitError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.ops.rope import RoPE
 
 LANES = 64  # invocations per workgroup in attention.wgsl
 STEP = 8  # keys a lane group scores per step
@@ -26,6 +33,7 @@ MAX_SPLITS = 16
 SPLIT_MAX_ROWS = 16  # only decode/verification-sized calls split the key range; prefill has blocks enough
 MIN_SPLIT_KEYS = 256  # a split scores at least this many keys (two steps of 16 key lanes)
 GPU_TARGET_WORKGROUPS = 256  # enough to fill the multiprocessors of a large GPU
+FUSED_ROPE_MAX_ROWS = 16  # longer calls rotate and write the cache by a rope.wgsl dispatch first
 
 
 def target_workgroups(adapter_type: str) -> int:
@@ -48,6 +56,11 @@ class Attention:
     anything). Query head h reads kv head h // (n_heads // n_kv_heads); scores are q·k * scale (default
     1 / sqrt(head_dim)). With `window` > 0 the query at position p sees only keys in (p - window, p] (sliding-
     window layers; the cache still holds every position). head_dim must be a multiple of 16, at most 256.
+
+    `rope`: a `rope_table` tensor of at least max_seq positions. Then `q` holds whole [q | k | v] rows (row
+    stride (n_heads + 2 * n_kv_heads) * head_dim) before RoPE, and the op rotates q and k and writes the rows'
+    keys and values to the caches itself (module docstring): the caches need only hold positions before
+    start_pos.
     """
 
     def __init__(
@@ -66,9 +79,15 @@ class Attention:
         q_row_stride: int | None = None,
         window: int = 0,
         scale: float | None = None,
+        rope: Tensor | None = None,
     ):
         width = n_heads * head_dim
-        q_row_stride = width if q_row_stride is None else q_row_stride
+        qkv_width = width + 2 * n_kv_heads * head_dim
+        q_row_stride = (qkv_width if rope is not None else width) if q_row_stride is None else q_row_stride
+        if rope is not None and q_row_stride != qkv_width:
+            raise ValueError(
+                f"q_row_stride={q_row_stride}: with rope, q holds [q | k | v] rows of exactly {qkv_width} floats"
+            )
         if q_row_stride < width or q_row_stride % 4:
             raise ValueError(
                 f"q_row_stride={q_row_stride} must be a multiple of 4 and at least n_heads*head_dim={width}"
@@ -96,6 +115,22 @@ class Attention:
         self.window = window
         self.lane_groups = LANES // (head_dim // 16)
         self.target_workgroups = target_workgroups(str(registry.gpu.info.get("adapter_type", "")))
+        self.rope: RoPE | None = None  # the rope.wgsl dispatch of long calls
+        if rope is not None:
+            if rope.numel < max_seq * head_dim:
+                raise ValueError(f"rope: the cos/sin table covers {rope.numel // head_dim} positions, needs {max_seq}")
+            self.rope = RoPE(
+                registry,
+                q,
+                rope,
+                k_cache,
+                v_cache,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                max_seq=max_seq,
+                max_rows=max_rows,
+            )
 
         split_rows = min(max_rows, SPLIT_MAX_ROWS)
         self.part_acc = Tensor.empty(registry.gpu, (MAX_SPLITS, split_rows, n_heads, head_dim), label="attn partials")
@@ -115,6 +150,7 @@ class Attention:
             out=out,
             part_acc=self.part_acc,
             part_stats=self.part_stats,
+            cos_sin=rope if rope is not None else registry.placeholder(4),
         )
         self.params = self.bound.params
         self.reduce = registry.bind(
@@ -126,9 +162,11 @@ class Attention:
         )
 
     def release(self, registry: KernelRegistry) -> None:
-        """Free what the op owns (partial-result buffers, uniform slot); the caches and q/out stay."""
+        """Free what the op owns (partial-result buffers, uniform slots); the caches, q, out and table stay."""
         registry.release_tensors(self.part_acc, self.part_stats)
         registry.release_slot(self.params)
+        if self.rope is not None:
+            self.rope.release(registry)
 
     def plan(self, rows: int, start_pos: int, splits: int | None = None) -> tuple[int, int, int]:
         """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped)."""
@@ -152,18 +190,35 @@ class Attention:
             key_lanes *= 2
         return key_lanes, split_len, workgroups(context, split_len)
 
-    def record(self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None) -> None:
-        """Record attention for `rows` queries at positions start_pos..start_pos+rows-1.
-
-        `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose.
-        """
+    def call(self, rows: int, start_pos: int, splits: int | None = None) -> tuple[dict[str, int], tuple[int, int, int]]:
+        """The uniform values and the attention dispatch's grid for a call (`record` records it)."""
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"rows={rows} must be in 1..{self.max_rows}")
         if start_pos < 0 or start_pos + rows > self.max_seq:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
         key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
-        self.params.set(rows=rows, start_pos=start_pos, key_lanes=key_lanes, split_len=split_len, n_splits=n_splits)
+        values = {
+            "rows": rows,
+            "start_pos": start_pos,
+            "key_lanes": key_lanes,
+            "split_len": split_len,
+            "n_splits": n_splits,
+            "rope": int(self.rope is not None and rows <= FUSED_ROPE_MAX_ROWS),
+        }
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
-        rec.dispatch(self.bound, workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
-        if n_splits > 1:
-            rec.dispatch(self.reduce, workgroups(rows * self.n_heads * self.head_dim // 4, LANES))
+        return values, (workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
+
+    def record(self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None) -> list[UniformSlot]:
+        """Record attention for `rows` queries at positions start_pos..start_pos+rows-1; returns the uniform slots
+        the dispatches used (the op's own, or in a phase the copies for its attention and reduce dispatches).
+
+        `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose.
+        """
+        values, grid = self.call(rows, start_pos, splits)
+        if self.rope is not None and not values["rope"]:
+            self.rope.record(rec, rows, start_pos)
+        self.params.set(**values)
+        used = [rec.dispatch(self.bound, *grid).params]
+        if grid[2] > 1:
+            used.append(rec.dispatch(self.reduce, workgroups(rows * self.n_heads * self.head_dim // 4, LANES)).params)
+        return used

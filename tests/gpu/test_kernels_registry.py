@@ -207,3 +207,72 @@ def test_kernels_with_a_subgroup_entry_point_run_on_a_device_without_subgroups(r
     rec.submit()
     expected = x[0] @ w.astype(np.float16).astype(np.float32).T
     np.testing.assert_allclose(out.numpy()[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def _accumulators(gpu, registry, rng, n=64):
+    x = rng.standard_normal(n).astype(np.float32)
+    acc = Tensor.from_numpy(gpu, np.zeros(n, np.float32))
+    op = registry.bind(registry.kernel("residual"), params={"n": n}, delta=Tensor.from_numpy(gpu, x), acc=acc)
+    return x, acc, op
+
+
+def test_a_tape_plays_its_dispatches_and_copies_with_the_captured_uniforms(gpu, registry, rng):
+    if not registry.native_dispatch:
+        pytest.skip("tapes play through wgpu-native's pass functions")
+    n = 64
+    x, acc, op = _accumulators(gpu, registry, rng, n)
+    copy = Tensor.empty(gpu, n)
+    rec = registry.recorder()
+    rec.capture()
+    op.params.set(n=n // 2)
+    rec.dispatch(op, 1)
+    rec.copy(acc, copy, 4 * n)
+    tape = rec.end_capture()
+    rec.submit()
+    op.params.set(n=n)  # another call's values: the tape restores its own
+    rec = registry.recorder()
+    tape.restore()
+    rec.play_tape(tape)
+    rec.submit()
+    expected = np.zeros(n, np.float32)
+    expected[: n // 2] = 2 * x[: n // 2]
+    np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(copy.numpy(), expected, rtol=1e-6)
+    assert rec.dispatches == tape.dispatches == 1
+
+
+def test_a_played_slot_follows_the_one_values_per_submit_rule(gpu, registry, rng):
+    if not registry.native_dispatch:
+        pytest.skip("tapes play through wgpu-native's pass functions")
+    _, _, op = _accumulators(gpu, registry, rng)
+    rec = registry.recorder()
+    rec.capture()
+    rec.dispatch(op, 1)
+    tape = rec.end_capture()
+    # played, then dispatched op by op with other values; and the other way round; and played twice
+    for first, second in [("play", "dispatch"), ("dispatch", "play"), ("play", "play")]:
+        rec = registry.recorder()
+        tape.restore()
+        rec.play_tape(tape) if first == "play" else rec.dispatch(op, 1)
+        op.params.set(n=3)
+        with pytest.raises(InternalError, match="n 64 -> 3"):
+            rec.play_tape(tape) if second == "play" else rec.dispatch(op, 1)
+        op.params.set(n=64)
+    rec = registry.recorder()
+    tape.restore()
+    rec.play_tape(tape)
+    rec.phase = 1
+    with pytest.raises(InternalError, match="with and without a phase"):
+        rec.dispatch(op, 1)
+    with pytest.raises(InternalError, match="captured in phase 0 played in phase 1"):
+        rec.play_tape(tape)
+    rec = registry.recorder()
+    rec.phase = 1
+    rec.capture()
+    rec.dispatch(op, 1)
+    phased = rec.end_capture()
+    rec = registry.recorder()
+    rec.dispatch(op, 1)
+    rec.phase = 1
+    with pytest.raises(InternalError, match="with and without a phase"):
+        rec.play_tape(phased)

@@ -16,6 +16,8 @@ import pytest
 from doppler_py.errors import DeviceLimitError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.attention import STEP, Attention
+from doppler_py.ops.rope import rope_table
+from doppler_py.testing import references
 from doppler_py.testing.references import attention
 
 TOLERANCE = 1e-5
@@ -271,3 +273,119 @@ def test_a_short_window_is_not_split_across_workgroups(gpu, registry, rng):
     assert n_splits == 1 and key_lanes * STEP <= 40
     for rows, start_pos in ((1, 2000), (2, 1500)):
         case.check(case.run(registry, rows, start_pos), rows, start_pos)
+
+
+# -- RoPE and the cache write inside (rope=) -----------------------------------------------------------------
+class RopeCase:
+    """[q | k | v] rows before RoPE over caches holding rotated keys and values before start_pos, sentinels
+    from start_pos on: the op must rotate, attend and write the rows' keys and values."""
+
+    K_FILL, V_FILL = -1.0, -2.0
+
+    def __init__(self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, window=0):
+        self.shape = (n_heads, n_kv_heads, head_dim)
+        self.q_size, self.kv_size = n_heads * head_dim, n_kv_heads * head_dim
+        self.window, self.rng, self.max_rows = window, rng, max_rows
+        self.table = rope_table(head_dim, max_seq + 3, 1e4)
+        self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
+        self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
+        self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size))
+        self.tk, self.tv = Tensor.empty(gpu, self.k.shape), Tensor.empty(gpu, self.v.shape)
+        self.out = Tensor.empty(gpu, (max_rows, self.q_size))
+        self.op = Attention(
+            registry,
+            self.qkv,
+            self.tk,
+            self.tv,
+            self.out,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            max_seq=max_seq,
+            max_rows=max_rows,
+            window=window,
+            rope=Tensor.from_numpy(gpu, self.table),
+        )
+
+    def rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return references.rope(x, self.table[positions, :, 0], self.table[positions, :, 1]).astype(np.float32)
+
+    def run_and_check(self, registry, rows: int, start_pos: int, splits: int | None = None) -> None:
+        qkv = self.rng.standard_normal((self.max_rows, self.q_size + 2 * self.kv_size)).astype(np.float32)
+        k_cache, v_cache = self.k.copy(), self.v.copy()
+        k_cache[start_pos:], v_cache[start_pos:] = self.K_FILL, self.V_FILL
+        for tensor, data in ((self.qkv, qkv), (self.tk, k_cache), (self.tv, v_cache)):
+            tensor.write(data)
+        rec = registry.recorder()
+        self.op.record(rec, rows, start_pos, splits=splits)
+        rec.submit()
+
+        positions = np.arange(start_pos, start_pos + rows)
+        q = self.rotate(qkv[:rows, : self.q_size], positions)
+        new_k = self.rotate(qkv[:rows, self.q_size : self.q_size + self.kv_size], positions)
+        new_v = qkv[:rows, self.q_size + self.kv_size :]
+        k_cache[positions] = new_k.reshape(rows, *self.k.shape[1:])
+        v_cache[positions] = new_v.reshape(rows, *self.v.shape[1:])
+        expected = attention(q, k_cache, v_cache, start_pos, window=self.window)
+        got = self.out.numpy()[:rows]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE * np.abs(v_cache[: start_pos + rows]).max())
+        # The caches: the rows' keys rotated (test_rope.py's tolerance), values copied, nothing else written.
+        got_k, got_v = self.tk.numpy().reshape(k_cache.shape), self.tv.numpy().reshape(v_cache.shape)
+        np.testing.assert_allclose(got_k, k_cache, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got_v, v_cache)
+
+
+ROPE_SHAPES = [
+    SMOLLM2,
+    {"n_heads": 8, "n_kv_heads": 2, "head_dim": 128},
+    {"n_heads": 6, "n_kv_heads": 1, "head_dim": 16},
+]
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=["gqa3-64", "gqa4-128", "mqa6-16"])
+@pytest.mark.parametrize(
+    ("rows", "start_pos", "splits"),
+    [(1, 0, None), (1, 77, None), (1, 300, 3), (5, 70, None), (5, 200, 2), (16, 90, 5), (16, 0, None)],
+    ids=["first", "decode", "decode-split", "verify5", "verify5-split", "16-split", "16-prefill"],
+)
+def test_rope_inside_matches_rope_then_attention(gpu, registry, rng, shape, rows, start_pos, splits):
+    """Calls of up to 16 rows: one dispatch rotates q and the new keys, attends, and writes the caches."""
+    case = RopeCase(gpu, registry, rng, **shape, max_seq=320, max_rows=40)
+    rec = registry.recorder()
+    case.op.record(rec, rows, min(start_pos, 319 - rows), splits=splits)
+    assert rec.dispatches == (2 if splits else 1)  # attention (+ reduce): no rope dispatch
+    case.run_and_check(registry, rows, start_pos, splits)
+
+
+@pytest.mark.parametrize("rows", [17, 40])
+def test_long_calls_take_a_rope_dispatch_first(gpu, registry, rng, rows):
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=128, max_rows=40)
+    rec = registry.recorder()
+    case.op.record(rec, rows, 20)
+    assert rec.dispatches == 2  # rope, attention
+    for start_pos in (0, 20):
+        case.run_and_check(registry, rows, start_pos)
+
+
+@pytest.mark.parametrize("window", [1, 4, 50])
+def test_rope_inside_with_a_sliding_window(gpu, registry, rng, window):
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=16, window=window)
+    for rows, start_pos, splits in ((1, 300, None), (1, 300, 3), (5, 70, None), (16, 2, None)):
+        case.run_and_check(registry, rows, start_pos, splits)
+
+
+def test_rope_inside_rejects_a_short_table_or_a_partial_row(gpu, registry, rng):
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4)
+    tensors = (case.qkv, case.tk, case.tv, case.out)
+    with pytest.raises(ValueError, match="covers 16 positions, needs 32"):
+        Attention(registry, *tensors, **SMOLLM2, max_seq=32, max_rows=4, rope=Tensor.from_numpy(gpu, case.table[:16]))
+    with pytest.raises(ValueError, match=r"\[q \| k \| v\] rows"):
+        Attention(
+            registry,
+            *tensors,
+            **SMOLLM2,
+            max_seq=32,
+            max_rows=4,
+            q_row_stride=576,
+            rope=Tensor.from_numpy(gpu, case.table),
+        )
