@@ -206,11 +206,14 @@ class _GGUFArchitecture:
     hf_architecture: str
     rope_rows_permuted: bool  # llama.cpp's converter interleaves Q/K rows for its rotary kernel
     has_qkv_bias: bool
+    has_qk_norm: bool = False  # attn_q_norm / attn_k_norm per layer
 
 
+# llama.cpp's converter permutes Q/K rows for LLaMA only (its LlamaModel); Qwen2 and Qwen3 keep HF order.
 _ARCHITECTURES = {
     "llama": _GGUFArchitecture("LlamaForCausalLM", rope_rows_permuted=True, has_qkv_bias=False),
     "qwen2": _GGUFArchitecture("Qwen2ForCausalLM", rope_rows_permuted=False, has_qkv_bias=True),
+    "qwen3": _GGUFArchitecture("Qwen3ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False, has_qk_norm=True),
 }
 
 
@@ -275,7 +278,10 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     meta = _Metadata(gguf)
     hidden = meta.model("embedding_length")
     heads = meta.model("attention.head_count")
+    # llama.cpp's default, hidden / heads, written out: Qwen3's HF config would otherwise default to 128.
     head_dim = meta.model("attention.key_length", None)
+    if head_dim is None and _is_int(hidden) and _is_int(heads) and heads > 0:
+        head_dim = hidden // heads
     if meta.model("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{gguf.path}: attention key and value lengths differ")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -289,7 +295,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "num_hidden_layers": meta.model("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta.model("attention.head_count_kv", heads),
-        "head_dim": head_dim,  # absent: hidden_size / num_attention_heads
+        "head_dim": head_dim,
         "rms_norm_eps": meta.model("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.model("rope.freq_base", 10000.0),
         "max_position_embeddings": meta.model("context_length"),
@@ -323,6 +329,7 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -331,9 +338,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
-    return None
+    part = match and (_LAYER_TENSORS.get(match[2]) or _QK_NORM_TENSORS.get(match[2]))
+    return f"model.layers.{match[1]}.{part}.{match[3]}" if part else None
 
 
 def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture) -> Iterator[str]:
@@ -346,6 +352,8 @@ def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture) -> Iterator[
         yield from (f"blk.{layer}.{part}.weight" for part in _LAYER_TENSORS)
         if arch.has_qkv_bias:
             yield from (f"blk.{layer}.attn_{part}.bias" for part in "qkv")
+        if arch.has_qk_norm:
+            yield from (f"blk.{layer}.{part}.weight" for part in _QK_NORM_TENSORS)
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:

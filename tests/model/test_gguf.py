@@ -82,6 +82,8 @@ def hf_tensors(spec: Tiny, rng) -> dict[str, np.ndarray]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if spec.arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (spec.head_dim,), p + "self_attn.k_norm.weight": (spec.head_dim,)}
         if spec.arch == "qwen2":
             shapes |= {
                 p + "self_attn.q_proj.bias": (h,),
@@ -106,6 +108,8 @@ GGUF_LAYER_PARTS = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -219,8 +223,9 @@ def test_unpermute_moves_whole_rows_of_blocks(rng):
         Tiny(arch="qwen2", hidden=128, heads=8, kv_heads=2, tied=False),  # head_dim 16: the least attention runs
         Tiny(matrix_type=Q.Q8_0),
         Tiny(matrix_type=Q.Q4_1, tied=False),
+        Tiny(arch="qwen3", matrix_type=Q.Q8_0),
     ],
-    ids=["llama-tied-gqa", "llama-untied-mha", "qwen2-biases", "llama-q8_0", "llama-q4_1-untied"],
+    ids=["llama-tied-gqa", "llama-untied-mha", "qwen2-biases", "llama-q8_0", "llama-q4_1-untied", "qwen3-qk-norm"],
 )
 def test_f32_conversion_gives_back_the_hf_tensors(tmp_path, tiny, spec):
     path, weights = tiny(spec)
@@ -592,3 +597,37 @@ def test_smollm2_output_sizes(smollm2_folders):
     assert params * 4 < sizes["f32"] < params * 4 + 100_000
     assert params * 2 < sizes["f16"] < params * 2 + 100_000
     assert sizes["keep"] < 100_000_000
+
+
+def test_a_qwen3_gguf_converts_to_what_transformers_reads_from_the_file_and_runs_like_it(
+    tmp_path, tiny, reference, registry
+):
+    """Qwen3 as llama.cpp writes it: q/k norms per layer, Q/K rows in HF order, key_length metadata.
+    transformers' own GGUF reader ignores key_length (head_dim stays its Qwen3 default of 128), so the tiny
+    model has head_dim 128."""
+    import torch
+
+    from doppler_py.model.loader import load_weights
+    from doppler_py.model.transformer import Transformer
+
+    spec = Tiny(arch="qwen3", hidden=256, heads=2, kv_heads=1)
+    head_dim = {"qwen3.attention.key_length": 128, "qwen3.attention.value_length": 128}
+    path, _ = tiny(spec, extra_metadata=head_dim)
+    folder = convert_gguf(path, tmp_path / "out", "f32", progress=False)
+    assert ModelConfig.from_file(folder / "config.json").qk_norm
+    ids = [5, 40, 7, 99, 12, 3, 250]
+    with torch.no_grad():
+        from_file = reference.hf_model(path.parent, gguf_file=path.name)(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_array_equal(reference.hf_logits(folder, ids).astype(np.float32), from_file)
+    model = Transformer(load_weights(folder, registry.gpu, "f32"), registry, max_rows=16)
+    try:
+        cache = model.new_cache(32)
+        ours = np.concatenate(
+            [model.forward(ids[:4], cache, logits="all")] + [model.forward([i], cache)[None] for i in ids[4:]]
+        )
+    finally:
+        model.close()
+        model.weights.destroy()
+    # f32 on both sides with N(0, 1) weights: logits reach ~50, and float32 sums over 256-wide rows in a different
+    # order differ by ~1e-6 of that (measured 1.5e-6); any layout or norm mistake moves them by whole units.
+    np.testing.assert_allclose(ours, from_file, rtol=0, atol=1e-5 * np.abs(from_file).max())
