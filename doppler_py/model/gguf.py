@@ -14,6 +14,7 @@ supplies the type table and the dequantisers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from tqdm import tqdm
 
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
 from doppler_py.model.config import ModelConfig
+from doppler_py.model.spm_vocab import spm_tokenizer
 
 WEIGHT_MODES = ("f32", "f16", "keep")
 QUANT_METADATA_KEY = "doppler.quant"
@@ -207,14 +209,23 @@ class _GGUFArchitecture:
     rope_rows_permuted: bool  # llama.cpp's converter interleaves Q/K rows for its rotary kernel
     has_qkv_bias: bool
     has_qk_norm: bool = False  # attn_q_norm / attn_k_norm per layer
+    # Gemma 3: norms before and after attention and the MLP, and every norm weight stored as 1 + w (llama.cpp
+    # folds Gemma's (1 + w) into the weight; the HF folder keeps w)
+    gemma: bool = False
 
 
-# llama.cpp's converter permutes Q/K rows for LLaMA only (its LlamaModel); Qwen2 and Qwen3 keep HF order.
+# llama.cpp's converter permutes Q/K rows for LLaMA only (its LlamaModel); the others keep HF order.
 _ARCHITECTURES = {
     "llama": _GGUFArchitecture("LlamaForCausalLM", rope_rows_permuted=True, has_qkv_bias=False),
     "qwen2": _GGUFArchitecture("Qwen2ForCausalLM", rope_rows_permuted=False, has_qkv_bias=True),
     "qwen3": _GGUFArchitecture("Qwen3ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False, has_qk_norm=True),
+    "gemma3": _GGUFArchitecture(
+        "Gemma3ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False, has_qk_norm=True, gemma=True
+    ),
 }
+GEMMA_SLIDING_WINDOW_PATTERN = 6  # llama.cpp's Gemma 3: every 6th layer global, the others sliding-window
+GEMMA_LOCAL_ROPE_BASE = 10_000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding-window layers
+GEMMA_END_OF_TURN = "<end_of_turn>"
 
 
 class _Metadata:
@@ -251,6 +262,14 @@ def _is_int(value: Any) -> bool:
 
 def _is_str(value: Any) -> bool:
     return isinstance(value, str)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _list_of(item: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -302,13 +321,53 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _stop_ids(meta, arch.gemma),
     }
     scaling = meta.model("rope.scaling.type", "none")
     if scaling != "none":
         # ModelConfig refuses the types we do not implement, with their name.
         config["rope_scaling"] = {"rope_type": scaling, "factor": meta.model("rope.scaling.factor", None)}
+    if arch.gemma:
+        config |= _gemma_config(meta, hidden, heads, head_dim)
     return config
+
+
+def _stop_ids(meta: _Metadata, gemma: bool) -> int | list[int] | None:
+    """The end-of-sequence id, plus the end-of-turn id where it differs: chat models end a turn with it and
+    stop there, as their HF generation_config says. Without tokenizer.ggml.eot_token_id, Gemma's is found by
+    its text, as llama.cpp finds it."""
+    eos, eot = meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if eot is None and gemma and isinstance(tokens, list) and GEMMA_END_OF_TURN in tokens:
+        eot = tokens.index(GEMMA_END_OF_TURN)
+    return [eos, eot] if eos is not None and eot is not None and eot != eos else eos
+
+
+def _gemma_config(meta: _Metadata, hidden: Any, heads: Any, head_dim: Any) -> dict[str, Any]:
+    """Gemma 3's config.json fields that llama.cpp does not store but fixes in its code, spelled out."""
+    layers = meta.model("block_count")
+    pattern = meta.model("attention.sliding_window_pattern", GEMMA_SLIDING_WINDOW_PATTERN)
+    if _list_of(_is_bool)(pattern):  # newer llama.cpp: one flag per layer, True = sliding window
+        layer_types = ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+    elif _is_int(pattern) and pattern > 0 and _is_int(layers):
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    else:
+        raise ModelFormatError(
+            f"{meta.gguf.path}: metadata {meta.arch}.attention.sliding_window_pattern must be a positive integer "
+            f"or a list of booleans, got {pattern!r:.80}"
+        )
+    # llama.cpp scales Gemma 3 27B's queries by (hidden / heads)^-1/2 and every other size by head_dim^-1/2.
+    is_27b = layers == 62 and _is_int(hidden) and _is_int(heads) and heads > 0
+    return {
+        "model_type": "gemma3_text",
+        "hidden_act": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": meta.model("rope.freq_base", 1_000_000.0),
+        "rope_local_base_freq": GEMMA_LOCAL_ROPE_BASE,
+        "sliding_window": meta.model("attention.sliding_window"),
+        "layer_types": layer_types,
+        "query_pre_attn_scalar": hidden // heads if is_27b else head_dim,
+    }
 
 
 # --- tensor names and layout -------------------------------------------------------------------------------
@@ -329,16 +388,33 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_GEMMA_LAYER_TENSORS = {
+    **{name: hf for name, hf in _LAYER_TENSORS.items() if name != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+def _layer_tensors(arch: _GGUFArchitecture) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names (without blk.N. and .weight) -> the HF names, for `arch`."""
+    names = dict(_GEMMA_LAYER_TENSORS if arch.gemma else _LAYER_TENSORS)
+    if arch.has_qk_norm:
+        names |= _QK_NORM_TENSORS
+    return names
+
+
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None if it has no counterpart."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name in a GGUF of `architecture`, or None if it has no
+    counterpart."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    part = match and (_LAYER_TENSORS.get(match[2]) or _QK_NORM_TENSORS.get(match[2]))
+    part = match and _layer_tensors(_ARCHITECTURES[architecture]).get(match[2])
     return f"model.layers.{match[1]}.{part}.{match[3]}" if part else None
 
 
@@ -349,11 +425,9 @@ def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture) -> Iterator[
     if not config.tie_word_embeddings:
         yield "output.weight"
     for layer in range(config.num_hidden_layers):
-        yield from (f"blk.{layer}.{part}.weight" for part in _LAYER_TENSORS)
+        yield from (f"blk.{layer}.{part}.weight" for part in _layer_tensors(arch))
         if arch.has_qkv_bias:
             yield from (f"blk.{layer}.attn_{part}.bias" for part in "qkv")
-        if arch.has_qk_norm:
-            yield from (f"blk.{layer}.{part}.weight" for part in _QK_NORM_TENSORS)
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -376,6 +450,7 @@ class _Planned:
     shape: tuple[int, ...]
     kept_format: str | None  # the ggml block format of a "keep" tensor stored as raw bytes
     rope_heads: int  # undo the Q/K row permutation over this many heads (0: rows stay)
+    shift: float = 0.0  # added to the values (-1: a Gemma norm weight stored as 1 + w)
 
     @property
     def nbytes(self) -> int:
@@ -389,7 +464,7 @@ def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights:
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     plan = []
     for tensor in gguf.tensors.values():
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, gguf.metadata["general.architecture"])
         if name is None:
             raise UnsupportedModelError(f"{gguf.path}: tensor {tensor.name!r} has no Hugging Face counterpart")
         match = _LAYER_TENSOR_NAME.fullmatch(tensor.name)
@@ -403,7 +478,10 @@ def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights:
                 f"{gguf.path}: tensor {tensor.name!r} has {tensor.shape[0]} rows, expected "
                 f"{heads} heads x head_dim {config.head_dim}"
             )
-        plan.append(_plan_tensor(name, tensor, weights, heads))
+        planned = _plan_tensor(name, tensor, weights, heads)
+        if arch.gemma and tensor.name.endswith("norm.weight"):
+            planned = dataclasses.replace(planned, shift=-1.0)
+        plan.append(planned)
     return plan
 
 
@@ -434,6 +512,8 @@ def _materialise(item: _Planned, gguf_path: Path) -> np.ndarray:
             f"(kept as blocks: {', '.join(KEPT_BLOCK_FORMATS.values())})"
         ) from None
     values = values.reshape(source.shape)
+    if item.shift:
+        values = values.astype(np.float32) + np.float32(item.shift)
     if item.dtype == "F32":
         return values.astype(np.float32, copy=False)
     half = values.astype(np.float16)
@@ -524,42 +604,48 @@ def _pre_tokenizer(kind: str, path: Path):
     raise UnsupportedModelError(f"{path}: tokenizer.ggml.pre {stated} (supported: {known})")
 
 
+def _byte_level_bpe(meta: _Metadata, vocab: dict[str, int]):
+    """The model, pre-tokenizer and decoder of a GPT-2 style vocabulary with its merges."""
+    from tokenizers import Tokenizer, decoders, models
+
+    path = meta.gguf.path
+    merges = []
+    for index, merge in enumerate(meta.checked("tokenizer.ggml.merges", "a list of strings", _list_of(_is_str))):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise ModelFormatError(f"{path}: tokenizer.ggml.merges[{index}] = {merge!r} is not a pair")
+        merges.append((pair[0], pair[1]))
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as exc:  # the tokenizers package raises plain Exception, e.g. for a merge of unknown tokens
+        raise ModelFormatError(f"{path}: the BPE vocabulary and merges do not fit together ({exc})") from None
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.checked("tokenizer.ggml.pre", "a string", _is_str, None), path)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
 def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
-    """`(tokenizer.json text, tokenizer_config.json contents)` for the byte-level BPE vocabulary in the metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    """`(tokenizer.json text, tokenizer_config.json contents)` for the vocabulary in the metadata: byte-level BPE
+    (tokenizer model "gpt2") or SentencePiece (model "llama", see `spm_vocab`)."""
+    from tokenizers import AddedToken, processors
 
     meta = _Metadata(gguf)
     model = meta.required("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise UnsupportedModelError(
-            f"{gguf.path}: tokenizer.ggml.model = {model!r} is not supported (only 'gpt2', byte-level BPE)"
+            f"{gguf.path}: tokenizer.ggml.model = {model!r} is not supported "
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece)"
         )
     tokens = meta.checked("tokenizer.ggml.tokens", "a list of strings", _list_of(_is_str))
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         duplicate = next(t for i, t in enumerate(tokens) if vocab[t] != i)
         raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.tokens lists {duplicate!r} more than once")
-    merges = []
-    for index, merge in enumerate(meta.checked("tokenizer.ggml.merges", "a list of strings", _list_of(_is_str))):
-        pair = merge.split(" ")
-        if len(pair) != 2:
-            raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.merges[{index}] = {merge!r} is not a pair")
-        merges.append((pair[0], pair[1]))
-
-    try:
-        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    except Exception as exc:  # the tokenizers package raises plain Exception, e.g. for a merge of unknown tokens
-        raise ModelFormatError(f"{gguf.path}: the BPE vocabulary and merges do not fit together ({exc})") from None
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.checked("tokenizer.ggml.pre", "a string", _is_str, None), gguf.path)
-    tokenizer.decoder = decoders.ByteLevel()
     token_types = meta.checked("tokenizer.ggml.token_type", "a list of integers", _list_of(_is_int), [0] * len(tokens))
     if len(token_types) != len(tokens):
         raise ModelFormatError(
             f"{gguf.path}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
         )
-    typed = list(zip(tokens, token_types, strict=True))
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
 
     def token(key: str) -> str | None:
         index = meta.checked(f"tokenizer.ggml.{key}", "a token id", _is_int, None)
@@ -569,6 +655,22 @@ def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
             raise ModelFormatError(f"{gguf.path}: tokenizer.ggml.{key} = {index} is outside the vocabulary")
         return tokens[index]
 
+    if model == "gpt2":
+        tokenizer = _byte_level_bpe(meta, vocab)
+    else:
+        scores = meta.checked("tokenizer.ggml.scores", "a list of numbers", _list_of(_is_number))
+        if len(scores) != len(tokens):
+            raise ModelFormatError(
+                f"{gguf.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+            )
+        add_space_prefix = meta.checked("tokenizer.ggml.add_space_prefix", "a boolean", _is_bool, True)
+        tokenizer = spm_tokenizer(
+            tokens, scores, token_types, add_space_prefix=add_space_prefix, unknown=token("unknown_token_id")
+        )
+    typed = list(zip(tokens, token_types, strict=True))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
+
     bos, eos = token("bos_token_id"), token("eos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
@@ -576,7 +678,7 @@ def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
         single = " ".join([*([f"{bos}:0"] if add_bos else []), "$A:0", *([f"{eos}:0"] if add_eos else [])])
         special = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
         tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
-    else:
+    elif model == "gpt2":
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
 
     config: dict[str, Any] = {
