@@ -37,7 +37,8 @@
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
 //         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
 //         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
-//         rope (1: RoPE and the cache write inside, as above; 0: q rotated and the caches written before).
+//         rope (1: RoPE and the cache write inside, as above; 0: q rotated and the caches written before);
+//         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped).
 // Overrides: HEAD_DIM (a multiple of 16, at most 256).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
@@ -56,6 +57,7 @@ struct Params {
   window: u32,
   scale: f32,
   rope: u32,
+  softcap: f32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -95,6 +97,11 @@ fn scale_queries(a: mat4x4<f32>, s: vec4<f32>) -> mat4x4<f32> {
 // Column c = p * v[c]: query weights times one vec4 of value dims.
 fn outer(p: vec4<f32>, v: vec4<f32>) -> mat4x4<f32> {
   return mat4x4<f32>(p * v.x, p * v.y, p * v.z, p * v.w);
+}
+
+// c * tanh(s / c), with tanh(y) = 2 / (1 + exp(-2y)) - 1: exp overflows to inf, not NaN, for any score.
+fn soft_cap(s: vec4<f32>, c: f32) -> vec4<f32> {
+  return c * (2.0 / (1.0 + exp(-2.0 * s / c)) - 1.0);
 }
 
 // Dims 4c..4c+3 of the head vector at q[head..], rotated for position `pos` (rope == 1).
@@ -196,6 +203,9 @@ fn attend(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_ke
         var s = vec4<f32>(0.0);
         for (var d = 0u; d < slices; d++) {
           s += exchange[(lane.lane_group * slices + d) * STEP + u];
+        }
+        if (params.softcap > 0.0) {
+          s = soft_cap(s, params.softcap);
         }
         let visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(j) >= lane.lower);
         let m = max(st.m, select(vec4<f32>(NEG), s, visible));

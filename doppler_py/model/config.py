@@ -30,7 +30,7 @@ class _Architecture:
     qkv_bias: bool = False  # q/k/v projections always carry biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     head_dim: int | None = None  # transformers' default head_dim (None: hidden_size / num_attention_heads)
-    gemma: bool = False  # the Gemma 3 block: see ModelConfig.norm_offset, sandwich_norms, embed_scale, ...
+    gemma: bool = False  # the Gemma 2/3 block: see ModelConfig.norm_offset, sandwich_norms, embed_scale, ...
 
 
 ARCHITECTURES: dict[str, _Architecture] = {
@@ -38,11 +38,13 @@ ARCHITECTURES: dict[str, _Architecture] = {
     "MistralForCausalLM": _Architecture("mistral", 131072),
     "Qwen2ForCausalLM": _Architecture("qwen2", 32768, qkv_bias=True),
     "Qwen3ForCausalLM": _Architecture("qwen3", 32768, qk_norm=True, head_dim=128),
+    "Gemma2ForCausalLM": _Architecture("gemma2", 8192, head_dim=256, gemma=True),
     "Gemma3ForCausalLM": _Architecture("gemma3_text", 131072, qk_norm=True, head_dim=256, gemma=True),
 }
 # Activations of the gated MLP, act(gate) * up, by their transformers names.
 HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-GEMMA_SLIDING_WINDOW_PATTERN = 6  # Gemma 3 configs without layer_types: every 6th layer is global
+# Gemma configs without layer_types: every 2nd (Gemma 2) or 6th (Gemma 3) layer is global.
+GEMMA_SLIDING_WINDOW_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 
 # Parameters each RoPE scaling type needs besides its name ("default" means no scaling).
 ROPE_SCALING_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -60,9 +62,9 @@ HEAD_DIM_MULTIPLE = 16
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A validated LLaMA-family configuration (LLaMA, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3 text).
+    """A validated LLaMA-family configuration (LLaMA, SmolLM, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text).
 
-    The fields after `torch_dtype` describe how Qwen3 and Gemma 3 depart from LLaMA; their defaults are
+    The fields after `torch_dtype` describe how Qwen3 and Gemma depart from LLaMA; their defaults are
     LLaMA's, so a LLaMA config leaves them alone.
     """
 
@@ -94,6 +96,9 @@ class ModelConfig:
     sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
     rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), plain RoPE; None = rope_theta
+    # Gemma 2: scores, then the final logits, pass through c * tanh(x / c); None = not capped
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def layer_window(self, layer: int) -> int:
         """Keys the queries of `layer` see (0 = every earlier position)."""
@@ -148,7 +153,7 @@ class ModelConfig:
 
         max_positions = fields.positive_int("max_position_embeddings", default=arch.max_position_embeddings)
         if arch.gemma:
-            family = _gemma(fields, ints, source)
+            family = _gemma(fields, ints, architecture, source)
             rope_theta, rope_scaling = family.pop("rope")
         else:
             family = _sliding_window(fields, architecture, ints["num_hidden_layers"], source)
@@ -288,12 +293,16 @@ def _sliding_window(fields: _Fields, architecture: str, layers: int, source: str
     return {}
 
 
-def _gemma(fields: _Fields, ints: dict[str, int], source: str) -> dict[str, Any]:
-    """The Gemma 3 text fields of ModelConfig (transformers' Gemma3TextConfig defaults), plus "rope":
-    (theta, scaling) of the global layers."""
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if fields.get(name, None) is not None:
-            raise UnsupportedModelError(f"{source}: field {name!r} (logit soft-capping) is not supported")
+def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str) -> dict[str, Any]:
+    """The Gemma 2 and Gemma 3 text fields of ModelConfig (transformers' Gemma2Config / Gemma3TextConfig
+    defaults), plus "rope": (theta, scaling) of the global layers."""
+    gemma2 = architecture == "Gemma2ForCausalLM"
+    # Gemma 2 caps scores at 50 and logits at 30 unless its config says otherwise (null: not capped); Gemma 3
+    # configs set both to null, and transformers applies them where set.
+    softcaps = {}
+    for name, gemma2_default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        default = gemma2_default if gemma2 and name not in fields.data else None  # an explicit null: no cap
+        softcaps[name] = None if fields.get(name, default) is None else fields.positive_float(name, default)
     if fields.boolean("use_bidirectional_attention", default=False):
         raise UnsupportedModelError(f"{source}: use_bidirectional_attention = true is not supported")
     hidden_act = fields.get("hidden_activation", None) or fields.get("hidden_act", "gelu_pytorch_tanh")
@@ -304,7 +313,7 @@ def _gemma(fields: _Fields, ints: dict[str, int], source: str) -> dict[str, Any]
     layers = ints["num_hidden_layers"]
     layer_types = fields.get("layer_types", None)
     if layer_types is None:
-        pattern = fields.positive_int("sliding_window_pattern", default=GEMMA_SLIDING_WINDOW_PATTERN)
+        pattern = fields.positive_int("sliding_window_pattern", default=GEMMA_SLIDING_WINDOW_PATTERN[architecture])
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if (
         not isinstance(layer_types, list)
@@ -320,7 +329,9 @@ def _gemma(fields: _Fields, ints: dict[str, int], source: str) -> dict[str, Any]
     # transformers 5 nests the RoPE of each layer type in rope_parameters; transformers 4 spells the global
     # base rope_theta (+ rope_scaling) and the local one rope_local_base_freq.
     nested = fields.get("rope_parameters", None)
-    if isinstance(nested, dict) and "full_attention" in nested:
+    if gemma2:  # one RoPE for every layer
+        full, local = _rope(fields, source), (None, None)
+    elif isinstance(nested, dict) and "full_attention" in nested:
         full = _rope(_Fields({"rope_parameters": nested["full_attention"], "rope_theta": 1_000_000.0}, source), source)
         local = _rope(
             _Fields({"rope_parameters": nested.get("sliding_attention"), "rope_theta": 10_000.0}, source), source
@@ -341,6 +352,7 @@ def _gemma(fields: _Fields, ints: dict[str, int], source: str) -> dict[str, Any]
         "layer_types": tuple(layer_types),
         "rope_local_theta": local[0],
         "rope": full,
+        **softcaps,
     }
 
 

@@ -39,6 +39,7 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
 from doppler_py.ops.attention import FUSED_ROPE_MAX_ROWS, Attention
+from doppler_py.ops.elementwise import LogitSoftCap
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
@@ -135,6 +136,11 @@ class Transformer:
             registry, weights.lm_head, self.x, self.logits, max_rows=self.max_logit_rows, norm=final_norm
         )
         self.lm_head_last = Linear(registry, weights.lm_head, self.x_last, self.logits, max_rows=1, norm=final_norm)
+        self.logit_softcap = None
+        if cfg.final_logit_softcapping:
+            self.logit_softcap = LogitSoftCap(
+                registry, self.logits, vocab=vocab, max_rows=self.max_logit_rows, cap=cfg.final_logit_softcapping
+            )
         self._cache_ops: dict[int, tuple[KVCache, list[Attention]]] = {}
         # The first layer of each attention window (0: full attention): all layers of one window share their
         # attention uniforms' values in a call.
@@ -225,6 +231,7 @@ class Transformer:
                     window=cfg.layer_window(i),
                     scale=cfg.attention_scale,
                     rope=self.rope_tables[_rope_key(*self.layer_rope[i])],
+                    softcap=cfg.attn_logit_softcapping or 0.0,
                 )
                 for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True))
             ]
@@ -355,6 +362,8 @@ class Transformer:
                 src_offset=(rows - 1) * row_bytes,
             )
             self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[last])·Wlm
+        if self.logit_softcap is not None and logits != "none":
+            self.logit_softcap.record(rec, rows=rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
         return attention_slots
 
     def forward(

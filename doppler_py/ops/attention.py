@@ -60,7 +60,7 @@ class Attention:
     `rope`: a `rope_table` tensor of at least max_seq positions. Then `q` holds whole [q | k | v] rows (row
     stride (n_heads + 2 * n_kv_heads) * head_dim) before RoPE, and the op rotates q and k and writes the rows'
     keys and values to the caches itself (module docstring): the caches need only hold positions before
-    start_pos.
+    start_pos. `softcap` > 0 caps every score s (scaled) at softcap * tanh(s / softcap) (Gemma 2).
     """
 
     def __init__(
@@ -80,6 +80,7 @@ class Attention:
         window: int = 0,
         scale: float | None = None,
         rope: Tensor | None = None,
+        softcap: float = 0.0,
     ):
         width = n_heads * head_dim
         qkv_width = width + 2 * n_kv_heads * head_dim
@@ -143,6 +144,7 @@ class Attention:
                 "q_stride": q_row_stride // 4,
                 "window": window,
                 "scale": head_dim**-0.5 if scale is None else scale,
+                "softcap": softcap,
             },
             q=q,
             k_cache=k_cache,

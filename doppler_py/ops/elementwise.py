@@ -1,4 +1,5 @@
-"""The element-wise op of a transformer block (SwiGLU / GeGLU) and the shape checks all ops share.
+"""The element-wise ops of a transformer (SwiGLU / GeGLU, Gemma 2's logit soft-capping) and the shape checks
+all ops share.
 
 The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op the tests
 use is `doppler_py.testing.ops.Residual`.
@@ -55,3 +56,25 @@ class SwiGLU:
     def record(self, rec: Recorder, rows: int) -> None:
         require_rows(rows, self.max_rows, "SwiGLU")
         rec.dispatch(self.bound, workgroups(self.ffn_dim, 256), rows)
+
+
+MAX_SOFTCAP_WORKGROUPS = 65535  # WebGPU's default per-dimension limit; logit_softcap.wgsl strides past it
+
+
+class LogitSoftCap:
+    """logits[:rows] = cap * tanh(logits[:rows] / cap) in place (Gemma 2's final_logit_softcapping); `logits`
+    is [max_rows, vocab]."""
+
+    def __init__(self, registry: KernelRegistry, logits: Tensor, *, vocab: int, max_rows: int, cap: float):
+        if not cap > 0:
+            raise ValueError(f"LogitSoftCap: cap must be positive, got {cap}")
+        require_f32(logits, max_rows * vocab, "LogitSoftCap logits")
+        self.vocab = vocab
+        self.max_rows = max_rows
+        self.bound = registry.bind(registry.kernel("logit_softcap"), params={"cap": cap}, logits=logits)
+
+    def record(self, rec: Recorder, rows: int) -> None:
+        require_rows(rows, self.max_rows, "LogitSoftCap")
+        n = rows * self.vocab
+        self.bound.params.set(n=n)
+        rec.dispatch(self.bound, min(workgroups(n, 256), MAX_SOFTCAP_WORKGROUPS))

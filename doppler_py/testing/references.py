@@ -138,6 +138,7 @@ def attention(
     *,
     window: int = 0,
     scale: float | None = None,
+    softcap: float = 0.0,
     dtype: DType = np.float64,
 ) -> np.ndarray:
     """Causal GQA softmax attention over a KV cache.
@@ -145,7 +146,8 @@ def attention(
     q [T, n_heads, hd] or [T, n_heads * hd] holds the queries of positions start_pos .. start_pos + T - 1;
     k, v [S, n_kv_heads, hd] with S >= start_pos + T (later positions are never read). Query head h reads KV
     head h // (n_heads / n_kv_heads); scores are q.k * scale (default 1 / sqrt(hd)); row t at position
-    p = start_pos + t sees positions <= p, and with `window` > 0 only those > p - window (HF's sliding window).
+    p = start_pos + t sees positions <= p, and with `window` > 0 only those > p - window (HF's sliding window);
+    `softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2).
     Returns [T, n_heads * hd].
     """
     rows, context = len(q), start_pos + len(q)
@@ -155,6 +157,8 @@ def attention(
     keys = np.asarray(k[:context], dtype).transpose(1, 2, 0)[:, None]  # [n_kv, 1, hd, context]
     values = np.asarray(v[:context], dtype).transpose(1, 0, 2)[:, None]  # [n_kv, 1, context, hd]
     scores = qg @ keys / np.sqrt(dtype(head_dim)) if scale is None else qg @ keys * dtype(scale)
+    if softcap:  # Gemma 2: HF caps the scaled scores before the mask
+        scores = softcap * np.tanh(scores / softcap)
     key_pos, query_pos = np.arange(context)[None, :], start_pos + np.arange(rows)[:, None]
     hidden = key_pos > query_pos
     if window:

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "mistral", "qwen2", "qwen3" or "gemma3"
+    arch: str = "llama"  # "llama", "mistral", "qwen2", "qwen3", "gemma2" or "gemma3"
     vocab_size: int = 128  # room for the character tokenizer (99 tokens)
     hidden_size: int = 64
     intermediate_size: int = 160
@@ -38,11 +38,14 @@ class TinySpec:
     embed_std: float | None = None
     explicit_head_dim: int | None = None  # written as config.json's head_dim (Qwen3, Gemma 3 always write one)
     # Keys a sliding layer's query sees. Which layers slide: Mistral all; Qwen2 / Qwen3 (use_sliding_window)
-    # all but the first (max_window_layers = 1); Gemma 3 as `layer_pattern` cycles (window None: HF's 4096).
+    # all but the first (max_window_layers = 1); Gemma as `layer_pattern` cycles (window None: HF's 4096).
     sliding_window: int | None = None
     layer_pattern: tuple[str, ...] = ("sliding_attention", "full_attention")
     query_pre_attn_scalar: int = 24
     rope_local_base_freq: float = 10000.0
+    # Gemma 2's score and final-logit soft-capping (written for gemma2 only)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -73,8 +76,10 @@ _ARCH = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+GEMMA = ("gemma2", "gemma3")
 
 
 def config_dict(spec: TinySpec) -> dict:
@@ -108,10 +113,10 @@ def config_dict(spec: TinySpec) -> dict:
         if spec.sliding_window is not None:
             cfg["sliding_window"] = spec.sliding_window
             cfg["max_window_layers"] = 1
-    if spec.arch in ("qwen3", "gemma3"):
+    if spec.arch in ("qwen3", *GEMMA):
         cfg["head_dim"] = spec.head_dim
         cfg["attention_bias"] = False
-    if spec.arch == "gemma3":
+    if spec.arch in GEMMA:
         del cfg["hidden_act"]
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
         cfg["query_pre_attn_scalar"] = spec.query_pre_attn_scalar
@@ -119,9 +124,10 @@ def config_dict(spec: TinySpec) -> dict:
             cfg["sliding_window"] = spec.sliding_window
         pattern = spec.layer_pattern
         cfg["layer_types"] = [pattern[i % len(pattern)] for i in range(spec.num_hidden_layers)]
+        cfg["final_logit_softcapping"] = spec.final_logit_softcapping
+        cfg["attn_logit_softcapping"] = spec.attn_logit_softcapping
+    if spec.arch == "gemma3":
         cfg["rope_local_base_freq"] = spec.rope_local_base_freq
-        cfg["final_logit_softcapping"] = None
-        cfg["attn_logit_softcapping"] = None
     return cfg
 
 
@@ -132,7 +138,7 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
         return (rng.standard_normal((rows, cols)) * spec.weight_std).astype(np.float32)
 
     # Gemma scales by (1 + w): its weights are drawn around 0 so both kinds of norm scale by about 1.
-    offset = 0.0 if spec.arch == "gemma3" else 1.0
+    offset = 0.0 if spec.arch in GEMMA else 1.0
 
     def norm(size: int) -> np.ndarray:
         return (offset + 0.1 * rng.standard_normal(size)).astype(np.float32)
@@ -164,7 +170,7 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
         if spec.arch in ("qwen3", "gemma3"):
             tensors[p + "self_attn.q_norm.weight"] = norm(hd)
             tensors[p + "self_attn.k_norm.weight"] = norm(hd)
-        if spec.arch == "gemma3":
+        if spec.arch in GEMMA:
             tensors[p + "pre_feedforward_layernorm.weight"] = norm(h)
             tensors[p + "post_feedforward_layernorm.weight"] = norm(h)
     if not spec.tie_word_embeddings:
@@ -264,6 +270,20 @@ TINY_SPECS: dict[str, TinySpec] = {
         seed=6,
         embed_std=0.02,
         sliding_window=8,
+    ),
+    # Gemma 2: no q/k norms, one RoPE base, scores and logits soft-capped at values these weights reach.
+    "gemma2-softcap": TinySpec(
+        arch="gemma2",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        explicit_head_dim=32,
+        rms_norm_eps=1e-6,
+        seed=10,
+        embed_std=0.02,
+        sliding_window=8,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=0.5,
     ),
     "mistral-sliding": TinySpec(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6, seed=8),
     "qwen3-sliding": TinySpec(

@@ -41,8 +41,9 @@ class Case:
         garbage=np.nan,
         window=0,
         scale=None,
+        softcap=0.0,
     ):
-        self.window, self.scale = window, scale
+        self.window, self.scale, self.softcap = window, scale, softcap
         self.q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
         self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
         self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
@@ -65,6 +66,7 @@ class Case:
             max_rows=max_rows,
             window=window,
             scale=scale,
+            softcap=softcap,
         )
 
     def upload_cache(self, used: int) -> None:
@@ -81,7 +83,9 @@ class Case:
         return self.out.numpy()
 
     def expected(self, rows, start_pos):
-        return attention(self.q[:rows], self.k, self.v, start_pos, window=self.window, scale=self.scale)
+        return attention(
+            self.q[:rows], self.k, self.v, start_pos, window=self.window, scale=self.scale, softcap=self.softcap
+        )
 
     def check(self, got, rows, start_pos):
         atol = TOLERANCE * np.abs(self.v).max()
@@ -389,3 +393,18 @@ def test_rope_inside_rejects_a_short_table_or_a_partial_row(gpu, registry, rng):
             q_row_stride=576,
             rope=Tensor.from_numpy(gpu, case.table),
         )
+
+
+@pytest.mark.parametrize("softcap", [0.7, 50.0])
+def test_scores_are_soft_capped(gpu, registry, rng, softcap):
+    """Gemma 2: every scaled score s becomes softcap * tanh(s / softcap) before the softmax; split, windowed and
+    prefill calls alike. Integer q and k make scores in the thousands (exp overflows without the cap's care)."""
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=16, window=50, softcap=softcap)
+    case.q = rng.integers(-40, 41, case.q.shape).astype(np.float32)
+    case.tq.write(case.q)
+    for rows, start_pos, splits in ((16, 0, None), (1, 300, None), (1, 300, 3), (5, 70, None)):
+        got = case.run(registry, rows, start_pos, splits=splits)
+        assert np.isfinite(got[:rows]).all()
+        case.check(got, rows, start_pos)
+    uncapped = attention(case.q[:1], case.k, case.v, 300, window=50)
+    assert np.abs(case.expected(1, 300) - uncapped).max() > 1e-2, "the cap must change the result"

@@ -336,8 +336,6 @@ def test_gemma3_in_the_transformers_4_spelling():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"final_logit_softcapping": 30.0}, "soft-capping"),
-        ({"attn_logit_softcapping": 50.0}, "soft-capping"),
         ({"hidden_activation": "relu"}, "hidden_activation"),
         ({"layer_types": ["sliding_attention"]}, "layer_types"),
     ],
@@ -345,3 +343,24 @@ def test_gemma3_in_the_transformers_4_spelling():
 def test_gemma3_features_we_do_not_run_are_refused(extra, message):
     with pytest.raises((UnsupportedModelError, ModelFormatError), match=message):
         config(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=64, **extra)
+
+
+def test_gemma2_defaults_alternate_windows_share_one_rope_and_cap_scores_and_logits():
+    gemma2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 64}
+    cfg = config(**gemma2, num_hidden_layers=4)
+    assert [cfg.layer_window(i) for i in range(4)] == [4096, 0, 4096, 0]
+    assert cfg.layer_rope(0) == cfg.layer_rope(1) == (100000.0, None)  # rope_theta for every layer
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    assert not cfg.qk_norm and cfg.sandwich_norms and cfg.norm_offset == 1.0
+    data = {**SMOLLM2, **gemma2, "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    uncapped = ModelConfig.from_dict(data, source=SOURCE)  # explicit nulls: not capped
+    assert uncapped.attn_logit_softcapping is None and uncapped.final_logit_softcapping is None
+    with pytest.raises(ModelFormatError, match="final_logit_softcapping"):
+        config(**gemma2, final_logit_softcapping=-1.0)
+
+
+def test_gemma3_caps_only_where_its_config_sets_a_cap():
+    gemma3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 64}
+    cfg = config(**gemma3)
+    assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
+    assert config(**gemma3, final_logit_softcapping=30.0).final_logit_softcapping == 30.0

@@ -62,7 +62,7 @@ def test_chunked_prefill_equals_one_pass(tiny_model, named_folder, name):
 
 
 # Families whose layers differ from LLaMA's; the Gemma 3 model's window (8) is shorter than every prompt here.
-NEW_FAMILIES = ["qwen3-qknorm-gqa", "gemma3-sliding"]
+NEW_FAMILIES = ["qwen3-qknorm-gqa", "gemma3-sliding", "gemma2-softcap"]
 GREEDY = SamplingParams(temperature=0.0)
 # Repeats, so prompt lookup drafts tokens: some accepted, some rejected and rolled back.
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 5, 9, 1, 30, 3, 17]

@@ -60,6 +60,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "attention": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
+    "logit_softcap": {"main": []},
     "logprobs": {"main": []},
     "matmul": {
         "main": _MATMUL_REGISTER,
