@@ -219,12 +219,17 @@ _ARCHITECTURES = {
     "llama": _GGUFArchitecture("LlamaForCausalLM", rope_rows_permuted=True, has_qkv_bias=False),
     "qwen2": _GGUFArchitecture("Qwen2ForCausalLM", rope_rows_permuted=False, has_qkv_bias=True),
     "qwen3": _GGUFArchitecture("Qwen3ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False, has_qk_norm=True),
+    "gemma2": _GGUFArchitecture("Gemma2ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False, gemma=True),
     "gemma3": _GGUFArchitecture(
         "Gemma3ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False, has_qk_norm=True, gemma=True
     ),
 }
-GEMMA_SLIDING_WINDOW_PATTERN = 6  # llama.cpp's Gemma 3: every 6th layer global, the others sliding-window
-GEMMA_LOCAL_ROPE_BASE = 10_000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding-window layers
+# What llama.cpp fixes in its code for Gemma rather than storing: every 2nd (Gemma 2) or 6th (Gemma 3) layer is
+# global, the others sliding-window; Gemma 3's sliding layers use RoPE base 10000; the 27B models (46 and 62
+# layers) scale queries by (hidden / heads)^-1/2, every other size by head_dim^-1/2.
+GEMMA_SLIDING_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_LOCAL_ROPE_BASE = 10_000.0
 GEMMA_END_OF_TURN = "<end_of_turn>"
 
 
@@ -344,9 +349,9 @@ def _stop_ids(meta: _Metadata, gemma: bool) -> int | list[int] | None:
 
 
 def _gemma_config(meta: _Metadata, hidden: Any, heads: Any, head_dim: Any) -> dict[str, Any]:
-    """Gemma 3's config.json fields that llama.cpp does not store but fixes in its code, spelled out."""
+    """Gemma 2 and 3's config.json fields, with what llama.cpp fixes in its code spelled out."""
     layers = meta.model("block_count")
-    pattern = meta.model("attention.sliding_window_pattern", GEMMA_SLIDING_WINDOW_PATTERN)
+    pattern = meta.model("attention.sliding_window_pattern", GEMMA_SLIDING_WINDOW_PATTERN[meta.arch])
     if _list_of(_is_bool)(pattern):  # newer llama.cpp: one flag per layer, True = sliding window
         layer_types = ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
     elif _is_int(pattern) and pattern > 0 and _is_int(layers):
@@ -356,17 +361,24 @@ def _gemma_config(meta: _Metadata, hidden: Any, heads: Any, head_dim: Any) -> di
             f"{meta.gguf.path}: metadata {meta.arch}.attention.sliding_window_pattern must be a positive integer "
             f"or a list of booleans, got {pattern!r:.80}"
         )
-    # llama.cpp scales Gemma 3 27B's queries by (hidden / heads)^-1/2 and every other size by head_dim^-1/2.
-    is_27b = layers == 62 and _is_int(hidden) and _is_int(heads) and heads > 0
-    return {
-        "model_type": "gemma3_text",
+    is_27b = layers == GEMMA_27B_LAYERS[meta.arch] and _is_int(hidden) and _is_int(heads) and heads > 0
+    config = {
         "hidden_act": None,
         "hidden_activation": "gelu_pytorch_tanh",
-        "rope_theta": meta.model("rope.freq_base", 1_000_000.0),
-        "rope_local_base_freq": GEMMA_LOCAL_ROPE_BASE,
         "sliding_window": meta.model("attention.sliding_window"),
         "layer_types": layer_types,
         "query_pre_attn_scalar": hidden // heads if is_27b else head_dim,
+    }
+    if meta.arch == "gemma2":
+        return config | {
+            "model_type": "gemma2",
+            "attn_logit_softcapping": meta.model("attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": meta.model("final_logit_softcapping", 30.0),
+        }
+    return config | {
+        "model_type": "gemma3_text",
+        "rope_theta": meta.model("rope.freq_base", 1_000_000.0),
+        "rope_local_base_freq": GEMMA_LOCAL_ROPE_BASE,
     }
 
 

@@ -1,7 +1,8 @@
-"""Gemma 3 GGUF import: a SentencePiece vocabulary (tokenizer model "llama": pieces, scores, types, no merges)
+"""Gemma 2 and 3 GGUF import: a SentencePiece vocabulary (tokenizer model "llama": pieces, scores, types, no merges)
 converted to tokenizer.json, the norm weights llama.cpp stores as 1 + w, the norms around attention and the
-MLP, q/k norms and sliding-window layers. Tiny files are written with `gguf.GGUFWriter` the way llama.cpp's
-converter writes Gemma 3, and transformers reading the SAME file is the reference for tokens and logits."""
+MLP, q/k norms (Gemma 3), soft-capping (Gemma 2) and sliding-window layers. Tiny files are written with
+`gguf.GGUFWriter` the way llama.cpp's converter writes them, and transformers reading the SAME file is the
+reference for tokens and logits."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ TEXTS = [
     "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n",
     "",
 ]
-# Layers: transformers' default pattern for Gemma 3 (every 6th global). head_dim 256 = transformers' default
-# query_pre_attn_scalar, which its GGUF reader does not set (llama.cpp scales by head_dim^-1/2 too).
+# Six layers: transformers' default patterns (Gemma 2 alternates, Gemma 3 has every 6th global), which its GGUF
+# reader does not set. head_dim 256 = transformers' default query_pre_attn_scalar, which it does not set either
+# (llama.cpp scales by head_dim^-1/2 too).
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, WINDOW = 6, 64, 2, 1, 256, 96, 4
 
 
@@ -44,7 +46,7 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return pieces, scores, types
 
 
-def hf_weights(rng) -> dict[str, np.ndarray]:
+def hf_weights(rng, arch: str = "gemma3") -> dict[str, np.ndarray]:
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     vocab = len(vocabulary()[0])
     shapes = {"model.embed_tokens.weight": (vocab, HIDDEN), "model.norm.weight": (HIDDEN,)}
@@ -55,8 +57,6 @@ def hf_weights(rng) -> dict[str, np.ndarray]:
             p + "self_attn.k_proj.weight": (kv, HIDDEN),
             p + "self_attn.v_proj.weight": (kv, HIDDEN),
             p + "self_attn.o_proj.weight": (HIDDEN, q),
-            p + "self_attn.q_norm.weight": (HEAD_DIM,),
-            p + "self_attn.k_norm.weight": (HEAD_DIM,),
             p + "mlp.gate_proj.weight": (FFN, HIDDEN),
             p + "mlp.up_proj.weight": (FFN, HIDDEN),
             p + "mlp.down_proj.weight": (HIDDEN, FFN),
@@ -65,6 +65,8 @@ def hf_weights(rng) -> dict[str, np.ndarray]:
             p + "pre_feedforward_layernorm.weight": (HIDDEN,),
             p + "post_feedforward_layernorm.weight": (HIDDEN,),
         }
+        if arch == "gemma3":
+            shapes |= {p + "self_attn.q_norm.weight": (HEAD_DIM,), p + "self_attn.k_norm.weight": (HEAD_DIM,)}
     # Small weights keep activations moderate through six layers, as in a trained model.
     return {name: (0.2 * rng.standard_normal(shape)).astype(np.float32) for name, shape in shapes.items()}
 
@@ -95,9 +97,9 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_PARTS[rest.removesuffix('.weight')]}.weight"
 
 
-def write_gemma_gguf(path, weights: dict[str, np.ndarray], *, add_space_prefix: bool = False):
+def write_gemma_gguf(path, weights: dict[str, np.ndarray], *, arch: str = "gemma3", add_space_prefix: bool = False):
     pieces, scores, types = vocabulary()
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
@@ -107,8 +109,11 @@ def write_gemma_gguf(path, weights: dict[str, np.ndarray], *, add_space_prefix: 
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_rope_freq_base(1_000_000.0 if arch == "gemma3" else 10_000.0)
     writer.add_sliding_window(WINDOW)
+    if arch == "gemma2":  # llama.cpp writes Gemma 2's caps (transformers reads the same defaults)
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(pieces)
@@ -162,16 +167,23 @@ def test_a_space_prefix_vocabulary_puts_one_space_before_the_text(tmp_path, rng)
         assert ours.decode(ours.encode(text).ids, skip_special_tokens=True) == text, text
 
 
-def test_a_gemma3_gguf_runs_like_transformers_reading_the_same_file(tmp_path, rng, reference, registry):
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_a_gemma_gguf_runs_like_transformers_reading_the_same_file(tmp_path, rng, reference, registry, arch):
     """Logits through a prompt longer than the sliding window and decode steps past it."""
     import torch
 
-    weights = hf_weights(rng)
-    path = write_gemma_gguf(tmp_path / "g.gguf", weights)
+    weights = hf_weights(rng, arch)
+    path = write_gemma_gguf(tmp_path / "g.gguf", weights, arch=arch)
     folder = convert_gguf(path, tmp_path / "out", "f32", progress=False)
     config = ModelConfig.from_file(folder / "config.json")
-    assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
-    assert config.sliding_window == WINDOW and config.qk_norm
+    sliding, full = "sliding_attention", "full_attention"
+    if arch == "gemma3":
+        assert config.layer_types == (sliding,) * 5 + (full,) and config.qk_norm
+        assert config.attn_logit_softcapping is None and config.layer_rope(0) == (10_000.0, None)
+    else:
+        assert config.layer_types == (sliding, full) * 3 and not config.qk_norm
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.sliding_window == WINDOW
     assert config.eos_token_ids == (1, 5), "<eos>, and <end_of_turn> found by its text"
     ids = [2, 40, 7, 99, 12, 3, 250, 61, 300, 5, 77]
     with torch.no_grad():
