@@ -1,12 +1,13 @@
 """Our forward pass against HF transformers on tiny random models: a 20-token prefill, then 20 single-token
 decode steps through the GPU KV cache. The families: LLaMA, Mistral, Qwen2, Qwen3 (q/k norms, head_dim
-apart from hidden / heads) and Gemma 3 (sliding layers with an 8-key window, shorter than the prompt and
-the output). Greedy decoding then matches HF token for token, and speculative greedy decoding matches plain
+apart from hidden / heads), Gemma 2 (soft-capped scores and logits) and Gemma 3 (sliding layers with an 8-key
+window, shorter than the prompt and the output). Greedy decoding then matches HF token for token, and speculative greedy decoding matches plain
 greedy decoding (drafts verified k + 1 rows at a time, rejected ones rolled back).
 
-Tolerance: 1e-3 max abs on logits for f32 weights (the issue's bound; logits here are O(1–10) and float32
-accumulation over K ≤ 224 and 2 layers differs from torch's by ~1e-5). Reduced-precision weights are checked
-against HF running the SAME rounded weights (so the kernels' dequantisation must be exact), with the same 1e-3.
+Tolerance: 1e-4 max abs on logits for f32 weights (the model-families issue's bound; logits here are O(1–10)
+and float32 accumulation over K ≤ 224 and 2-3 layers differs from torch's by at most 1.4e-5, measured over
+every tiny model). Reduced-precision weights are checked against HF running the SAME rounded weights (so the
+kernels' dequantisation must be exact), with 1e-3.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_f32_logits_match_transformers_through_prefill_and_decode(tiny_model, na
     ours = our_logits(model, ids)
     ref = reference.hf_logits(folder, ids)
     assert ours.shape == ref.shape
-    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding"])
