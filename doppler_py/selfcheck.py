@@ -2,9 +2,10 @@
 
 A one-layer tiny random model (doppler_py.testing.tiny) is written to a temporary folder, loaded in f32 and run
 over a short prompt on the GPU, then compared stage by stage with a float64 numpy forward of the same
-safetensors file (doppler_py.testing.references.forward_stages): q, k, v after RoPE (k and v as the KV cache
-holds them), attention, the [gate | up] projection, the residual stream and the logits (SwiGLU runs inside the
-down projection, so no buffer holds it; the residual stream after the MLP covers it). Each stage
+safetensors file (doppler_py.testing.references.forward_stages): q before RoPE, k after RoPE and v (as the KV
+cache holds them), attention, the [gate | up] projection, the residual stream and the logits. Rotated q and
+SwiGLU have no buffer to compare: attention rotates q as it loads it, and SwiGLU runs inside the down
+projection; the attention output and the residual stream after the MLP cover them. Each stage
 passes when max |gpu - numpy| <= TOLERANCE * max |numpy|: the GPU computes in f32 over sums of at most a few
 hundred terms (rounding ~1e-6 relative), while a wrong index, mask or kernel moves results by 1e-2 or more.
 """
@@ -53,7 +54,7 @@ def run_selfcheck(say: Callable[[str], None], *, tamper: Callable[[dict[str, np.
             f"{config.num_key_value_heads} KV heads, vocab {config.vocab_size}, f32; {len(PROMPT)} tokens"
         )
         expected = forward_stages(tensors, config, PROMPT)
-        del expected["mlp"]  # computed inside the down projection's loads: no buffer to compare
+        del expected["q"], expected["mlp"]  # computed inside attention's and the down projection's loads
         got = _gpu_stages(gpu, folder, config)
     ok = True
     for stage, want in expected.items():
@@ -78,7 +79,7 @@ def _gpu_stages(gpu: Gpu, folder: Path, config: ModelConfig) -> dict[str, np.nda
         logits = model.forward(PROMPT, cache, 0, logits="all")
         qkv = model.qkv.numpy()[:rows]
         return {
-            "q": qkv[:, :q_size],  # rotated in place; k and v reach the cache
+            "q_proj": qkv[:, :q_size],  # attention rotates q as it loads it; k and v reach the cache rotated
             "k": cache.keys[-1].numpy()[:rows].reshape(kv_shape),
             "v": cache.values[-1].numpy()[:rows].reshape(kv_shape),
             "attention": model.attn.numpy()[:rows],

@@ -185,6 +185,7 @@ def forward_stages(
     """The forward pass over `ids` at positions 0..T-1 in float64, as llama2.c writes it, returning the last
     layer's intermediates beside the logits:
 
+        q_proj [T, n_heads * hd]: q before RoPE (after q_norm where the model has one)
         q [T, n_heads * hd] and k [T, n_kv_heads, hd] after RoPE, v [T, n_kv_heads, hd]
         attention [T, n_heads * hd]   gate_up [T, 2F] ([gate | up])   mlp [T, F] = act(gate) * up
         hidden [T, H] (the residual stream before the final norm)   logits [T, V]
@@ -192,7 +193,7 @@ def forward_stages(
     `model` is a HF folder or its tensors by HF name (float32 or float64; GGUF block formats are not read).
     Qwen3 and Gemma 3 follow their HF modeling files: q/k heads RMS-normalised before RoPE; Gemma's (1 + w)
     norms, embeddings times sqrt(H), attention and MLP outputs normalised before the residual add, GELU
-    (tanh) gating, per-layer sliding windows and RoPE bases.
+    (tanh) gating, per-layer sliding windows and RoPE bases; Gemma 2's soft-capped scores and logits.
     """
     w = load_tensors(model) if isinstance(model, str | Path) else model
     eps, hd = config.rms_norm_eps, config.head_dim
@@ -223,10 +224,17 @@ def forward_stages(
         if config.qk_norm:
             q = rmsnorm(q, *norm(p + "self_attn.q_norm.weight"))
             k = rmsnorm(k, *norm(p + "self_attn.k_norm.weight"))
+        q_proj = q.reshape(rows, n_heads * hd)
         q = rope(q, cos, sin).reshape(rows, n_heads * hd)
         k = rope(k, cos, sin)
         a = attention(
-            q.reshape(rows, n_heads, hd), k, v, 0, window=config.layer_window(i), scale=config.attention_scale
+            q.reshape(rows, n_heads, hd),
+            k,
+            v,
+            0,
+            window=config.layer_window(i),
+            scale=config.attention_scale,
+            softcap=config.attn_logit_softcapping or 0.0,
         )
         o = linear(a, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
         x = x + (rmsnorm(o, *norm(p + "post_attention_layernorm.weight")) if gemma else o)
@@ -236,9 +244,12 @@ def forward_stages(
         h = act(gate) * up
         d = linear(h, w[p + "mlp.down_proj.weight"])
         x = x + (rmsnorm(d, *norm(p + "post_feedforward_layernorm.weight")) if gemma else d)
-        stages = {"q": q, "k": k, "v": v, "attention": a, "gate_up": np.concatenate([gate, up], axis=1), "mlp": h}
+        gate_up = np.concatenate([gate, up], axis=1)
+        stages = {"q_proj": q_proj, "q": q, "k": k, "v": v, "attention": a, "gate_up": gate_up, "mlp": h}
     head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
     logits = linear(x, head, norm=norm("model.norm.weight"))
+    if config.final_logit_softcapping:
+        logits = config.final_logit_softcapping * np.tanh(logits / config.final_logit_softcapping)
     return {**stages, "hidden": x, "logits": logits}
 
 

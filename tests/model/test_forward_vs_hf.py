@@ -1,8 +1,9 @@
 """Our forward pass against HF transformers on tiny random models: a 20-token prefill, then 20 single-token
 decode steps through the GPU KV cache. The families: LLaMA, Mistral, Qwen2, Qwen3 (q/k norms, head_dim
 apart from hidden / heads), Gemma 2 (soft-capped scores and logits) and Gemma 3 (sliding layers with an 8-key
-window, shorter than the prompt and the output). Greedy decoding then matches HF token for token, and speculative greedy decoding matches plain
-greedy decoding (drafts verified k + 1 rows at a time, rejected ones rolled back).
+window, shorter than the prompt and the output). Greedy decoding then matches HF token for token, and
+speculative greedy decoding matches plain greedy decoding (drafts verified k + 1 rows at a time, rejected ones
+rolled back).
 
 Tolerance: 1e-4 max abs on logits for f32 weights (the model-families issue's bound; logits here are O(1–10)
 and float32 accumulation over K ≤ 224 and 2-3 layers differs from torch's by at most 1.4e-5, measured over
