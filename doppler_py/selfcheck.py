@@ -2,10 +2,11 @@
 
 A one-layer tiny random model (doppler_py.testing.tiny) is written to a temporary folder, loaded in f32 and run
 over a short prompt on the GPU, then compared stage by stage with a float64 numpy forward of the same
-safetensors file (doppler_py.testing.references.forward_stages): q before RoPE, k after RoPE and v (as the KV
-cache holds them), attention, the [gate | up] projection, the residual stream and the logits. Rotated q and
-SwiGLU have no buffer to compare: attention rotates q as it loads it, and SwiGLU runs inside the down
-projection; the attention output and the residual stream after the MLP cover them. Each stage
+safetensors file (doppler_py.testing.references.forward_stages): q as the qkv buffer holds it (rotated where a
+RoPE dispatch runs before attention, before RoPE where attention rotates q as it loads it: GPUs), k after
+RoPE and v (as the KV cache holds them), attention, the [gate | up] projection, the residual stream and the
+logits. SwiGLU runs inside the down projection, so no buffer holds it; the residual stream after the MLP
+covers it. Each stage
 passes when max |gpu - numpy| <= TOLERANCE * max |numpy|: the GPU computes in f32 over sums of at most a few
 hundred terms (rounding ~1e-6 relative), while a wrong index, mask or kernel moves results by 1e-2 or more.
 """
@@ -54,8 +55,11 @@ def run_selfcheck(say: Callable[[str], None], *, tamper: Callable[[dict[str, np.
             f"{config.num_key_value_heads} KV heads, vocab {config.vocab_size}, f32; {len(PROMPT)} tokens"
         )
         expected = forward_stages(tensors, config, PROMPT)
-        del expected["q"], expected["mlp"]  # computed inside attention's and the down projection's loads
-        got = _gpu_stages(gpu, folder, config)
+        got, q_rotated = _gpu_stages(gpu, folder, config)
+        q_proj = expected.pop("q_proj")
+        if not q_rotated:
+            expected["q"] = q_proj
+        del expected["mlp"]  # computed inside the down projection's loads
     ok = True
     for stage, want in expected.items():
         error = float(np.abs(got[stage] - want).max())
@@ -66,9 +70,10 @@ def run_selfcheck(say: Callable[[str], None], *, tamper: Callable[[dict[str, np.
     return ok
 
 
-def _gpu_stages(gpu: Gpu, folder: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+def _gpu_stages(gpu: Gpu, folder: Path, config: ModelConfig) -> tuple[dict[str, np.ndarray], bool]:
     """The GPU's forward over PROMPT: logits, and the last layer's intermediates read from the model's buffers
-    (one forward call: T rows fit one chunk, so every buffer holds this prompt's rows)."""
+    (one forward call: T rows fit one chunk, so every buffer holds this prompt's rows); and whether the qkv
+    buffer's q is rotated (False where attention applies RoPE as it loads q)."""
     rows, hd = len(PROMPT), config.head_dim
     q_size, kv_shape = config.num_attention_heads * hd, (rows, config.num_key_value_heads, hd)
     registry = KernelRegistry(gpu)
@@ -78,8 +83,8 @@ def _gpu_stages(gpu: Gpu, folder: Path, config: ModelConfig) -> dict[str, np.nda
         cache = model.new_cache(rows)
         logits = model.forward(PROMPT, cache, 0, logits="all")
         qkv = model.qkv.numpy()[:rows]
-        return {
-            "q_proj": qkv[:, :q_size],  # attention rotates q as it loads it; k and v reach the cache rotated
+        stages = {
+            "q": qkv[:, :q_size],  # k and v reach the cache
             "k": cache.keys[-1].numpy()[:rows].reshape(kv_shape),
             "v": cache.values[-1].numpy()[:rows].reshape(kv_shape),
             "attention": model.attn.numpy()[:rows],
@@ -87,6 +92,7 @@ def _gpu_stages(gpu: Gpu, folder: Path, config: ModelConfig) -> dict[str, np.nda
             "hidden": model.x.numpy()[:rows],
             "logits": logits,
         }
+        return stages, not model.attention_ops(cache)[-1].fuse_rope
     finally:
         model.close()
         weights.destroy()

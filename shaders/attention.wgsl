@@ -17,14 +17,17 @@
 // split across workgroups (grid z, split_len keys each): each split then writes unnormalised partials that
 // attention_reduce.wgsl combines (flash-decoding); with n_splits == 1 the result goes straight to `out`.
 //
-// RoPE inside (rope == 1, decode and verification): q holds the model's [q | k | v] projection rows as they
-// come out of the matmul, not yet rotated. Queries are rotated as they are loaded; keys at positions >=
-// start_pos (this call's rows) are read from the k section and rotated, values from the v section, instead
-// of from the caches; and workgroup (0, kv head, split 0) writes the rotated keys and the values of its kv
-// head to the caches for the next calls. No other workgroup reads those cache positions in this dispatch,
-// so the writes race with nothing. This saves the separate rope.wgsl dispatch per layer. Rotation follows
-// rope.wgsl (HF "rotate half": dim i pairs with i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4
-// HEAD_DIM / 8 away, and both halves use the angles of dims i mod HEAD_DIM / 2).
+// RoPE inside (FUSED_ROPE and rope == 1, decode and verification): q holds the model's [q | k | v]
+// projection rows as they come out of the matmul, not yet rotated. Queries are rotated as they are loaded;
+// keys at positions >= start_pos (this call's rows) are read from the k section and rotated, values from the
+// v section, in a second key pass after the cached keys; and workgroup (0, kv head, split 0) writes the
+// rotated keys and the values of its kv head to the caches for the next calls. No other workgroup reads
+// those cache positions in this dispatch, so the writes race with nothing. This saves the separate rope.wgsl
+// dispatch per layer. It is compiled in only with FUSED_ROPE (GPUs): on lavapipe the second key pass cost
+// more GPU time than the dispatch it saves (decode: 235-255 us against 150 + 36 per layer), and its mere
+// presence slowed calls that did not use it. Rotation follows rope.wgsl (HF "rotate half": dim i pairs with
+// i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4 HEAD_DIM / 8 away, and both halves use the angles
+// of dims i mod HEAD_DIM / 2).
 //
 // Bindings: 0 params (uniform Params), 1 q (read) [rows, q_stride * 4], query heads in the first
 //           n_heads * HEAD_DIM floats of each row (RoPE applied unless rope == 1; the model's fused
@@ -39,7 +42,7 @@
 //         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
 //         rope (1: RoPE and the cache write inside, as above; 0: q rotated and the caches written before);
 //         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped).
-// Overrides: HEAD_DIM (a multiple of 16, at most 256).
+// Overrides: HEAD_DIM (a multiple of 16, at most 256); FUSED_ROPE (compile the rope == 1 path).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
 // Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
@@ -70,6 +73,7 @@ struct Params {
 @group(0) @binding(7) var<storage, read> cos_sin: array<vec4<f32>>;
 
 override HEAD_DIM: u32 = 64u;
+override FUSED_ROPE: bool = false;
 
 const LANES: u32 = 64u;
 const STEP: u32 = 8u;  // keys a group scores between two barriers
@@ -123,7 +127,7 @@ fn rotated(head: u32, c: u32, pos: u32) -> vec4<f32> {
 
 // Dims 4c..4c+3 of the query head at q[head..] of the row at position `pos`.
 fn query(head: u32, c: u32, pos: u32) -> vec4<f32> {
-  if (params.rope == 1u) {
+  if (FUSED_ROPE && params.rope == 1u) {
     return rotated(head, c, pos);
   }
   return q[head + c];
@@ -283,7 +287,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let kv_head = wid.y;
   let split = wid.z;
 
-  if (params.rope == 1u && wid.x == 0u && split == 0u) {
+  if (FUSED_ROPE && params.rope == 1u && wid.x == 0u && split == 0u) {
     for (var e = t; e < params.rows * hd4; e += LANES) {
       let pos = params.start_pos + e / hd4;
       let c = e % hd4;
@@ -313,7 +317,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   // With rope == 1, keys from start_pos on come from q (this call's rows), after those in the caches.
   var cached_end = key_end;
   var new_begin = key_end;
-  if (params.rope == 1u) {
+  if (FUSED_ROPE && params.rope == 1u) {
     cached_end = min(key_end, params.start_pos);
     new_begin = max(key_begin, params.start_pos);
   }
@@ -349,7 +353,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   }
   var st = State(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), vec4<f32>(NEG), vec4<f32>(0.0));
   st = attend(st, lane, key_begin, cached_end, key_lanes, false);
-  st = attend(st, lane, new_begin, key_end, key_lanes, true);
+  if (FUSED_ROPE) {
+    st = attend(st, lane, new_begin, key_end, key_lanes, true);
+  }
 
   // Merge the key lanes of each block pairwise: the upper half hands its states to the lower half.
   for (var half = key_lanes / 2u; half > 0u; half /= 2u) {

@@ -11,7 +11,7 @@ from doppler_py.selfcheck import run_selfcheck
 from doppler_py.testing.references import forward_reference
 from doppler_py.testing.tiny import TINY_SPECS, write_tiny_model
 
-STAGES = ("q_proj", "k", "v", "attention", "gate_up", "hidden", "logits")
+STAGES = ("q", "k", "v", "attention", "gate_up", "hidden", "logits")
 
 
 def stage_verdicts(lines: list[str]) -> dict[str, str]:

@@ -19,9 +19,9 @@ Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·
 
 The RMSNorms before the projections run inside them (Linear's `norm`, the final norm too; xn and xn_head are
 only written when a long prefill takes the tiled GEMM on a GPU), and the down projection computes silu(g)·u
-as it loads gate_up (Linear's `glu`; act is only written by prefills of more than 16 rows), and attention
-applies RoPE and writes the cache itself (a rope dispatch of its own only for prefills of more than 16 rows):
-a decode step is 5 dispatches per layer plus 2. All buffers and bind
+as it loads gate_up (Linear's `glu`; act is only written by prefills of more than 16 rows), and on GPUs
+attention applies RoPE and writes the cache itself for calls of up to 16 rows (elsewhere a rope dispatch goes
+first): a decode step is 5 (GPUs) or 6 dispatches per layer plus 2. All buffers and bind
 groups are created once here; a forward only sets uniforms (rows, positions) and records dispatches. Ops bound
 to a KV cache (cache write, attention) are built once per cache.
 """
@@ -38,7 +38,7 @@ from doppler_py.gpu.kernels import KernelRegistry, Recorder, Tape, UniformSlot
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
-from doppler_py.ops.attention import FUSED_ROPE_MAX_ROWS, Attention
+from doppler_py.ops.attention import Attention
 from doppler_py.ops.elementwise import LogitSoftCap
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
@@ -61,11 +61,12 @@ class _LayerOps:
 
 @dataclass
 class _ForwardTape:
-    """A recorded forward to play again (`Recorder.play_tape`): the slots its attention dispatches used, per
-    attention window, take each play's positions; every other uniform is as captured."""
+    """A recorded forward to play again (`Recorder.play_tape`): the slots its attention (and rope) dispatches
+    used, per attention window and kind of slot, take each play's positions; every other uniform is as
+    captured."""
 
     tape: Tape
-    attention_slots: dict[int, list[UniformSlot]]
+    positioned_slots: dict[tuple[int, str], list[UniformSlot]]
 
 
 MAX_TAPES = 64  # forwards kept for playing again (keys: rows, logits, layers, cache, phase, attention grids)
@@ -211,7 +212,7 @@ class Transformer:
         max_seq = min(max_seq or self.max_positions, self.max_positions)
         return KVCache(self.gpu, self.num_layers, max_seq, cfg.num_key_value_heads, cfg.head_dim)
 
-    def _ops_for(self, cache: KVCache) -> list[Attention]:
+    def attention_ops(self, cache: KVCache) -> list[Attention]:
         """Each layer's attention over `cache` (RoPE and the cache write included), built once per cache."""
         entry = self._cache_ops.get(id(cache))
         if entry is None or entry[0] is not cache:
@@ -296,17 +297,17 @@ class Transformer:
         if logits == "all" and rows > self.max_logit_rows:
             raise CapacityError(f"logits for {rows} rows requested; at most {self.max_logit_rows} per forward")
         cache.check_room(start_pos, rows)
-        attention = self._ops_for(cache)
+        attention = self.attention_ops(cache)
         key = None
-        if rec.can_play_tapes and rows <= FUSED_ROPE_MAX_ROWS:  # longer calls set the rope op's positions too
+        if rec.can_play_tapes:
             calls = {window: attention[i].call(rows, start_pos) for window, i in self._window_layers.items()}
             grids = tuple((window, grid) for window, (_, grid) in calls.items())
             key = (id(cache), rows, logits, num_layers, embedded, rec.phase, grids)
             played = self._tapes.get(key)
             if played is not None:
                 played.tape.restore()
-                for window, slots in played.attention_slots.items():
-                    slots[0].set(**calls[window][0])
+                for (window, kind), slots in played.positioned_slots.items():
+                    slots[0].set(**calls[window][0][kind])
                     for slot in slots[1:]:
                         slot.view[:] = slots[0].view
                 rec.play_tape(played.tape)
@@ -314,14 +315,14 @@ class Transformer:
                 return
             rec.capture()
         try:
-            attention_slots = self._record_layers(rec, rows, start_pos, attention, logits, num_layers, embedded)
+            positioned = self._record_layers(rec, rows, start_pos, attention, logits, num_layers, embedded)
         finally:
             tape = rec.end_capture() if key is not None else None
         cache.advance_to(max(cache.length, start_pos + rows))
         if tape is not None:
             if len(self._tapes) >= MAX_TAPES:
                 del self._tapes[next(iter(self._tapes))]
-            self._tapes[key] = _ForwardTape(tape, attention_slots)
+            self._tapes[key] = _ForwardTape(tape, positioned)
 
     def _record_layers(
         self,
@@ -332,9 +333,10 @@ class Transformer:
         logits: str,
         num_layers: int | None,
         embedded: bool,
-    ) -> dict[int, list[UniformSlot]]:
-        """Record the forward's dispatches; returns the uniform slots the attention dispatches used, per window."""
-        attention_slots: dict[int, list[UniformSlot]] = {}
+    ) -> dict[tuple[int, str], list[UniformSlot]]:
+        """Record the forward's dispatches; returns the uniform slots whose values depend on the positions (those
+        of the attention and rope dispatches), per attention window and kind of slot (`Attention.call`)."""
+        positioned: dict[tuple[int, str], list[UniformSlot]] = {}
         if not embedded:
             self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
         for i, layer in enumerate(self.layers[:num_layers]):
@@ -342,8 +344,8 @@ class Transformer:
             if layer.qk_norm:
                 layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
             # attention: q, k rotated (RoPE); k, v → cache; attn = softmax(q·K)·V
-            used = attention[i].record(rec, rows=rows, start_pos=start_pos)
-            attention_slots.setdefault(attention[i].window, []).extend(used)
+            for kind, slot in attention[i].record(rec, rows=rows, start_pos=start_pos):
+                positioned.setdefault((attention[i].window, kind), []).append(slot)
             layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
             if layer.post_attn:
                 layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
@@ -364,7 +366,7 @@ class Transformer:
             self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[last])·Wlm
         if self.logit_softcap is not None and logits != "none":
             self.logit_softcap.record(rec, rows=rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
-        return attention_slots
+        return positioned
 
     def forward(
         self,

@@ -10,10 +10,11 @@ shader header explains the work split. Per call the op picks two numbers:
   every core busy.
 
 With `rope=` (the model's cos/sin table) the op takes the [q | k | v] projection rows as they leave the
-matmul and also applies RoPE and writes the new keys and values to the caches: inside the attention dispatch
-for calls of up to FUSED_ROPE_MAX_ROWS rows (decode, verification: one dispatch per layer fewer), by a
-rope.wgsl dispatch first for longer calls (prefill), where every workgroup rotating every new key it reads
-would repeat the rotation once per workgroup.
+matmul and also applies RoPE and writes the new keys and values to the caches: on GPUs inside the attention
+dispatch for calls of up to FUSED_ROPE_MAX_ROWS rows (decode, verification: one dispatch per layer fewer),
+otherwise by a rope.wgsl dispatch first. Longer calls (prefill) would repeat the rotation of every new key
+in every workgroup; CPU adapters measured the fused kernel slower (shaders/attention.wgsl, FUSED_ROPE).
+`fuse_rope=` overrides the choice (tests run the fused path on lavapipe).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Attention:
         scale: float | None = None,
         rope: Tensor | None = None,
         softcap: float = 0.0,
+        fuse_rope: bool | None = None,
     ):
         width = n_heads * head_dim
         qkv_width = width + 2 * n_kv_heads * head_dim
@@ -116,7 +118,8 @@ class Attention:
         self.window = window
         self.lane_groups = LANES // (head_dim // 16)
         self.target_workgroups = target_workgroups(str(registry.gpu.info.get("adapter_type", "")))
-        self.rope: RoPE | None = None  # the rope.wgsl dispatch of long calls
+        self.rope: RoPE | None = None  # the rope.wgsl dispatch of calls that do not fuse it
+        self.fuse_rope = rope is not None and (not registry.gpu.on_cpu if fuse_rope is None else fuse_rope)
         if rope is not None:
             if rope.numel < max_seq * head_dim:
                 raise ValueError(f"rope: the cos/sin table covers {rope.numel // head_dim} positions, needs {max_seq}")
@@ -137,7 +140,7 @@ class Attention:
         self.part_acc = Tensor.empty(registry.gpu, (MAX_SPLITS, split_rows, n_heads, head_dim), label="attn partials")
         self.part_stats = Tensor.empty(registry.gpu, (MAX_SPLITS, split_rows, n_heads, 2), label="attn partial stats")
         self.bound = registry.bind(
-            registry.kernel("attention", HEAD_DIM=head_dim),
+            registry.kernel("attention", HEAD_DIM=head_dim, **({"FUSED_ROPE": True} if self.fuse_rope else {})),
             params={
                 "n_heads": n_heads,
                 "n_kv_heads": n_kv_heads,
@@ -192,35 +195,47 @@ class Attention:
             key_lanes *= 2
         return key_lanes, split_len, workgroups(context, split_len)
 
-    def call(self, rows: int, start_pos: int, splits: int | None = None) -> tuple[dict[str, int], tuple[int, int, int]]:
-        """The uniform values and the attention dispatch's grid for a call (`record` records it)."""
+    def call(
+        self, rows: int, start_pos: int, splits: int | None = None
+    ) -> tuple[dict[str, dict], tuple[int, int, int]]:
+        """What a call sets, per kind of uniform slot its dispatches use ("attention", and "rope" when a rope.wgsl
+        dispatch goes first), and the attention dispatch's grid (`record` records the call)."""
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"rows={rows} must be in 1..{self.max_rows}")
         if start_pos < 0 or start_pos + rows > self.max_seq:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
         key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
-        values = {
-            "rows": rows,
-            "start_pos": start_pos,
-            "key_lanes": key_lanes,
-            "split_len": split_len,
-            "n_splits": n_splits,
-            "rope": int(self.rope is not None and rows <= FUSED_ROPE_MAX_ROWS),
+        fused = self.fuse_rope and rows <= FUSED_ROPE_MAX_ROWS
+        values: dict[str, dict] = {
+            "attention": {
+                "rows": rows,
+                "start_pos": start_pos,
+                "key_lanes": key_lanes,
+                "split_len": split_len,
+                "n_splits": n_splits,
+                "rope": int(fused),
+            }
         }
+        if self.rope is not None and not fused:
+            values["rope"] = {"start_pos": start_pos}
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
         return values, (workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
 
-    def record(self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None) -> list[UniformSlot]:
+    def record(
+        self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None
+    ) -> list[tuple[str, UniformSlot]]:
         """Record attention for `rows` queries at positions start_pos..start_pos+rows-1; returns the uniform slots
-        the dispatches used (the op's own, or in a phase the copies for its attention and reduce dispatches).
+        the dispatches used (the ops' own, or in a phase their copies), each with its kind as in `call`.
 
         `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose.
         """
         values, grid = self.call(rows, start_pos, splits)
-        if self.rope is not None and not values["rope"]:
-            self.rope.record(rec, rows, start_pos)
-        self.params.set(**values)
-        used = [rec.dispatch(self.bound, *grid).params]
+        used = []
+        if "rope" in values:
+            used.append(("rope", self.rope.record(rec, rows, start_pos)))
+        self.params.set(**values["attention"])
+        used.append(("attention", rec.dispatch(self.bound, *grid).params))
         if grid[2] > 1:
-            used.append(rec.dispatch(self.reduce, workgroups(rows * self.n_heads * self.head_dim // 4, LANES)).params)
+            reduce = rec.dispatch(self.reduce, workgroups(rows * self.n_heads * self.head_dim // 4, LANES))
+            used.append(("attention", reduce.params))
         return used

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from doppler_py.errors import UnsupportedModelError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import require_f32, require_rows
 
@@ -142,9 +142,10 @@ class RoPE:
         """Give back the op's uniform slot (its tensors belong to the caller)."""
         registry.release_slot(self.bound.params)
 
-    def record(self, rec: Recorder, rows: int, start_pos: int) -> None:
+    def record(self, rec: Recorder, rows: int, start_pos: int) -> UniformSlot:
+        """Record the call; returns the uniform slot it used (the op's own, or its phase copy)."""
         require_rows(rows, self.max_rows, "RoPE")
         if start_pos < 0:
             raise ValueError(f"RoPE: start_pos must be >= 0, got {start_pos}")
         self.bound.params.set(start_pos=start_pos)
-        rec.dispatch(self.bound, workgroups(self.n_pairs, 64), rows)
+        return rec.dispatch(self.bound, workgroups(self.n_pairs, 64), rows).params

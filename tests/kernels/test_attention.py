@@ -286,7 +286,9 @@ class RopeCase:
 
     K_FILL, V_FILL = -1.0, -2.0
 
-    def __init__(self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, window=0):
+    def __init__(
+        self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, window=0, fuse_rope=True
+    ):
         self.shape = (n_heads, n_kv_heads, head_dim)
         self.q_size, self.kv_size = n_heads * head_dim, n_kv_heads * head_dim
         self.window, self.rng, self.max_rows = window, rng, max_rows
@@ -309,6 +311,7 @@ class RopeCase:
             max_rows=max_rows,
             window=window,
             rope=Tensor.from_numpy(gpu, self.table),
+            fuse_rope=fuse_rope,
         )
 
     def rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -352,13 +355,21 @@ ROPE_SHAPES = [
     [(1, 0, None), (1, 77, None), (1, 300, 3), (5, 70, None), (5, 200, 2), (16, 90, 5), (16, 0, None)],
     ids=["first", "decode", "decode-split", "verify5", "verify5-split", "16-split", "16-prefill"],
 )
-def test_rope_inside_matches_rope_then_attention(gpu, registry, rng, shape, rows, start_pos, splits):
-    """Calls of up to 16 rows: one dispatch rotates q and the new keys, attends, and writes the caches."""
-    case = RopeCase(gpu, registry, rng, **shape, max_seq=320, max_rows=40)
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "rope-dispatch"])
+def test_rope_inside_matches_rope_then_attention(gpu, registry, rng, shape, rows, start_pos, splits, fuse):
+    """Calls of up to 16 rows: fused (GPUs), one dispatch rotates q and the new keys, attends, and writes the
+    caches; otherwise (CPU adapters) a rope.wgsl dispatch goes first. Both give the same."""
+    case = RopeCase(gpu, registry, rng, **shape, max_seq=320, max_rows=40, fuse_rope=fuse)
     rec = registry.recorder()
     case.op.record(rec, rows, min(start_pos, 319 - rows), splits=splits)
-    assert rec.dispatches == (2 if splits else 1)  # attention (+ reduce): no rope dispatch
+    assert rec.dispatches == (2 if splits else 1) + (0 if fuse else 1)  # (rope +) attention (+ reduce)
     case.run_and_check(registry, rows, start_pos, splits)
+
+
+def test_the_rope_dispatch_stays_on_cpu_adapters_unless_forced(gpu, registry, rng):
+    """FUSED_ROPE measured slower on lavapipe (shaders/attention.wgsl): the default follows the adapter."""
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4, fuse_rope=None)
+    assert case.op.fuse_rope == (not gpu.on_cpu)
 
 
 @pytest.mark.parametrize("rows", [17, 40])

@@ -116,10 +116,11 @@ def _summary(differences: list[RegionDifference]) -> str:
 
 def test_page_gets_each_shader_as_the_registry_compiles_it_with_enable_subgroups_kept(layer):
     modules = layer.plan.job["modules"]
-    # The layer's norms run inside its matmuls (RMS_NORM), SwiGLU for a 5-row call inside the down projection
-    # (GLU) and RoPE with the cache write inside attention, so rmsnorm.wgsl, swiglu.wgsl and rope.wgsl have no
-    # dispatch of their own here.
-    assert set(modules) == {"embedding", "matmul", "attention"}
+    # The layer's norms run inside its matmuls (RMS_NORM) and SwiGLU for a 5-row call inside the down projection
+    # (GLU), so rmsnorm.wgsl and swiglu.wgsl have no dispatch of their own here; RoPE with the cache write has
+    # one where the capturing engine runs on a CPU adapter, and runs inside attention on GPUs.
+    rope = {"rope"} if layer.registry.gpu.on_cpu else set()
+    assert set(modules) == {"embedding", "matmul", "attention"} | rope
     for name, source in modules.items():
         assert source_for_naga(source) == source_for_naga(layer.registry.source(name))
         assert source == layer.registry.source(name)
@@ -149,5 +150,4 @@ def test_every_buffer_the_layer_writes_matches_the_python_engine(differences):
     failed = [d.describe("chromium") for d in differences if not d.difference.ok]
     assert not failed, "\n".join(failed)
     written = {d.region.tensor.label for d in differences}
-    # act: fused into the down projection; the caches: written by attention
-    assert written >= {"x", "qkv", "attn", "gate_up", "kv.k0", "kv.v0"}
+    assert written >= {"x", "qkv", "attn", "gate_up", "kv.k0", "kv.v0"}  # act: fused into the down projection

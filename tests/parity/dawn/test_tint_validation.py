@@ -57,7 +57,7 @@ _MATMUL_SUBGROUPS = [
 
 # shader → entry point → override combinations used by the ops (beyond the defaults, always validated).
 VARIANTS: dict[str, dict[str, list[Constants]]] = {
-    "attention": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
+    "attention": {"main": _product(HEAD_DIM=_HEAD_DIMS, FUSED_ROPE=[False, True])},
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
     "logit_softcap": {"main": []},
