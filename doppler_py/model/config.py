@@ -301,8 +301,10 @@ def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str
     # configs set both to null, and transformers applies them where set.
     softcaps = {}
     for name, gemma2_default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
-        default = gemma2_default if gemma2 and name not in fields.data else None  # an explicit null: no cap
-        softcaps[name] = None if fields.get(name, default) is None else fields.positive_float(name, default)
+        if name not in fields.data:
+            softcaps[name] = gemma2_default if gemma2 else None
+        else:
+            softcaps[name] = None if fields.data[name] is None else fields.positive_float(name, None)
     if fields.boolean("use_bidirectional_attention", default=False):
         raise UnsupportedModelError(f"{source}: use_bidirectional_attention = true is not supported")
     hidden_act = fields.get("hidden_activation", None) or fields.get("hidden_act", "gelu_pytorch_tanh")

@@ -54,31 +54,34 @@ def test_played_forwards_equal_forwards_recorded_op_by_op(tiny_model, tiny_folde
     assert not model._tapes, "releasing the cache drops its tapes"
 
 
-def test_tapes_are_kept_per_call_shape_and_played(tiny_model, tiny_folder, registry):
-    model = tiny_model(tiny_folder(TINY_SPECS["llama-tied-gqa"]), max_rows=16, max_positions=128)
+@pytest.fixture
+def prompted(tiny_model, tiny_folder, registry):
+    """The tiny LLaMA with PROMPT in a fresh cache (released afterwards); skipped where tapes never play."""
     if not registry.native_dispatch:
-        pytest.skip("no native dispatch path here")
+        pytest.skip("no native dispatch path here: forwards are never played from tapes")
+    model = tiny_model(tiny_folder(TINY_SPECS["llama-tied-gqa"]), max_rows=16, max_positions=128)
     cache = model.new_cache(64)
     model.forward(PROMPT, cache)
+    yield model, cache
+    model.release_cache(cache)
+
+
+def test_tapes_are_kept_per_call_shape_and_played(prompted, registry):
+    model, cache = prompted
+    per_layer = 6 if registry.gpu.on_cpu else 5  # RoPE: its own dispatch on CPU adapters, inside attention on GPUs
     for token in range(4):
         rec = registry.recorder()
         model.ids.view((1,)).write(model.check_ids([token]))
         model.record_forward(rec, 1, cache, cache.length)
         rec.submit()
-        per_layer = 6 if registry.gpu.on_cpu else 5  # RoPE: its own dispatch on CPU adapters, inside attention on GPUs
         assert rec.dispatches == 2 + per_layer * model.num_layers
     decode_keys = [key for key in model._tapes if key[1] == 1]
     assert len(decode_keys) == 1, "four decode steps at positions 8..11 share one attention grid, one tape"
-    model.release_cache(cache)
 
 
-def test_two_played_forwards_at_different_positions_in_one_submit_are_refused(tiny_model, tiny_folder, registry):
+def test_two_played_forwards_at_different_positions_in_one_submit_are_refused(prompted, registry):
     """Without phases both would run with the second one's positions: the slot check catches it for tapes too."""
-    model = tiny_model(tiny_folder(TINY_SPECS["llama-tied-gqa"]), max_rows=16, max_positions=128)
-    if not registry.native_dispatch:
-        pytest.skip("no native dispatch path here")
-    cache = model.new_cache(64)
-    model.forward(PROMPT, cache)
+    model, cache = prompted
     model.forward([1], cache)  # captures the decode tape
     rec = registry.recorder()
     model.record_forward(rec, 1, cache, cache.length)
@@ -89,7 +92,6 @@ def test_two_played_forwards_at_different_positions_in_one_submit_are_refused(ti
         rec.phase = phase
         model.record_forward(rec, 1, cache, cache.length)
     rec.submit()
-    model.release_cache(cache)
 
 
 def test_a_new_cache_never_plays_tapes_left_under_its_id(tiny_model, tiny_folder, registry):
