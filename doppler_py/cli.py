@@ -5,6 +5,7 @@
     doppler-py serve --port 8000                     OpenAI-compatible HTTP server on 127.0.0.1
     doppler-py convert model.gguf --out folder       GGUF -> Hugging Face style folder
     doppler-py train-draft MODEL --out folder        train an EAGLE draft head by self-distillation (torch)
+    doppler-py parity doppler MODEL_DIR              ours vs HF vs the JS original, step by step, on a whole model
     doppler-py models | info | profile | bench | selfcheck
 
 Errors doppler-py raises on purpose print one line on stderr and exit with status 2.
@@ -300,6 +301,31 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def _cmd_parity_doppler(args: argparse.Namespace) -> int:
+    from doppler_py.parity.model_parity import format_report, run_parity
+    from doppler_py.tokenizer import Tokenizer
+
+    folder = Path(args.model_dir)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: not an HF model folder (no config.json)")
+    if args.ids is not None:
+        ids = args.ids
+    else:
+        ids = Tokenizer.from_dir(folder).encode(args.prompt, add_special_tokens=False)
+    report = run_parity(folder, ids, args.steps, with_hf=not args.no_hf)
+    print(format_report(report, args.atol))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.record(), indent=2) + "\n")
+    return 0 if report.agrees(args.atol) else 1
+
+
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from doppler_py.selfcheck import run_selfcheck
 
@@ -465,6 +491,24 @@ def build_parser() -> argparse.ArgumentParser:
         "bench_args", nargs=argparse.REMAINDER, help="arguments after the benchmark name go to its script"
     )
     bench.set_defaults(func=_cmd_bench)
+
+    parity = sub.add_parser("parity", help="compare whole models with another engine")
+    engines = parity.add_subparsers(dest="engine", required=True)
+    doppler = engines.add_parser(
+        "doppler",
+        help="greedy steps of ours, HF transformers and the JS original (npm doppler-gpu, under Node/Dawn), float32",
+        description="Exit status 0 when every pair agrees (same tokens, max |dlogit| <= --atol), 1 otherwise.",
+    )
+    doppler.add_argument("model_dir", help="an HF folder (LLaMA, Qwen3 or Gemma 3 text)")
+    doppler.add_argument(
+        "--prompt", default="The quick brown fox", help="prompt text, tokenized by the folder's tokenizer"
+    )
+    doppler.add_argument("--ids", type=_token_ids, help="prompt token ids instead of text, comma-separated")
+    doppler.add_argument("--steps", type=int, default=16, help="greedy tokens to generate (default 16)")
+    doppler.add_argument("--atol", type=float, default=1e-4, help="largest |dlogit| that agrees (default 1e-4)")
+    doppler.add_argument("--no-hf", action="store_true", help="leave HF transformers out")
+    doppler.add_argument("--json", metavar="PATH", help="also write tokens and per-step deltas as JSON")
+    doppler.set_defaults(func=_cmd_parity_doppler)
 
     check = sub.add_parser(
         "selfcheck", help="run a one-layer tiny model on the GPU against a numpy forward, stage by stage"

@@ -36,10 +36,10 @@ from pathlib import Path
 import pytest
 
 from doppler_py.gpu.kernels import Binding
+from doppler_py.parity.doppler_model import SWIFTSHADER_ICD
 
 PARITY_DIR = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "worker.mjs"
-SWIFTSHADER_ICD = Path(os.environ.get("DOPPLER_DAWN_VK_ICD", "/usr/lib/chromium/vk_swiftshader_icd.json"))
 NODE_MAJOR = 20
 START_TIMEOUT_S = 60.0
 JOB_TIMEOUT_S = 300.0

@@ -1,0 +1,53 @@
+// Runs a whole model in the JS original (doppler-gpu) under Node and writes its greedy steps' logits.
+//
+//   node doppler_model.mjs PACKAGE_DIR RDRR_DIR JOB.json OUT.json
+//
+// PACKAGE_DIR is the unpacked doppler-gpu package, RDRR_DIR a folder its converter wrote. The job is
+// {"ids": [prompt token ids], "steps": N}. The prompt goes in as token ids (no chat template, no tokenizer),
+// through the package's public handle: `advanced.prefillWithLogits` for the prompt, then
+// `advanced.decodeStepLogits` once per generated token. Each step's token is chosen by the package's own
+// sampling functions as its generator calls them (`applyRepetitionPenalty`, then `sample`), at temperature 0
+// and repetition penalty 1 (its default penalty is 1.1, which would change greedy tokens).
+//
+// OUT gets {"tokens": [N ids], "logits": [N base64 float32 rows], "adapter": {...}}: row i is the logits the
+// i-th token was chosen from. WebGPU comes from the module named by DOPPLER_NODE_WEBGPU_MODULE (the npm
+// package `webgpu`, i.e. Dawn), which the package's own Node bootstrap reads.
+
+import { readFileSync, writeFileSync } from 'node:fs';
+import { pathToFileURL } from 'node:url';
+
+const [packageDir, rdrrDir, jobPath, outPath] = process.argv.slice(2);
+if (!outPath) {
+  console.error('usage: node doppler_model.mjs PACKAGE_DIR RDRR_DIR JOB.json OUT.json');
+  process.exit(2);
+}
+const job = JSON.parse(readFileSync(jobPath, 'utf8'));
+const fromPackage = (path) => import(pathToFileURL(`${packageDir}/src/${path}`).href);
+const { load } = await fromPackage('index.js');
+const { applyRepetitionPenalty, sample } = await fromPackage('inference/pipelines/text/sampling.js');
+
+const GREEDY = { temperature: 0 };
+const NO_PENALTY = 1.0;
+
+const model = await load({ url: pathToFileURL(rdrrDir).href });
+try {
+  const ids = [...job.ids];
+  const tokens = [];
+  const rows = [];
+  let logits = (await model.advanced.prefillWithLogits('', { inputIds: ids, useChatTemplate: false })).logits;
+  for (let step = 0; step < job.steps; step++) {
+    const row = Float32Array.from(logits);
+    rows.push(Buffer.from(row.buffer).toString('base64'));
+    const scratch = Float32Array.from(row);  // sample() masks in place
+    applyRepetitionPenalty(scratch, ids, NO_PENALTY);
+    const token = sample(scratch, GREEDY);
+    tokens.push(token);
+    ids.push(token);
+    if (step + 1 < job.steps) {
+      logits = (await model.advanced.decodeStepLogits(ids)).logits;
+    }
+  }
+  writeFileSync(outPath, JSON.stringify({ tokens, logits: rows, adapter: model.deviceInfo ?? null }));
+} finally {
+  await model.unload();
+}

@@ -1,0 +1,222 @@
+"""The JS original's whole pipeline on an HF folder: its converter writes RDRR, its loader runs it under Node.
+
+doppler-gpu 0.5.1 converts only with an explicit conversion config (model inference fields, session, kernel
+table with digests, step lists). `conversion_config` writes one for an HF folder: it starts from the package's
+own config for the family (read from the fetched package, never copied here), sets every inference field from
+the folder's config.json, and makes the run float32 end to end (weights, embeddings, LM head, KV cache and the
+kernels that read them, digests from the package's `src/config/kernels/kernel-ref-digests.js`), so a
+comparison with HF transformers in float32 measures the engines, not rounding to f16.
+
+The package's loader finds WebGPU through the npm package `webgpu` (Dawn), fetched pinned like doppler-gpu.
+Dawn needs a Vulkan driver it accepts: Chrome's SwiftShader (Debian's `chromium` package ships its ICD), named
+by DOPPLER_DAWN_VK_ICD. Debian's Mesa 22.3 lavapipe is refused by Dawn ("shaderUniform*ArrayDynamicIndexing").
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from doppler_py.errors import DopplerError
+from doppler_py.parity.npm import DOPPLER_GPU, NpmPackage, fetch_package
+
+WEBGPU = NpmPackage(
+    "webgpu",
+    "0.6.2",
+    "sha512-3L4GfmqJLvYUIEWJngEQY+2HQiUlAFkg8+P8NDDj3Xx5hHHIFO/r8JW+ynfqBj7kHN4mbnwO74uB+lrRtLhp4Q==",
+)
+SWIFTSHADER_ICD = Path(os.environ.get("DOPPLER_DAWN_VK_ICD", "/usr/lib/chromium/vk_swiftshader_icd.json"))
+DRIVER = Path(__file__).with_name("doppler_model.mjs")
+CONVERT_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 600
+
+# The package's conversion configs the generated ones start from: plain Qwen3 (0.6B) and Gemma 3 (270m).
+# A LLaMA layer is a Qwen3 layer without the q/k norms.
+TEMPLATES = {
+    "llama": "qwen3/qwen-3-reranker-0-6b-f16-af32.json",
+    "qwen3": "qwen3/qwen-3-reranker-0-6b-f16-af32.json",
+    "gemma3_text": "gemma3/gemma-3-270m-it-f16-af32.json",
+}
+GEMMA_TYPES = ("gemma3_text",)
+
+# float32 kernels of the package that do what its f16 configs' kernels do: (file, entry).
+F32_MATMUL = ("matmul_f32.wgsl", "main")
+F32_GATHER = ("gather.wgsl", "main")
+F32_DECODE_ATTENTION = ("attention_decode.wgsl", "attention_decode")
+F32_PREFILL_ATTENTION = ("attention_streaming.wgsl", "main")
+
+
+class DopplerParityError(DopplerError):
+    """The JS original could not run a model: unsupported model, missing Node/driver, or its run failed."""
+
+
+@dataclass(frozen=True)
+class DopplerRun:
+    """What the JS original generated greedily: `tokens[i]` was chosen from `logits[i]` ([steps, vocab])."""
+
+    tokens: list[int]
+    logits: np.ndarray
+    adapter: dict | None
+
+
+def kernel_digests(package: Path) -> dict[str, str]:
+    """ "file#entry" -> sha256 hex, as the package's kernel-ref-digests.js lists them."""
+    text = (package / "src/config/kernels/kernel-ref-digests.js").read_text()
+    return dict(re.findall(r'"([\w.]+#\w+)":\s*"([0-9a-f]{64})"', text))
+
+
+def _kernel(digests: dict[str, str], file: str, entry: str, **extra) -> dict:
+    key = f"{file}#{entry}"
+    if key not in digests:
+        raise DopplerParityError(f"{DOPPLER_GPU.spec} lists no digest for kernel {key}")
+    return {"kernel": file, "entry": entry, "digest": f"sha256:{digests[key]}", **extra}
+
+
+def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
+    """The doppler-gpu conversion config that runs the HF config `hf` in float32, as its own configs are laid out."""
+    model_type = hf.get("model_type")
+    if model_type not in TEMPLATES:
+        raise DopplerParityError(
+            f"model_type {model_type!r}: the doppler-gpu parity lane runs {', '.join(sorted(TEMPLATES))}"
+        )
+    if hf.get("use_sliding_window") and model_type != "gemma3_text":
+        raise DopplerParityError(f"{model_type} with use_sliding_window: not mapped to doppler-gpu's layer pattern")
+    if hf.get("rope_scaling"):
+        raise DopplerParityError(f"rope_scaling {hf['rope_scaling']!r}: not mapped to doppler-gpu's RoPE fields")
+    config = json.loads((package / "src/config/conversion" / TEMPLATES[model_type]).read_text())
+    gemma = model_type in GEMMA_TYPES
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    config["modelType"] = "transformer"
+    config["output"] = {"baseDir": ".", "modelBaseId": model_id, "textOnly": True, "fast": False}
+    config["quantization"] = {"weights": "f32", "embeddings": "f32", "lmHead": "f32", "computePrecision": "f32"}
+    config["manifest"] = {"eosTokenId": eos[0] if isinstance(eos, list) else eos}
+    inference = config["inference"]
+    for key in ("supportsRerank", "rerank"):
+        inference.pop(key, None)
+    inference["attention"].update(
+        queryPreAttnScalar=hf.get("query_pre_attn_scalar", head_dim),
+        attnLogitSoftcapping=hf.get("attn_logit_softcapping"),
+        slidingWindow=hf.get("sliding_window") if gemma else None,
+        queryKeyNorm=model_type != "llama",
+        attentionBias=bool(hf.get("attention_bias", False)),
+    )
+    inference["normalization"].update(
+        rmsNormEps=hf["rms_norm_eps"],
+        rmsNormWeightOffset=gemma,
+        postAttentionNorm=True,
+        preFeedforwardNorm=gemma,
+        postFeedforwardNorm=gemma,
+    )
+    activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    inference["ffn"]["activation"] = "gelu" if activation.startswith("gelu") else activation
+    inference["rope"].update(
+        ropeTheta=hf.get("rope_theta", 10000.0),
+        ropeLocalTheta=hf.get("rope_local_base_freq") if gemma else None,
+    )
+    inference["output"].update(
+        finalLogitSoftcapping=hf.get("final_logit_softcapping"),
+        tieWordEmbeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        scaleEmbeddings=gemma,
+    )
+    layer_types = hf.get("layer_types") if gemma else None
+    inference["layerPattern"].update(
+        type="custom" if layer_types else "uniform",
+        globalPattern=None,
+        period=None,
+        offset=None,
+        layerTypes=layer_types,
+    )
+    inference["chatTemplate"] = {"type": None, "enabled": False}  # the prompt goes in as token ids
+    session = config["session"]
+    session["kvcache"]["kvDtype"] = "f32"
+    session["kvcache"]["maxSeqLen"] = hf.get("max_position_embeddings", 2048)
+    session["decodeLoop"]["batchSize"] = 1
+    _float32_kernels(config["execution"], kernel_digests(package))
+    return config
+
+
+def _float32_kernels(execution: dict, digests: dict[str, str]) -> None:
+    """Point every kernel the step lists use at its float32 counterpart (f32 weights and KV cache)."""
+    kernels = execution["kernels"]
+    roles = {"decode": F32_DECODE_ATTENTION, "prefill": F32_PREFILL_ATTENTION}
+    for phase, attention in roles.items():
+        for step in execution[phase]:
+            if step[0] == "attention":
+                kernels[step[1]] = _kernel(digests, *attention, precision={"kvDtype": "f32"})
+    for key, kernel in kernels.items():
+        if kernel["kernel"].startswith("matmul"):
+            kernels[key] = _kernel(digests, *F32_MATMUL)
+        elif kernel["kernel"].startswith("gather"):
+            kernels[key] = _kernel(digests, *F32_GATHER)
+
+
+def _node() -> str:
+    node = shutil.which("node")
+    if node is None:
+        raise DopplerParityError("node is not installed (Node 20+ runs the JS original)")
+    return node
+
+
+def _run(command: list[str], *, timeout: int, what: str, env: dict[str, str] | None = None, cwd: str | None = None):
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
+        raise DopplerParityError(f"{what} took over {timeout} s") from exc
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
+        raise DopplerParityError(f"{what} failed (exit {done.returncode}): " + " / ".join(tail))
+
+
+def convert(model_dir: Path, out_dir: Path, package: Path | None = None) -> Path:
+    """Convert the HF folder into RDRR with doppler-gpu's converter; returns `out_dir` (manifest.json inside)."""
+    package = package or fetch_package(DOPPLER_GPU)
+    hf = json.loads((model_dir / "config.json").read_text())
+    config = conversion_config(hf, package, model_id=model_dir.name.lower())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "conversion.json"
+    config_path.write_text(json.dumps(config, indent=1))
+    converter = package / "tools/convert-safetensors-node.js"
+    with tempfile.TemporaryDirectory(prefix="doppler-convert-") as scratch:  # it writes reports/ under its cwd
+        command = [_node(), str(converter), str(model_dir), "--config", str(config_path), "--output-dir", str(out_dir)]
+        _run(command, timeout=CONVERT_TIMEOUT_S, what=f"doppler-gpu's converter on {model_dir}", cwd=scratch)
+    if not (out_dir / "manifest.json").exists():
+        raise DopplerParityError(f"doppler-gpu's converter wrote no manifest.json into {out_dir}")
+    return out_dir
+
+
+def node_environment() -> dict[str, str]:
+    """The environment under which the package's loader finds Dawn on SwiftShader."""
+    if not SWIFTSHADER_ICD.is_file():
+        raise DopplerParityError(
+            f"no Vulkan driver Dawn accepts: Chrome's SwiftShader ICD {SWIFTSHADER_ICD} is missing "
+            "(install Debian's chromium, or name another ICD in DOPPLER_DAWN_VK_ICD)"
+        )
+    env = dict(os.environ)
+    env["VK_ICD_FILENAMES"] = str(SWIFTSHADER_ICD)
+    env["DOPPLER_NODE_WEBGPU_MODULE"] = str(fetch_package(WEBGPU))
+    env.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # Dawn's Vulkan loader complains without one
+    return env
+
+
+def run_greedy(rdrr_dir: Path, prompt_ids: list[int], steps: int, package: Path | None = None) -> DopplerRun:
+    """Greedy generation of `steps` tokens after `prompt_ids` in the JS original, with each step's logits."""
+    package = package or fetch_package(DOPPLER_GPU)
+    env = node_environment()
+    with tempfile.TemporaryDirectory(prefix="doppler-run-") as scratch:
+        job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job.write_text(json.dumps({"ids": list(prompt_ids), "steps": steps}))
+        command = [_node(), str(DRIVER), str(package), str(rdrr_dir), str(job), str(out)]
+        _run(command, timeout=RUN_TIMEOUT_S, what="doppler-gpu's generation", env=env)
+        result = json.loads(out.read_text())
+    rows = [np.frombuffer(base64.b64decode(row), dtype=np.float32) for row in result["logits"]]
+    return DopplerRun(tokens=[int(t) for t in result["tokens"]], logits=np.stack(rows), adapter=result["adapter"])
