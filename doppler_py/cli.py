@@ -117,10 +117,17 @@ def format_stats(result) -> str:
     line = f"[{len(result.tokens)} tokens (prompt {result.prompt_tokens}), {result.tokens_per_s:.1f} tok/s"
     if result.speculative is None:
         return line + ", no speculation]"
-    line += (
-        f" | {result.speculative}: {result.accepted}/{result.drafted} drafts accepted "
-        f"({result.acceptance_rate:.0%}), {result.mean_accepted_per_step:.2f} accepted/step"
-    )
+    warming = result.stats.get("warmup_steps", 0)
+    if result.drafted == 0:
+        why = "speculation warming up (pipelines compiling)" if warming else "nothing worth drafting"
+        line += f" | {result.speculative}: {why}, every token a plain step"
+    else:
+        line += (
+            f" | {result.speculative}: {result.accepted}/{result.drafted} drafts accepted "
+            f"({result.acceptance_rate:.0%}), {result.mean_accepted_per_step:.2f} accepted/step"
+        )
+        if warming:
+            line += f", {warming} plain steps while warming up"
     if result.time_saved_s is not None:
         verb = "saved" if result.time_saved_s >= 0 else "lost"
         line += f" | {verb} {abs(result.time_saved_s):.2f} ± {result.time_saved_s_err:.2f} s vs plain decoding"

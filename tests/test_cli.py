@@ -19,11 +19,14 @@ import pytest
 from tokenizers.pre_tokenizers import ByteLevel
 
 from doppler_py import cli
+from doppler_py.api import GenerationResult
 from doppler_py.testing.tiny import write_tiny_model
 
 STATS_LINE = re.compile(
     r"^\[(?P<tokens>\d+) tokens \(prompt (?P<prompt>\d+)\), [\d.]+ tok/s"
-    r"( \| (?P<method>[a-z+-]+): \d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
+    r"( \| (?P<method>[a-z+-]+): (\d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
+    r"(, \d+ plain steps while warming up)?|(speculation warming up \(pipelines compiling\)|nothing worth drafting), "
+    r"every token a plain step)"
     r"( \| (saved|lost) [\d.]+ ± [\d.]+ s vs plain decoding)?|, no speculation)\]$"
 )
 PROMPT = "Tell me about the sea."
@@ -93,6 +96,38 @@ def stats_lines(stderr: str) -> list[re.Match]:
 
 
 # --- generate ----------------------------------------------------------------------------------------------------
+def spec_result(drafted: int, accepted: int, warmup_steps: int) -> GenerationResult:
+    return GenerationResult(
+        text="",
+        tokens=[1] * 12,
+        prompt_tokens=5,
+        finish_reason="length",
+        speculative="auto",
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted_per_step=accepted / 3 if drafted else 0.0,
+        tokens_per_s=20.0,
+        elapsed_s=0.6,
+        time_saved_s=None,
+        stats={"warmup_steps": warmup_steps},
+    )
+
+
+@pytest.mark.parametrize(
+    ("drafted", "accepted", "warmup", "says"),
+    [
+        (0, 0, 12, "auto: speculation warming up (pipelines compiling), every token a plain step"),
+        (0, 0, 0, "auto: nothing worth drafting, every token a plain step"),
+        (6, 4, 2, "auto: 4/6 drafts accepted (67%), 1.33 accepted/step, 2 plain steps while warming up"),
+        (6, 4, 0, "auto: 4/6 drafts accepted (67%), 1.33 accepted/step]"),
+    ],
+)
+def test_stats_line_says_why_nothing_was_drafted(drafted, accepted, warmup, says):
+    line = cli.format_stats(spec_result(drafted, accepted, warmup))
+    assert says in line and STATS_LINE.match(line), line
+
+
 def test_generate_streams_the_text_then_ends_with_one_stats_line(runs):
     run = ok(runs["generate"])
     assert run.stdout.strip(), "no text on stdout"

@@ -324,6 +324,7 @@ class SpeculativeEngine:
                 remaining = max_new_tokens - produced
                 if self.speculative:
                     speculate = self._ready(ctx, first_step=produced == 0)
+                    stats.warmup_steps += not speculate
                     draft_len = self.policy.next_k(remaining) if speculate else 0
                     new = self._measured_step(ctx, draft_len, stats)[:remaining]
                 else:

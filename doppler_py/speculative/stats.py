@@ -20,6 +20,7 @@ class SpecStats:
     drafter: str = ""
     steps: int = 0  # speculative steps (draft + one batched verification)
     plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
+    warmup_steps: int = 0  # of those, steps taken because speculation was not ready yet (pipelines compiling)
     drafted: int = 0
     accepted: int = 0
     generated: int = 0
@@ -88,6 +89,7 @@ class SpecStats:
             "drafter": self.drafter,
             "steps": self.steps,
             "plain_steps": self.plain_steps,
+            "warmup_steps": self.warmup_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "generated": self.generated,

@@ -22,12 +22,17 @@ import numpy as np
 
 from doppler_py.testing import references
 
+FULL_LAYERS_WINDOWED, PREFILL_CLAMPED, DECODE_KEY_ROWS = "full-layers-windowed", "prefill-clamped", "decode-key-rows"
+FINDINGS = (FULL_LAYERS_WINDOWED, PREFILL_CLAMPED, DECODE_KEY_ROWS)
 
-def doppler_attention(prompt_len: int, window: int, ring: bool):
+
+def doppler_attention(prompt_len: int, window: int, ring: bool, findings: tuple[str, ...] = FINDINGS):
     """An attention with `references.attention`'s signature that computes what doppler-gpu computes for a
-    sequence whose first `prompt_len` rows were one prefill and whose later rows were single decode steps."""
+    sequence whose first `prompt_len` rows were one prefill and whose later rows were single decode steps.
+    `findings`: which of the three behaviours to apply (the others are computed as HF computes them), so a
+    test can show that each one is needed."""
     reference = references.attention
-    size = window  # `attend` takes the layer's own window too, and ignores it (finding 1)
+    size = window
 
     def stored_position(row: int, positions: list[int]) -> int:
         if not ring:
@@ -35,17 +40,17 @@ def doppler_attention(prompt_len: int, window: int, ring: bool):
         return next(p for p in positions if p % size == row)
 
     def attend(q, k, v, start_pos, *, window=0, scale=None, softcap=0.0, dtype=np.float64):
+        if not window and FULL_LAYERS_WINDOWED not in findings:
+            return reference(q, k, v, start_pos, scale=scale, softcap=softcap)
         rows = []
         for i in range(len(q)):
-            if i < prompt_len:
-                first = max(prompt_len - size, i - size + 1, 0)
-                key_rows = value_rows = list(range(first, i + 1))
-            else:
-                first = max(0, i + 1 - size)
-                value_rows = list(range(first, i + 1))
-                key_rows = (
-                    value_rows if first == 0 else [stored_position(j, value_rows) for j in range(len(value_rows))]
-                )
+            first = max(0, i + 1 - size)
+            value_rows = list(range(first, i + 1))
+            key_rows = value_rows
+            if i < prompt_len and PREFILL_CLAMPED in findings:
+                key_rows = value_rows = [r for r in value_rows if r >= prompt_len - size]
+            elif i >= prompt_len and first > 0 and DECODE_KEY_ROWS in findings:
+                key_rows = [stored_position(j, value_rows) for j in range(len(value_rows))]
             if not key_rows:
                 rows.append(np.zeros((1, q[i].size)))
                 continue

@@ -23,7 +23,13 @@ from doppler_py.parity.model_parity import DEFAULT_ATOL, run_parity
 from doppler_py.testing import references
 from doppler_py.testing.tiny import TINY_SPECS, config_dict, write_tiny_model
 from tests.parity.conftest import skip_unless_ci
-from tests.parity.doppler_findings import doppler_attention
+from tests.parity.doppler_findings import (
+    DECODE_KEY_ROWS,
+    FINDINGS,
+    FULL_LAYERS_WINDOWED,
+    PREFILL_CLAMPED,
+    doppler_attention,
+)
 
 pytestmark = pytest.mark.parity
 
@@ -96,13 +102,19 @@ def test_gemma3_agrees_while_the_window_covers_the_whole_context(doppler_ready, 
 
 
 @pytest.mark.parametrize(
-    ("spec", "prompt", "ring"),
-    [(GEMMA, PROMPT, False), (GEMMA, LONG_PROMPT, False), (GEMMA_ALL_SLIDING, LONG_PROMPT, True)],
+    ("spec", "prompt", "ring", "needed"),
+    [
+        (GEMMA, PROMPT, False, (FULL_LAYERS_WINDOWED, DECODE_KEY_ROWS)),
+        (GEMMA, LONG_PROMPT, False, FINDINGS),
+        (GEMMA_ALL_SLIDING, LONG_PROMPT, True, (PREFILL_CLAMPED, DECODE_KEY_ROWS)),
+    ],
     ids=["decode-past-window", "prefill-past-window", "ring-cache"],
 )
 def test_gemma3_past_the_window_is_the_diagnosed_doppler_behaviour(
-    doppler_ready, folder, monkeypatch, spec, prompt, ring
+    doppler_ready, folder, monkeypatch, spec, prompt, ring, needed
 ):
+    """Ours matches HF; the JS original matches the numpy model of its three findings, and each finding that
+    can act here is needed for that match (so each one is pinned: a doppler-gpu that changes it fails)."""
     model = folder(spec)
     report = run_parity(model, prompt, STEPS)
     ours_hf = report.pairs[0]
@@ -110,12 +122,18 @@ def test_gemma3_past_the_window_is_the_diagnosed_doppler_behaviour(
     doppler = report.runs["doppler"]
     sequence = prompt + doppler.tokens[:-1]
     config = ModelConfig.from_file(model / "config.json")
-    hf_semantics = references.forward_reference(model, config, sequence)[len(prompt) - 1 :]
-    monkeypatch.setattr(references, "attention", doppler_attention(len(prompt), spec.sliding_window, ring))
-    doppler_semantics = references.forward_reference(model, config, sequence)[len(prompt) - 1 :]
-    np.testing.assert_allclose(doppler.logits, doppler_semantics, atol=DEFAULT_ATOL, rtol=0)
-    # ...and that behaviour is not HF's: the disagreement is real, not a tolerance question.
-    assert np.abs(doppler.logits - hf_semantics).max() > 100 * DEFAULT_ATOL
+
+    def logits_with(findings: tuple[str, ...]) -> np.ndarray:
+        with monkeypatch.context() as patch:
+            patch.setattr(references, "attention", doppler_attention(len(prompt), spec.sliding_window, ring, findings))
+            return references.forward_reference(model, config, sequence)[len(prompt) - 1 :]
+
+    np.testing.assert_allclose(doppler.logits, logits_with(FINDINGS), atol=DEFAULT_ATOL, rtol=0)
+    for finding in needed:
+        without = logits_with(tuple(f for f in FINDINGS if f != finding))
+        assert np.abs(doppler.logits - without).max() > 100 * DEFAULT_ATOL, f"{finding} is not needed here"
+    # ...and with none of them it is HF's forward, which the JS original does not match.
+    assert np.abs(doppler.logits - logits_with(())).max() > 100 * DEFAULT_ATOL
 
 
 def test_cli_prints_every_pair_and_fails_on_a_divergence(doppler_ready, folder, tmp_path, capsys):

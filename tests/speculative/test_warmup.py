@@ -45,6 +45,7 @@ def test_background_warmup_streams_plain_tokens_then_speculates(models):
     finally:
         engine.close()
     assert second.tokens == plain and second.stats.drafted > 0
+    assert first.stats.warmup_steps >= 1 and second.stats.warmup_steps == 0
     assert engine.policy.limit is None and engine.usable_rows == max(engine.verify_rows())
     assert len(calibrated) == 1 and sorted(calibrated[0]) == engine.verify_rows()
     assert all(seconds > 0 for seconds in calibrated[0].values())
