@@ -35,6 +35,7 @@ from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_m
 from doppler_py.speculative.head_files import head_kind
 from doppler_py.speculative.layer_skip import LayerSkipDrafter
 from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
+from doppler_py.speculative.policy import trees_pay
 from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
@@ -237,6 +238,7 @@ class Engine:
         chat: bool | None = None,
         stop: str | Sequence[str] | None = None,
         logprobs: int | None = None,
+        tree: bool | int | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
 
@@ -252,6 +254,12 @@ class Engine:
         computed on the GPU from the rows each step already verified (no extra forward). While streaming,
         `piece_logprobs` holds the entries of the tokens whose text each yielded piece completes (tokens with
         no text of their own, like an end-of-sequence token, come with the last piece or only in the result).
+
+        tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward).
+        None: used when this device's measured verification costs say extra rows are nearly free
+        (`policy.trees_pay`: GPUs, not CPU adapters) and the generation is greedy; True: used; N: used with a
+        node budget of N (k pinned to N); False: chains only. Trees are verified greedily only so far, so
+        True or N with temperature > 0 is refused.
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
@@ -265,6 +273,7 @@ class Engine:
         mode = self._resolve_mode(speculative)
         engine = self.speculative_engine(mode)
         engine.policy.check_k(k)
+        k = use_trees(engine, tree, params, k, logprobs)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         matcher = StopMatcher(stops)
@@ -527,6 +536,43 @@ def load(
 
 
 WARMUP_MODES = ("now", "background")
+TREE_BRANCHES = 4  # continuations a prompt-lookup tree may hold
+
+
+def use_trees(engine: SpeculativeEngine, tree: bool | int | None, params: SamplingParams, k: int | None, logprobs):
+    """Set the engine's prompt-lookup drafter to propose trees or chains for this generation (see `stream`);
+    returns the draft length to pin (a tree's node budget, else `k`)."""
+    # Not inside "auto"'s head + lookup pair: after a tree step no consecutive feature rows are left for a head.
+    lookup = engine.drafter if isinstance(engine.drafter, PromptLookupDrafter) else None
+    if tree is None or tree is False:
+        wanted = (
+            tree is None
+            and lookup is not None
+            and params.greedy
+            and logprobs is None
+            and trees_pay(engine.policy.costs, engine.policy.k_max + 1)
+        )
+    else:
+        if not isinstance(tree, int) or (tree is not True and tree < 2):
+            raise GenerationOptionError(f"tree must be None, True, False or a node budget >= 2, got {tree!r}")
+        if lookup is None:
+            raise GenerationOptionError(
+                f"tree={tree!r} needs prompt-lookup drafts alone (speculative='prompt-lookup'); this generation "
+                f"drafts with {engine.drafter.name!r}"
+            )
+        if not params.greedy:
+            raise GenerationOptionError("token trees are verified greedily only so far: use temperature 0")
+        if logprobs is not None:
+            raise GenerationOptionError("log-probs are not given for token trees: use tree=False with logprobs")
+        if tree is not True:
+            engine.policy.check_k(tree)
+            if k is not None and k != tree:
+                raise GenerationOptionError(f"tree={tree} is a node budget (k = {tree}); it conflicts with k={k}")
+            k = tree
+        wanted = True
+    if lookup is not None:
+        lookup.branches = TREE_BRANCHES if wanted else 1
+    return k
 
 
 def check_warmup(warmup: str) -> None:

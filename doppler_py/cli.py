@@ -70,6 +70,14 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation")
     group.add_argument("--speculative", default="auto", choices=SPECULATIVE_CHOICES, help="drafter (default auto)")
     group.add_argument("--k", type=int, help="pin the draft length (default: adaptive)")
+    group.add_argument(
+        "--tree",
+        type=_tree_option,
+        default=None,
+        metavar="auto|on|off|N",
+        help="token trees of prompt-lookup drafts, greedy only: auto (default: where extra rows are nearly free), "
+        "on, off, or a node budget N",
+    )
     group.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
@@ -78,6 +86,15 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable, up to 4)"
     )
+
+
+def _tree_option(text: str) -> bool | int | None:
+    choices = {"auto": None, "on": True, "off": False}
+    if text in choices:
+        return choices[text]
+    if text.isdigit() and int(text) >= 2:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, on, off or a node budget >= 2, got {text!r}")
 
 
 def _load(args: argparse.Namespace):
@@ -108,6 +125,7 @@ def _generation_options(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "speculative": args.speculative,
         "k": args.k,
+        "tree": args.tree,
         "stop": getattr(args, "stop", None),
     }
 

@@ -29,6 +29,12 @@
 // i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4 HEAD_DIM / 8 away, and both halves use the angles
 // of dims i mod HEAD_DIM / 2).
 //
+// Token trees (tree == 1, speculative verification of a tree proposal): row r sits at position
+// start_pos + depth(r) (its query's RoPE and window) and sees the cached keys before start_pos plus the keys of
+// the rows in its ancestor mask (itself and its ancestors, which come before it); its key and value stay in
+// slot start_pos + r, and a tree key's RoPE and window position is start_pos + its row's depth. Chains
+// (tree == 0) are the special case depth(r) = r, every earlier row an ancestor.
+//
 // Bindings: 0 params (uniform Params), 1 q (read) [rows, q_stride * 4], query heads in the first
 //           n_heads * HEAD_DIM floats of each row (RoPE applied unless rope == 1; the model's fused
 //           [q | k | v] rows, which rope == 1 requires),
@@ -36,12 +42,14 @@
 //           4 out (read_write) [rows, n_heads * HEAD_DIM],
 //           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
 //           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split,
-//           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope == 1).
+//           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope == 1),
+//           8 tree (read) [rows] of (depth, ancestor mask) per row (ops/tree.py; read when tree == 1).
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
 //         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
 //         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
 //         rope (1: RoPE and the cache write inside, as above; 0: q rotated and the caches written before);
-//         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped).
+//         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped);
+//         tree (1: the rows are a token tree laid out in `tree`, as above; 0: consecutive positions).
 // Overrides: HEAD_DIM (a multiple of 16, at most 256); FUSED_ROPE (compile the rope == 1 path).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
@@ -61,6 +69,7 @@ struct Params {
   scale: f32,
   rope: u32,
   softcap: f32,
+  tree: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -71,6 +80,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> part_acc: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> part_stats: array<vec2<f32>>;
 @group(0) @binding(7) var<storage, read> cos_sin: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> tree: array<vec2<u32>>;
 
 override HEAD_DIM: u32 = 64u;
 override FUSED_ROPE: bool = false;
@@ -125,6 +135,14 @@ fn rotated(head: u32, c: u32, pos: u32) -> vec4<f32> {
   return x * cosines + q[head + pair] * sines;
 }
 
+// Position of key j (its slot in the cache): a tree row's is start_pos + its depth.
+fn key_position(j: u32) -> u32 {
+  if (params.tree == 1u && j >= params.start_pos) {
+    return params.start_pos + tree[j - params.start_pos].x;
+  }
+  return j;
+}
+
 // Dims 4c..4c+3 of the query head at q[head..] of the row at position `pos`.
 fn query(head: u32, c: u32, pos: u32) -> vec4<f32> {
   if (FUSED_ROPE && params.rope == 1u) {
@@ -151,7 +169,7 @@ fn new_key_head(j: u32, kv_head: u32) -> u32 {
 // Callers pass a constant `new_key`, so the compiled loops hold no branch on it.
 fn key(j: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
   if (new_key) {
-    return rotated(new_key_head(j, kv_head), c, j);
+    return rotated(new_key_head(j, kv_head), c, key_position(j));
   }
   return k_cache[(j * params.n_kv_heads + kv_head) * (HEAD_DIM / 4u) + c];
 }
@@ -171,6 +189,7 @@ struct Lane {
   q3: mat4x4<f32>,
   limit: vec4<u32>,
   lower: vec4<u32>,
+  ancestors: vec4<u32>,
   kv_head: u32,
   slice: u32,
   t: u32,
@@ -211,7 +230,12 @@ fn attend(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_ke
         if (params.softcap > 0.0) {
           s = soft_cap(s, params.softcap);
         }
-        let visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(j) >= lane.lower);
+        var visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(j) >= lane.lower);
+        if (params.tree == 1u && j >= params.start_pos) {
+          let row = j - params.start_pos;
+          let ancestor = ((lane.ancestors >> vec4<u32>(row)) & vec4<u32>(1u)) != vec4<u32>(0u);
+          visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(key_position(j)) >= lane.lower) & ancestor;
+        }
         let m = max(st.m, select(vec4<f32>(NEG), s, visible));
         let rescale = exp(st.m - m);
         let p = select(vec4<f32>(0.0), exp(s - m), visible);
@@ -306,8 +330,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
   // The workgroup's last pair sits on its latest row, which bounds the keys any of its lanes needs.
   let last_pair = min(n_pairs, 4u * (wid.x + 1u) * blocks_per_wg) - 1u;
-  // Its first pair sits on its earliest row: keys before that row's window are masked for every lane.
-  let first_pos = params.start_pos + (4u * wid.x * blocks_per_wg) / group;
+  // Its first pair sits on its earliest row: keys before that row's window are masked for every lane (a
+  // tree row may sit as early as start_pos + 1, whatever its index).
+  var first_pos = params.start_pos + (4u * wid.x * blocks_per_wg) / group;
+  if (params.tree == 1u) {
+    first_pos = params.start_pos;
+  }
   var window_begin = 0u;
   if (params.window > 0u && first_pos + 1u > params.window) {
     window_begin = first_pos + 1u - params.window;
@@ -323,10 +351,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   }
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
-  // lower[c] <= j < limit[c]. An empty slot (past the last pair) keeps limit 0 and reads pair 0's query
-  // harmlessly.
+  // lower[c] <= j < limit[c] (for a tree key: its position >= lower[c] and its row among ancestors[c]). An
+  // empty slot (past the last pair) keeps limit 0 and reads pair 0's query harmlessly.
   var limit = vec4<u32>(0u);
   var lower = vec4<u32>(0u);
+  var ancestors = vec4<u32>(0u);
   var row_head = vec4<u32>(0u);
   var q_head = vec4<u32>(0u);
   var q_pos = vec4<u32>(0u);
@@ -334,17 +363,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let pair = 4u * block + c;
     if (has_block && pair < n_pairs) {
       let head = kv_head * group + pair % group;
-      q_pos[c] = params.start_pos + pair / group;
-      limit[c] = q_pos[c] + 1u;
-      if (params.window > 0u && limit[c] > params.window) {
-        lower[c] = limit[c] - params.window;
+      let row = pair / group;
+      q_pos[c] = params.start_pos + row;
+      if (params.tree == 1u) {
+        q_pos[c] = params.start_pos + tree[row].x;
+        ancestors[c] = tree[row].y;
+      }
+      limit[c] = params.start_pos + row + 1u;  // slots up to the row's own (a tree's ancestors come before it)
+      if (params.window > 0u && q_pos[c] + 1u > params.window) {
+        lower[c] = q_pos[c] + 1u - params.window;
       }
       row_head[c] = (pair / group) * params.n_heads + head;
       q_head[c] = (pair / group) * params.q_stride + head * hd4;
     }
   }
-  var lane = Lane(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), limit, lower, kv_head, slice, t,
-                  lane_group, key_lane, has_block);
+  var lane = Lane(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), limit, lower, ancestors, kv_head,
+                  slice, t, lane_group, key_lane, has_block);
   if (has_block) {
     lane.q0 = query_slice(q_head, 4u * slice, q_pos, params.scale);
     lane.q1 = query_slice(q_head, 4u * slice + 1u, q_pos, params.scale);

@@ -41,9 +41,11 @@ from doppler_py.model.loader import LayerWeights, ModelWeights
 from doppler_py.ops.attention import Attention
 from doppler_py.ops.elementwise import LogitSoftCap
 from doppler_py.ops.embedding import Embedding
+from doppler_py.ops.kv_compact import KVCompact
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
 from doppler_py.ops.rope import rope_table
+from doppler_py.ops.tree import MAX_TREE_ROWS
 
 LOGITS_MODES = ("last", "all", "none")
 
@@ -102,6 +104,7 @@ class Transformer:
         ffn, vocab = cfg.intermediate_size, cfg.vocab_size
 
         self.ids = Tensor.empty(gpu, max_rows, "u32", "ids")
+        self.tree = Tensor.empty(gpu, (MAX_TREE_ROWS, 2), "u32", "tree layout")  # ops/tree.py; `tree=True` calls
         self.x = Tensor.empty(gpu, (max_rows, h), "f32", "x")
         self.xn = Tensor.empty(gpu, (max_rows, h), "f32", "xn")
         # A sub-block's output before its norm and residual add (Gemma); without those norms, nothing uses it.
@@ -143,6 +146,7 @@ class Transformer:
                 registry, self.logits, vocab=vocab, max_rows=self.max_logit_rows, cap=cfg.final_logit_softcapping
             )
         self._cache_ops: dict[int, tuple[KVCache, list[Attention]]] = {}
+        self._compactors: dict[int, tuple[KVCache, KVCompact]] = {}
         # The first layer of each attention window (0: full attention): all layers of one window share their
         # attention uniforms' values in a call.
         self._window_layers: dict[int, int] = {}
@@ -233,6 +237,7 @@ class Transformer:
                     scale=cfg.attention_scale,
                     rope=self.rope_tables[_rope_key(*self.layer_rope[i])],
                     softcap=cfg.attn_logit_softcapping or 0.0,
+                    tree=self.tree,
                 )
                 for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True))
             ]
@@ -240,6 +245,22 @@ class Transformer:
             self._cache_ops[id(cache)] = entry
             self._drop_tapes(cache)  # a cache that was not released may have left tapes under the same id
         return entry[1]
+
+    def compact(self, rec: Recorder, cache: KVCache, start_pos: int, moves: Sequence[tuple[int, int]]) -> None:
+        """Record a token tree's compaction in every layer of `cache`: (source row, destination row) moves
+        relative to start_pos (`ops.tree.compaction_moves`); nothing when there are none."""
+        if not moves:
+            return
+        entry = self._compactors.get(id(cache))
+        if entry is None or entry[0] is not cache:
+            cfg = self.config
+            op = KVCompact(
+                self.registry,
+                list(zip(cache.keys, cache.values, strict=True)),
+                row_floats=cfg.num_key_value_heads * cfg.head_dim,
+            )
+            entry = self._compactors[id(cache)] = (cache, op)
+        entry[1].record(rec, start_pos, moves)
 
     def _drop_tapes(self, cache: KVCache) -> None:
         self._tapes = {key: tape for key, tape in self._tapes.items() if key[0] != id(cache)}
@@ -251,6 +272,9 @@ class Transformer:
         if entry is not None and entry[0] is cache:
             for op in entry[1]:
                 op.release(self.registry)
+        compactor = self._compactors.pop(id(cache), None)
+        if compactor is not None and compactor[0] is cache:
+            compactor[1].release(self.registry)
         for t in cache.keys + cache.values:
             self.registry.forget_buffer(t.buffer)
         cache.close()
@@ -284,6 +308,7 @@ class Transformer:
         logits: str = "last",
         num_layers: int | None = None,
         embedded: bool = False,
+        tree: bool = False,
     ) -> None:
         """Record one forward over `rows` tokens whose ids are already in `self.ids`.
 
@@ -291,6 +316,8 @@ class Transformer:
         the logits of the last row (or of all rows) into `self.logits`. `num_layers` runs only the first
         layers (layer-skip drafting) before the final norm and head. `embedded`: the caller already wrote the
         layer input into `self.x` (an EAGLE head, whose input mixes a token's embedding with a feature).
+        `tree`: the rows are a token tree whose layout is in `self.tree` (ops/tree.py): row r at position
+        start_pos + depth(r), seeing its ancestors; its K/V still go to slot start_pos + r.
         """
         if not 1 <= rows <= self.max_rows:
             raise CapacityError(f"a forward takes 1..{self.max_rows} tokens, got {rows}")
@@ -300,7 +327,7 @@ class Transformer:
         attention = self.attention_ops(cache)
         key = None
         if rec.can_play_tapes:
-            calls = {window: attention[i].call(rows, start_pos) for window, i in self._window_layers.items()}
+            calls = {window: attention[i].call(rows, start_pos, tree=tree) for window, i in self._window_layers.items()}
             grids = tuple((window, grid) for window, (_, grid) in calls.items())
             key = (id(cache), rows, logits, num_layers, embedded, rec.phase, grids)
             played = self._tapes.get(key)
@@ -315,7 +342,7 @@ class Transformer:
                 return
             rec.capture()
         try:
-            positioned = self._record_layers(rec, rows, start_pos, attention, logits, num_layers, embedded)
+            positioned = self._record_layers(rec, rows, start_pos, attention, logits, num_layers, embedded, tree)
         finally:
             tape = rec.end_capture() if key is not None else None
         cache.advance_to(max(cache.length, start_pos + rows))
@@ -333,6 +360,7 @@ class Transformer:
         logits: str,
         num_layers: int | None,
         embedded: bool,
+        tree: bool = False,
     ) -> dict[tuple[int, str], list[UniformSlot]]:
         """Record the forward's dispatches; returns the uniform slots whose values depend on the positions (those
         of the attention and rope dispatches), per attention window and kind of slot (`Attention.call`)."""
@@ -344,7 +372,7 @@ class Transformer:
             if layer.qk_norm:
                 layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
             # attention: q, k rotated (RoPE); k, v → cache; attn = softmax(q·K)·V
-            for kind, slot in attention[i].record(rec, rows=rows, start_pos=start_pos):
+            for kind, slot in attention[i].record(rec, rows=rows, start_pos=start_pos, tree=tree):
                 positioned.setdefault((attention[i].window, kind), []).append(slot)
             layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
             if layer.post_attn:
@@ -415,7 +443,7 @@ class Transformer:
         if self.closed:
             return
         self.registry.release_tensors(
-            self.ids, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
+            self.ids, self.tree, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
             self.xn_head, self.logits, *self.rope_tables.values(),
         )  # fmt: skip
         self.closed = True

@@ -25,6 +25,7 @@ from doppler_py.errors import DeviceLimitError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.rope import RoPE
+from doppler_py.ops.tree import MAX_TREE_ROWS
 
 LANES = 64  # invocations per workgroup in attention.wgsl
 STEP = 8  # keys a lane group scores per step
@@ -62,6 +63,10 @@ class Attention:
     stride (n_heads + 2 * n_kv_heads) * head_dim) before RoPE, and the op rotates q and k and writes the rows'
     keys and values to the caches itself (module docstring): the caches need only hold positions before
     start_pos. `softcap` > 0 caps every score s (scaled) at softcap * tanh(s / softcap) (Gemma 2).
+
+    `tree`: a u32 tensor of at least 2 * MAX_TREE_ROWS elements holding a token tree's layout
+    (`ops.tree.layout_words`); calls with `tree=True` read it (rows at start_pos + depth, each seeing
+    its ancestors; see shaders/attention.wgsl).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Attention:
         rope: Tensor | None = None,
         softcap: float = 0.0,
         fuse_rope: bool | None = None,
+        tree: Tensor | None = None,
     ):
         width = n_heads * head_dim
         qkv_width = width + 2 * n_kv_heads * head_dim
@@ -134,6 +140,7 @@ class Attention:
                 head_dim=head_dim,
                 max_seq=max_seq,
                 max_rows=max_rows,
+                tree=tree,
             )
 
         split_rows = min(max_rows, SPLIT_MAX_ROWS)
@@ -156,7 +163,9 @@ class Attention:
             part_acc=self.part_acc,
             part_stats=self.part_stats,
             cos_sin=rope if rope is not None else registry.placeholder(4),
+            tree=tree if tree is not None else registry.placeholder(2 * MAX_TREE_ROWS),
         )
+        self.has_tree = tree is not None
         self.params = self.bound.params
         self.reduce = registry.bind(
             registry.kernel("attention_reduce", HEAD_DIM=head_dim),
@@ -196,12 +205,14 @@ class Attention:
         return key_lanes, split_len, workgroups(context, split_len)
 
     def call(
-        self, rows: int, start_pos: int, splits: int | None = None
+        self, rows: int, start_pos: int, splits: int | None = None, *, tree: bool = False
     ) -> tuple[dict[str, dict], tuple[int, int, int]]:
         """What a call sets, per kind of uniform slot its dispatches use ("attention", and "rope" when a rope.wgsl
         dispatch goes first), and the attention dispatch's grid (`record` records the call)."""
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"rows={rows} must be in 1..{self.max_rows}")
+        if tree and not (self.has_tree and rows <= MAX_TREE_ROWS):
+            raise ValueError(f"a tree call needs the op's tree layout tensor and rows <= {MAX_TREE_ROWS}, got {rows}")
         if start_pos < 0 or start_pos + rows > self.max_seq:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
         key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
@@ -214,25 +225,27 @@ class Attention:
                 "split_len": split_len,
                 "n_splits": n_splits,
                 "rope": int(fused),
+                "tree": int(tree),
             }
         }
         if self.rope is not None and not fused:
-            values["rope"] = {"start_pos": start_pos}
+            values["rope"] = {"start_pos": start_pos, "tree": int(tree)}
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
         return values, (workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
 
     def record(
-        self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None
+        self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None, tree: bool = False
     ) -> list[tuple[str, UniformSlot]]:
         """Record attention for `rows` queries at positions start_pos..start_pos+rows-1; returns the uniform slots
         the dispatches used (the ops' own, or in a phase their copies), each with its kind as in `call`.
 
-        `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose.
+        `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose. `tree`: the
+        rows are the token tree laid out in the op's tree tensor.
         """
-        values, grid = self.call(rows, start_pos, splits)
+        values, grid = self.call(rows, start_pos, splits, tree=tree)
         used = []
         if "rope" in values:
-            used.append(("rope", self.rope.record(rec, rows, start_pos)))
+            used.append(("rope", self.rope.record(rec, rows, start_pos, tree=tree)))
         self.params.set(**values["attention"])
         used.append(("attention", rec.dispatch(self.bound, *grid).params))
         if grid[2] > 1:

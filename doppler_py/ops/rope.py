@@ -19,6 +19,7 @@ from doppler_py.errors import UnsupportedModelError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import require_f32, require_rows
+from doppler_py.ops.tree import MAX_TREE_ROWS
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -99,7 +100,9 @@ class RoPE:
     row t is the token at position start_pos + t. One dispatch rotates the q heads in place, writes the rotated
     k heads to `k_cache` and copies the v heads to `v_cache` (caches [max_seq, n_kv_heads, head_dim]); qkv's
     k and v sections are left as they are. `cos_sin` is a `rope_table` uploaded as a tensor. A row at a
-    position past the table or >= max_seq writes nothing (the caller checks capacity)."""
+    position past the table or >= max_seq writes nothing (the caller checks capacity). `tree`: a token tree's
+    layout (u32, `ops.tree.layout_words`); calls with `tree=True` rotate row t for position
+    start_pos + depth(t) and still write slot start_pos + t."""
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class RoPE:
         head_dim: int,
         max_seq: int,
         max_rows: int,
+        tree: Tensor | None = None,
     ):
         if head_dim <= 0 or head_dim % 2:
             raise ValueError(f"RoPE: head_dim must be positive and even, got {head_dim}")
@@ -133,19 +137,29 @@ class RoPE:
             "n_kv_heads": n_kv_heads,
             "half": half,
             "pos_limit": min(cos_sin.numel // (2 * half), max_seq),
+            "tree": 0,
         }
+        self.has_tree = tree is not None
         self.bound = registry.bind(
-            registry.kernel("rope"), params=params, cos_sin=cos_sin, qkv=qkv, k_cache=k_cache, v_cache=v_cache
+            registry.kernel("rope"),
+            params=params,
+            cos_sin=cos_sin,
+            qkv=qkv,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            tree=tree if tree is not None else registry.placeholder(2 * MAX_TREE_ROWS),
         )
 
     def release(self, registry: KernelRegistry) -> None:
         """Give back the op's uniform slot (its tensors belong to the caller)."""
         registry.release_slot(self.bound.params)
 
-    def record(self, rec: Recorder, rows: int, start_pos: int) -> UniformSlot:
+    def record(self, rec: Recorder, rows: int, start_pos: int, *, tree: bool = False) -> UniformSlot:
         """Record the call; returns the uniform slot it used (the op's own, or its phase copy)."""
         require_rows(rows, self.max_rows, "RoPE")
         if start_pos < 0:
             raise ValueError(f"RoPE: start_pos must be >= 0, got {start_pos}")
-        self.bound.params.set(start_pos=start_pos)
+        if tree and not (self.has_tree and rows <= MAX_TREE_ROWS):
+            raise ValueError(f"RoPE: a tree call needs the op's tree layout tensor and rows <= {MAX_TREE_ROWS}")
+        self.bound.params.set(start_pos=start_pos, tree=int(tree))
         return rec.dispatch(self.bound, workgroups(self.n_pairs, 64), rows).params

@@ -76,7 +76,12 @@ class StatsWithSpeedup(Stats):
 
 
 class SpeculativeDecoder:
-    """Draft-then-verify decoding over two host-side models, token for token as the JS original does it."""
+    """Draft-then-verify decoding over two host-side models, token for token as the JS original does it.
+
+    `enable_tree_draft` is kept exactly as the original keeps it: stored and reported, with no effect on
+    decoding (the original has the flag and no tree implementation). Token trees for real are the engine's
+    (`doppler_py.speculative.engine`, `ops/tree.py`), not this port's.
+    """
 
     def __init__(
         self,

@@ -67,8 +67,9 @@ class Proposal:
     draft_logits    f32 [>= n, target vocab] on the GPU: row i is the logits d_i was sampled from, at the same
                     temperature/top-k/top-p as the target (the verifier filters both alike); None when the
                     proposal is deterministic (q is one-hot at each d_i, e.g. n-gram lookup or a greedy draft)
-    parents         the tree shape, one parent index per node (-1: the last committed token); None is a chain
-                    (node i's parent is i-1). Only chains are verified today.
+    parents         the tree shape, one parent index per node (-1: the last committed token), each before its
+                    children; None is a chain (node i's parent is i-1). A tree (`ops/tree.py`) is verified
+                    greedily only, from host tokens; after a tree step ctx.hidden_rows is 0.
     """
 
     count: int

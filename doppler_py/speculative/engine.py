@@ -18,6 +18,11 @@ a target token is chosen.
 Random numbers come from the seeded mulberry32 stream in a fixed order per step: one per GPU-sampled draft
 token while drafting (the drafter draws them), then n accept draws and one final draw uploaded with the
 verification. The same seed therefore reproduces the same tokens.
+
+Token trees (a proposal with `parents`, `ops/tree.py`): the forward runs the n + 1 tree rows at once, each
+seeing the cache and its own ancestors; `ops.tree_verify` walks the tree greedily on the GPU (one readback),
+the accepted path's K/V are moved into place (`ops.kv_compact`, no readback) and the cache truncated. Trees
+are verified greedily only so far: a sampled generation gets a clear error, not an approximation.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import LogProbs, check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS, STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
+from doppler_py.ops.tree import MAX_TREE_ROWS, check_parents, compaction_moves, is_chain, layout_words
+from doppler_py.ops.tree_verify import TreeVerify, result_words
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
@@ -65,6 +72,7 @@ class StepOutcome:
     drafted: int
     accepted: int
     on_gpu: bool  # the drafts came from GPU work (else from the host)
+    tree: bool = False  # the drafts were a token tree
 
 
 class SpeculativeEngine:
@@ -93,6 +101,8 @@ class SpeculativeEngine:
         self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
         # One verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
         self._verifiers: dict[int | None, tuple[Tensor | None, _Verifier]] = {}
+        self._tree_verify: TreeVerify | None = None  # made for the first token tree
+        self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
         self.clock = StepClock(gpu)
         self.logprobs: int | None = None  # top alternatives per token while a generation asks for log-probs
         self.last_logprobs = None  # the last step's committed tokens' TokenLogprobs (None when not asked)
@@ -198,6 +208,8 @@ class SpeculativeEngine:
         pos = len(ctx.tokens) - 1  # the last committed token's position: its K/V are written now
         proposal = self.drafter.propose(ctx, k) if k else NO_PROPOSAL
         n = self._check(proposal, k)
+        if proposal.parents is not None and not is_chain(proposal.parents):
+            return self._tree_step(ctx, proposal, n, pos)
         self.clock.drafted()
         # u: one accept draw per draft, then the final draw (the residual, the bonus token, or a plain sample).
         u = np.array([ctx.rng.random() for _ in range(n + 1)], dtype=np.float32)
@@ -233,9 +245,65 @@ class SpeculativeEngine:
         n = proposal.count
         if not 0 <= n <= k:
             raise InternalError(f"drafter {self.drafter.name!r} proposed {n} tokens when asked for at most {k}")
-        if proposal.parents is not None and list(proposal.parents) != list(range(-1, n - 1)):
-            raise GenerationOptionError(f"drafter {self.drafter.name!r} proposed a tree; only chains are verified")
+        if proposal.parents is not None:
+            check_parents(proposal.parents, n)
         return n
+
+    def _tree_step(self, ctx: StepContext, proposal: Proposal, n: int, pos: int) -> StepOutcome:
+        """`step` for a token tree: one forward over its rows, the greedy walk on the GPU, one readback, then the
+        accepted path's K/V moved into place."""
+        name = self.drafter.name
+        if not ctx.params.greedy:
+            raise GenerationOptionError(
+                f"drafter {name!r} proposed a token tree, and trees are verified greedily (temperature 0) only so "
+                "far; use temperature 0 or a drafter without trees"
+            )
+        if self.logprobs is not None:
+            raise GenerationOptionError(f"drafter {name!r} proposed a token tree; log-probs are not given for trees")
+        if proposal.on_gpu:
+            raise InternalError(f"drafter {name!r} proposed a tree on the GPU; tree tokens come from the host so far")
+        target, cache = self.target, ctx.target_cache
+        self.clock.drafted()
+        rows = n + 1
+        self.spec_tokens.view((rows,)).write(np.array([ctx.tokens[-1], *proposal.tokens], np.uint32))
+        target.tree.view((rows, 2)).write(layout_words(proposal.parents))
+        rec = self.registry.recorder()
+        self.clock.stamp_verify(rec, done=False)
+        rec.copy(self.spec_tokens, target.ids, 4 * rows)
+        target.record_forward(rec, rows, cache, pos, logits="all", tree=True)
+        self._tree_verifier().record(rec, rows)
+        self.clock.stamp_verify(rec, done=True)
+        rec.submit()
+        words = np.frombuffer(
+            self.registry.gpu.queue.read_buffer(self.tree_result.buffer, 0, 4 * result_words(rows)), np.uint32
+        ).tolist()
+        accepted, final, status = words[:3]
+        check_status(status, pos, n)
+        path_tokens, path = words[3 : 3 + 2 * accepted : 2], words[4 : 4 + 2 * accepted : 2]
+        moves = compaction_moves(path)
+        if moves:
+            rec = self.registry.recorder()
+            target.compact(rec, cache, pos, moves)
+            rec.submit()
+        cache.truncate(pos + 1 + accepted)
+        new = [*path_tokens, final]
+        ctx.tokens.extend(new)
+        ctx.hidden_rows = 0  # the kept rows are not consecutive rows of the target's activations
+        self.drafter.commit(ctx, accepted)
+        return StepOutcome(new, n, accepted, False, tree=True)
+
+    def _tree_verifier(self) -> TreeVerify:
+        if self._tree_verify is None:
+            target = self.target
+            self._tree_verify = TreeVerify(
+                self.registry,
+                target.logits,
+                self.spec_tokens,
+                target.tree,
+                self.tree_result,
+                vocab=target.config.vocab_size,
+            )
+        return self._tree_verify
 
     def _verifier(self, draft_logits: Tensor | None) -> _Verifier:
         key = None if draft_logits is None else id(draft_logits.buffer)
@@ -409,6 +477,7 @@ class SpeculativeEngine:
         outcome = self.step(ctx, k)
         times = self.clock.stop()
         stats.record(outcome.drafted, outcome.accepted, times)
+        stats.tree_steps += outcome.tree
         costs = self.policy.costs
         if outcome.drafted == 0:
             costs.observe_verify(1, times.total_s)
@@ -479,7 +548,11 @@ class SpeculativeEngine:
             verifier.op.release(self.registry)
         if self._logprob_op is not None:
             self._logprob_op.release(self.registry)
-        self.registry.release_tensors(self.spec_tokens, self.randoms, self.result, self.batch_randoms, self.batch_out)
+        if self._tree_verify is not None:
+            self._tree_verify.release(self.registry)
+        self.registry.release_tensors(
+            self.spec_tokens, self.randoms, self.result, self.batch_randoms, self.batch_out, self.tree_result
+        )
         self.clock.close()
         self.closed = True
 

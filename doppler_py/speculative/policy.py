@@ -74,6 +74,19 @@ class CostModel:
         return expected_tokens(alpha, k) * plain / step
 
 
+# Token trees spend verified rows on side branches instead of a longer chain. That pays where extra rows are
+# nearly free (a GPU verifies T rows in about the time of one); on a CPU adapter the cost grows with the rows
+# and the rows are better spent on the chain. Trees are used when verifying `rows` rows measured at most this
+# many plain steps.
+TREE_COST_RATIO = 1.5
+
+
+def trees_pay(costs: CostModel, rows: int) -> bool:
+    """Whether this device's measured costs make a tree of rows - 1 nodes worth proposing (False unmeasured)."""
+    plain, wide = costs.verify_cost(1), costs.verify_cost(rows)
+    return plain is not None and wide is not None and wide <= TREE_COST_RATIO * plain
+
+
 @dataclass
 class DraftLengthPolicy:
     """Chooses each step's draft length within `capacity` (the engine's buffers); costs persist across runs."""

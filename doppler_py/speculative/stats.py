@@ -19,6 +19,7 @@ class SpecStats:
 
     drafter: str = ""
     steps: int = 0  # speculative steps (draft + one batched verification)
+    tree_steps: int = 0  # of those, steps that verified a token tree (drafted counts its nodes)
     plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
     warmup_steps: int = 0  # of those, steps taken because speculation was not ready yet (pipelines compiling)
     drafted: int = 0
@@ -88,6 +89,7 @@ class SpecStats:
         return {
             "drafter": self.drafter,
             "steps": self.steps,
+            "tree_steps": self.tree_steps,
             "plain_steps": self.plain_steps,
             "warmup_steps": self.warmup_steps,
             "drafted": self.drafted,

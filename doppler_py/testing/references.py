@@ -168,6 +168,38 @@ def attention(
     return out.transpose(2, 0, 1, 3).reshape(rows, _width(q))
 
 
+def tree_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start_pos: int,
+    parents: Sequence[int],
+    *,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+) -> np.ndarray:
+    """Attention of a token tree's rows (row 0 the root, row i + 1 node i with parent row parents[i] + 1).
+
+    Row r sits at position p = start_pos + depth(r) and sees the keys at positions j < start_pos (within the
+    window: j > p - window) and those of its own ancestor rows and itself, whose keys are in k, v at slot
+    start_pos + row (the same window test on their positions start_pos + depth). Returns [rows, n_heads * hd].
+    """
+    depths = [0]
+    ancestors: list[set[int]] = [{0}]
+    for i, parent in enumerate(parents):
+        depths.append(depths[parent + 1] + 1)
+        ancestors.append(ancestors[parent + 1] | {i + 1})
+    out = []
+    for row in range(len(parents) + 1):
+        p = start_pos + depths[row]
+        lowest = p - window + 1 if window else 0
+        seen = [j for j in range(max(0, lowest), start_pos)]
+        seen += [start_pos + a for a in sorted(ancestors[row]) if start_pos + depths[a] >= lowest]
+        out.append(attention(q[row : row + 1], k[seen], v[seen], len(seen) - 1, scale=scale, softcap=softcap))
+    return np.concatenate(out)
+
+
 # -- the whole model -----------------------------------------------------------------------------------------
 def load_tensors(folder: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of a HF folder's *.safetensors files (one file, or the shards of an index)."""

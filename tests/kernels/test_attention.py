@@ -17,8 +17,9 @@ from doppler_py.errors import DeviceLimitError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.attention import STEP, Attention
 from doppler_py.ops.rope import rope_table
+from doppler_py.ops.tree import MAX_TREE_ROWS, layout_words, row_depths
 from doppler_py.testing import references
-from doppler_py.testing.references import attention
+from doppler_py.testing.references import attention, tree_attention
 
 TOLERANCE = 1e-5
 SMOLLM2 = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
@@ -289,6 +290,7 @@ class RopeCase:
     def __init__(
         self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, window=0, fuse_rope=True
     ):
+        self.tree = Tensor.empty(gpu, (MAX_TREE_ROWS, 2), "u32")
         self.shape = (n_heads, n_kv_heads, head_dim)
         self.q_size, self.kv_size = n_heads * head_dim, n_kv_heads * head_dim
         self.window, self.rng, self.max_rows = window, rng, max_rows
@@ -312,28 +314,38 @@ class RopeCase:
             window=window,
             rope=Tensor.from_numpy(gpu, self.table),
             fuse_rope=fuse_rope,
+            tree=self.tree,
         )
 
     def rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return references.rope(x, self.table[positions, :, 0], self.table[positions, :, 1]).astype(np.float32)
 
-    def run_and_check(self, registry, rows: int, start_pos: int, splits: int | None = None) -> None:
+    def run_and_check(
+        self, registry, rows: int, start_pos: int, splits: int | None = None, parents: list[int] | None = None
+    ) -> None:
+        """`parents`: the rows are a token tree of rows - 1 nodes (ops/tree.py), else a chain."""
         qkv = self.rng.standard_normal((self.max_rows, self.q_size + 2 * self.kv_size)).astype(np.float32)
         k_cache, v_cache = self.k.copy(), self.v.copy()
         k_cache[start_pos:], v_cache[start_pos:] = self.K_FILL, self.V_FILL
         for tensor, data in ((self.qkv, qkv), (self.tk, k_cache), (self.tv, v_cache)):
             tensor.write(data)
+        if parents is not None:
+            self.tree.view((rows, 2)).write(layout_words(parents))
         rec = registry.recorder()
-        self.op.record(rec, rows, start_pos, splits=splits)
+        self.op.record(rec, rows, start_pos, splits=splits, tree=parents is not None)
         rec.submit()
 
-        positions = np.arange(start_pos, start_pos + rows)
+        slots = np.arange(start_pos, start_pos + rows)
+        positions = slots if parents is None else start_pos + np.array(row_depths(parents))
         q = self.rotate(qkv[:rows, : self.q_size], positions)
         new_k = self.rotate(qkv[:rows, self.q_size : self.q_size + self.kv_size], positions)
         new_v = qkv[:rows, self.q_size + self.kv_size :]
-        k_cache[positions] = new_k.reshape(rows, *self.k.shape[1:])
-        v_cache[positions] = new_v.reshape(rows, *self.v.shape[1:])
-        expected = attention(q, k_cache, v_cache, start_pos, window=self.window)
+        k_cache[slots] = new_k.reshape(rows, *self.k.shape[1:])
+        v_cache[slots] = new_v.reshape(rows, *self.v.shape[1:])
+        if parents is None:
+            expected = attention(q, k_cache, v_cache, start_pos, window=self.window)
+        else:
+            expected = tree_attention(q, k_cache, v_cache, start_pos, parents, window=self.window)
         got = self.out.numpy()[:rows]
         np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE * np.abs(v_cache[: start_pos + rows]).max())
         # The caches: the rows' keys rotated (test_rope.py's tolerance), values copied, nothing else written.
@@ -419,3 +431,46 @@ def test_scores_are_soft_capped(gpu, registry, rng, softcap):
         case.check(got, rows, start_pos)
     uncapped = attention(case.q[:1], case.k, case.v, 300, window=50)
     assert np.abs(case.expected(1, 300) - uncapped).max() > 1e-2, "the cap must change the result"
+
+
+# -- token trees (tree=True) ---------------------------------------------------------------------------------
+TREES = {
+    "chain": [-1, 0, 1, 2],
+    "star": [-1, -1, -1, -1, -1],
+    "two-branches": [-1, 0, 1, -1, 3, 0, 5],
+    "deep-and-wide": [-1, 0, 0, 1, 1, 2, 5, 6, -1, 8, 9, 3, 11, 12, 4],
+}
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "rope-dispatch"])
+@pytest.mark.parametrize(("start_pos", "splits"), [(0, None), (37, None), (290, 3)], ids=["empty", "mid", "split"])
+def test_tree_rows_see_the_cache_and_their_ancestors_only(gpu, registry, rng, tree, fuse, start_pos, splits):
+    """Each tree row attends at start_pos + its depth to the cache and its own ancestors; its key is rotated for
+    that position and written to slot start_pos + row (ops/tree.py's layout)."""
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=MAX_TREE_ROWS, fuse_rope=fuse)
+    parents = TREES[tree]
+    case.run_and_check(registry, len(parents) + 1, start_pos, splits, parents=parents)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_tree_rows_keep_the_window_by_depth(gpu, registry, rng, window):
+    """A sliding window counts a tree key's depth, not its row: deep rows lose the root's oldest keys."""
+    for fuse in (True, False):
+        case = RopeCase(
+            gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=MAX_TREE_ROWS, window=window, fuse_rope=fuse
+        )
+        for start_pos in (2, 40):
+            case.run_and_check(registry, 16, start_pos, parents=TREES["deep-and-wide"])
+
+
+def test_a_chain_laid_out_as_a_tree_is_the_plain_call(gpu, registry, rng):
+    case = RopeCase(gpu, registry, rng, n_heads=6, n_kv_heads=1, head_dim=16, max_seq=64, max_rows=8)
+    case.run_and_check(registry, 5, 20, parents=TREES["chain"])
+    case.run_and_check(registry, 5, 20)
+
+
+def test_tree_calls_need_the_layout_tensor(gpu, registry, rng):
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4)
+    with pytest.raises(ValueError, match="tree layout tensor"):
+        case.op.record(registry.recorder(), 3, 5, tree=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from doppler_py.errors import GenerationOptionError, InternalError
+from doppler_py.errors import InternalError
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import NO_PROPOSAL, Proposal, SpeculativeEngine, StepContext
 from doppler_py.testing.decode import reference_decode
@@ -90,12 +90,16 @@ def test_a_proposal_longer_than_asked_is_an_internal_error(models, continuation)
     engine.close()
 
 
-def test_a_branching_tree_is_refused_until_trees_are_verified(models, continuation):
+@pytest.mark.parametrize(
+    ("parents", "error"),
+    [([-1, 1], "parents must come before their children"), ([-1], "2 nodes came with 1 parent")],
+)
+def test_a_malformed_tree_is_refused(models, continuation, parents, error):
     class Tree(OracleDrafter):
         def propose(self, ctx: StepContext, k: int) -> Proposal:
-            return Proposal(2, [1, 2], parents=[-1, -1])
+            return Proposal(2, [1, 2], parents=parents)
 
     engine = SpeculativeEngine(models["target"], Tree(continuation, None, 48))
-    with pytest.raises(GenerationOptionError, match="tree"):
+    with pytest.raises(InternalError, match=error):
         engine.generate(PROMPT, 8, GREEDY, k=2)
     engine.close()

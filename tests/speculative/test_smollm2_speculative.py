@@ -54,6 +54,17 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(setup, drafter, k):
     assert len(result.tokens) == len(plain)
 
 
+@pytest.mark.parametrize("k", [3, 6, 12])
+def test_greedy_token_trees_equal_plain_greedy_on_smollm2(setup, k):
+    """Prompt lookup with several branches (min n-gram 1, so the repeated phrases give it alternatives)."""
+    target, _, ids, plain, _ = setup
+    engine = SpeculativeEngine(target, PromptLookupDrafter(min_ngram=1, branches=4))
+    result = engine.generate(ids, NEW_TOKENS, SamplingParams(), stop_ids=(2,), k=k)
+    engine.close()
+    assert result.tokens == plain
+    assert result.stats.tree_steps > 0
+
+
 OPEN_ENDED = [
     [{"role": "user", "content": "Write a short story about a girl who finds a lost kite."}],
     [{"role": "user", "content": "Explain why leaves change colour in autumn."}],

@@ -74,6 +74,8 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
     "subgroup_size": {"main": []},
     "swiglu": {"main": [{"ACTIVATION": 1}]},
+    "tree_verify": {"row_argmax": [], "walk": []},
+    "kv_compact": {"main": []},
     "vocab_scatter": {"main": []},
 }
 

@@ -1,0 +1,206 @@
+"""Token trees end to end: the tree forward (rows at their depths, each seeing its ancestors), greedy tree
+verification with the accepted path moved into place, and prompt lookup proposing several continuations.
+
+Exactness: greedy tree decoding must give plain greedy decoding's tokens, for every budget and model family
+(a sliding window included). The tree forward is held to chain forwards along each root-to-node path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from doppler_py.errors import GenerationOptionError
+from doppler_py.ops.tree import layout_words, row_depths
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative import PromptLookupDrafter
+from doppler_py.speculative.contract import NoOpHooks, Proposal
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.testing.decode import reference_decode
+from doppler_py.testing.tiny import TINY_SPECS
+
+GREEDY = SamplingParams(temperature=0.0)
+# Repeats with different continuations after the same bigrams, so lookup finds several branches.
+PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 8, 9, 1, 30, 3, 17, 5, 9, 2, 3, 17]
+TREE = [-1, 0, 1, -1, 3, 0, 5, 2]  # 8 nodes: three branches at the root, one at depth 1
+
+
+class Counting(PromptLookupDrafter):
+    """Prompt lookup that counts its tree proposals."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.trees = 0
+
+    def propose(self, ctx, k):
+        proposal = super().propose(ctx, k)
+        self.trees += proposal.parents is not None
+        return proposal
+
+
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-gqa", "gemma3-sliding"])
+def test_a_tree_forward_gives_each_row_its_paths_chain_logits(tiny_model, name):
+    model = tiny_model(TINY_SPECS[name], max_rows=32)
+    tokens = [11, 5, 7, 30, 2, 19, 44, 8]  # one per node
+    start = len(PROMPT) - 1
+    cache = model.new_cache(64)
+    model.forward(PROMPT[:-1], cache, 0, logits="none")
+    model.tree.view((len(TREE) + 1, 2)).write(layout_words(TREE))
+    model.ids.view((len(TREE) + 1,)).write(np.array([PROMPT[-1], *tokens], np.uint32))
+    rec = model.registry.recorder()
+    model.record_forward(rec, len(TREE) + 1, cache, start, logits="all", tree=True)
+    rec.submit()
+    got = model.read_logits(len(TREE) + 1)
+    depths = row_depths(TREE)
+    for row in range(len(TREE) + 1):
+        path, node = [], row - 1
+        while node >= 0:
+            path.append(tokens[node])
+            node = TREE[node]
+        chain = model.new_cache(64)
+        want = model.forward(PROMPT + path[::-1], chain, 0)
+        model.release_cache(chain)
+        assert depths[row] == len(path)
+        np.testing.assert_allclose(got[row], want, atol=1e-4, rtol=0, err_msg=f"row {row}")
+    model.release_cache(cache)
+
+
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-gqa", "gemma3-sliding"])
+@pytest.mark.parametrize("k", [2, 5, 12])
+def test_greedy_tree_decoding_is_plain_greedy_decoding(tiny_model, name, k):
+    model = tiny_model(TINY_SPECS[name], max_rows=32)
+    plain = reference_decode(model, PROMPT, 40, GREEDY)
+    drafter = Counting(min_ngram=1, branches=4)
+    engine = SpeculativeEngine(model, drafter)
+    try:
+        assert engine.generate(PROMPT, 40, GREEDY, k=k).tokens == plain
+    finally:
+        engine.close()
+    assert drafter.trees > 0, "no step proposed a tree"
+
+
+class SideBranchOracle(NoOpHooks):
+    """Knows the greedy answer and hides it in a side branch: the first chain is wrong from its first token, a
+    second root branch holds the next `depth` true tokens (wrong after that), so every step accepts a path that
+    must be moved into place, ending at a chosen depth."""
+
+    name = "side-branch-oracle"
+
+    def __init__(self, answer: list[int], prompt_len: int, vocab: int):
+        self.answer, self.prompt_len, self.vocab, self.step = answer, prompt_len, vocab, 0
+
+    def propose(self, ctx, k):
+        done = len(ctx.tokens) - self.prompt_len
+        truth = self.answer[done : done + k]
+        if len(truth) < 2 or k < 3:
+            return Proposal(0)
+        self.step += 1
+        depth = 1 + self.step % (min(len(truth), k - 1))  # true tokens in the side branch, 1 .. k - 1
+        decoy = (truth[0] + 1) % self.vocab
+        side = [*truth[:depth], (truth[depth] + 1) % self.vocab] if depth < len(truth) else truth[:depth]
+        side = side[: k - 1]
+        tokens = [decoy, *side]
+        parents = [-1, -1, *range(1, len(side))]
+        return Proposal(len(tokens), tokens, parents=parents)
+
+
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding"])
+def test_accepted_side_branches_are_moved_into_place(tiny_model, name):
+    """Every step's accepted path is a side branch, so the K/V of each accepted node are moved in every layer;
+    any mistake in the move shows in later tokens (the Gemma model's 8-key window included)."""
+    model = tiny_model(TINY_SPECS[name], max_rows=32)
+    plain = reference_decode(model, PROMPT, 40, GREEDY)
+    drafter = SideBranchOracle(plain, len(PROMPT), model.config.vocab_size)
+    engine = SpeculativeEngine(model, drafter)
+    moves = []
+    compact = model.compact
+    model.compact = lambda rec, cache, start, m: (moves.append(len(m)), compact(rec, cache, start, m))
+    try:
+        result = engine.generate(PROMPT, 40, GREEDY, k=6)
+    finally:
+        del model.compact
+        engine.close()
+    assert result.tokens == plain
+    assert result.stats.accepted > 20 and len(moves) > 5 and max(moves) >= 3
+    assert result.stats.tree_steps == len(moves) and result.stats.as_dict()["tree_steps"] == len(moves)
+
+
+def test_trees_are_refused_when_sampling(models):
+    class Fork(NoOpHooks):
+        name = "fork"
+
+        def propose(self, ctx, k):
+            return Proposal(2, [1, 2], parents=[-1, -1])
+
+    engine = SpeculativeEngine(models["target"], Fork())
+    try:
+        with pytest.raises(GenerationOptionError, match="greedily"):
+            engine.generate(PROMPT, 4, SamplingParams(temperature=0.8, seed=1), k=2)
+    finally:
+        engine.close()
+
+
+def test_prompt_lookup_proposes_chains_when_sampling(models):
+    """The tree drafter falls back to its best chain for a sampled generation, which stays exact."""
+    drafter = Counting(min_ngram=1, branches=4)
+    engine = SpeculativeEngine(models["target"], drafter)
+    try:
+        engine.generate(PROMPT, 24, SamplingParams(temperature=0.8, seed=3), k=4)
+    finally:
+        engine.close()
+    assert drafter.trees == 0
+
+
+def test_lookup_trie_keeps_the_likeliest_continuation_as_its_first_chain():
+    drafter = PromptLookupDrafter(branches=3)
+    tokens = [5, 6, 1, 2, 5, 6, 3, 4, 5, 6, 7, 8, 5, 6]
+    assert drafter.continuations(tokens, 4, 3) == [[7, 8, 5, 6], [3, 4, 5, 6], [1, 2, 5, 6]]
+    from doppler_py.speculative.prompt_lookup import trie_proposal
+
+    tree = trie_proposal(drafter.continuations(tokens, 8, 3), 8)
+    assert tree.tokens[:4] == [7, 8, 5, 6] and tree.parents[:4] == [-1, 0, 1, 2]
+    assert tree.count <= 8 and sorted(tree.tokens[i] for i, p in enumerate(tree.parents) if p == -1) == [1, 3, 7]
+    # Shared prefixes are stored once, and a trie that is a chain is proposed as one.
+    assert trie_proposal([[1, 2, 3], [1, 2, 3, 4]], 8).parents is None
+
+
+# -- the policy and the API ------------------------------------------------------------------------------------
+def test_trees_pay_only_where_extra_rows_are_nearly_free():
+    from doppler_py.speculative.policy import CostModel, trees_pay
+
+    gpu_like = CostModel(verify={1: 1.0e-3, 9: 1.1e-3, 17: 1.3e-3})
+    cpu_like = CostModel(verify={1: 1.0e-3, 9: 3.2e-3, 17: 6.0e-3})
+    assert trees_pay(gpu_like, 17) and trees_pay(gpu_like, 9)
+    assert not trees_pay(cpu_like, 17) and not trees_pay(cpu_like, 9)
+    assert not trees_pay(CostModel(), 17)  # nothing measured yet: chains
+
+
+@pytest.fixture(scope="module")
+def api_engine(tiny_folder):
+    from doppler_py.api import load
+    from doppler_py.testing.tiny import TinySpec
+
+    with load(tiny_folder(TinySpec(num_hidden_layers=2, seed=5)), weights="f32", progress=False) as engine:
+        yield engine
+
+
+def test_api_trees_keep_greedy_output_and_refuse_what_they_cannot_do(api_engine):
+    prompt = "abcabdabcabeabcab"
+    options = dict(max_tokens=24, speculative="prompt-lookup", chat=False)
+    chains = api_engine.generate(prompt, tree=False, **options).tokens
+    lookup = api_engine.speculative_engine("prompt-lookup").drafter
+    assert lookup.branches == 1
+    assert api_engine.generate(prompt, tree=True, **options).tokens == chains
+    assert lookup.branches > 1
+    assert api_engine.generate(prompt, tree=6, **options).tokens == chains
+    with pytest.raises(GenerationOptionError, match="greedily"):
+        api_engine.generate(prompt, tree=True, temperature=0.7, **options)
+    with pytest.raises(GenerationOptionError, match="conflicts with k=3"):
+        api_engine.generate(prompt, tree=6, k=3, **options)
+    with pytest.raises(GenerationOptionError, match="node budget"):
+        api_engine.generate(prompt, tree=1, **options)
+    with pytest.raises(GenerationOptionError, match="prompt-lookup drafts alone"):
+        api_engine.generate(prompt, tree=True, max_tokens=4, speculative="layer-skip", chat=False)
+    # Unmeasured or CPU-like costs: "auto" (None) stays on chains.
+    api_engine.speculative_engine("prompt-lookup").policy.costs.verify.update({1: 1.0e-3, 17: 9.0e-3})
+    api_engine.generate(prompt, tree=None, **options)
+    assert lookup.branches == 1
