@@ -105,12 +105,20 @@ PROMPTS = {
         [{"role": "user", "content": "Write a short dialogue between a librarian and a student who lost a book."}],
     ),
 }
-METHODS = ("plain", "prompt-lookup", "eagle", "medusa", "auto")
+METHODS = ("plain", "prompt-lookup", "lookup-tree", "eagle", "medusa", "auto")
+# Token trees of prompt-lookup drafts (greedy only): against "prompt-lookup" (chains) at the same draft budget;
+# with --k both verify the same rows per step (the tree's node budget is k).
+TREE_METHODS = {"lookup-tree": "prompt-lookup"}
 
 
-def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0) -> dict:
-    speculative = None if method == "plain" else method
-    result = engine.generate(prompt, max_tokens=tokens, speculative=speculative, temperature=temperature, seed=0)
+def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0, k: int | None = None) -> dict:
+    speculative = None if method == "plain" else TREE_METHODS.get(method, method)
+    # Chains are chains even where the tree policy would switch trees on; "auto" lets the policy decide.
+    tree = (k or True) if method in TREE_METHODS else (None if method == "auto" else False)
+    pinned = k if speculative == "prompt-lookup" else None
+    result = engine.generate(
+        prompt, max_tokens=tokens, speculative=speculative, temperature=temperature, seed=0, k=pinned, tree=tree
+    )
     stats = result.stats
     drafted = stats["drafted"]
     draft_s = stats["gpu_draft_s"] if stats["gpu_draft_s"] is not None else stats["draft_s"]
@@ -125,6 +133,7 @@ def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0)
         "drafter": result.speculative,
         "plain_steps": stats["plain_steps"],
         "steps": stats["steps"],
+        "tree_steps": stats["tree_steps"],
         "text_tokens": result.tokens,
     }
 
@@ -187,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "--draft-head", action="append", help="a head folder, repeatable (default: those shipped for the model)"
     )
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument(
+        "--k", type=int, help="pin the lookup methods' draft length (lookup-tree: its node budget; default adaptive)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--sampled-temperature",
@@ -228,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 for prompt in prompts:
                     for method in methods:
-                        row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens)
+                        row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, k=args.k)
                         per_prompt.setdefault(prompt, {}).setdefault(method, []).append(row)
                         print(
                             f"[{weight}] rep {repeat} {prompt:10s} {method:14s} {row['tokens_per_s']:7.2f} tok/s "
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
             if args.sampled_temperature > 0:
                 for prompt in (p for p in prompts if PROMPTS[p][0] == OPEN_ENDED):
-                    for method in (m for m in methods if m != "plain"):
+                    for method in (m for m in methods if m != "plain" and m not in TREE_METHODS):
                         row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, args.sampled_temperature)
                         sampled.append({"weights": weight, "prompt": prompt, "method": method} | row)
     peers: dict[str, dict[str, list[dict]]] = {}
