@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                         "speedup_vs_plain": round(tps / plain, 3) if plain else None,
                         "acceptance_rate": round(median(rows, "acceptance_rate"), 3),
                         "tokens_per_step": round(median(rows, "tokens_per_step"), 2),
+                        "tree_steps_per_run": round(median(rows, "tree_steps"), 1),
                         "acceptance_by_position": mean_by_position([r["acceptance_by_position"] for r in rows]),
                         # one draft token's time over one plain decoding step's (1 / plain tok/s), same run
                         "draft_cost_vs_plain_step": round(statistics.median(draft_costs) * plain, 3)
