@@ -101,8 +101,17 @@ class SpeculativeEngine:
         self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
         # One verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
         self._verifiers: dict[int | None, tuple[Tensor | None, _Verifier]] = {}
-        self._tree_verify: TreeVerify | None = None  # made for the first token tree
+        # Made now, not at the first token tree: the tree policy may switch trees on mid-session, and a steady
+        # engine allocates nothing per generation (tests/reliability/test_resources.py).
         self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
+        self._tree_verify = TreeVerify(
+            self.registry,
+            target.logits,
+            self.spec_tokens,
+            target.tree,
+            self.tree_result,
+            vocab=target.config.vocab_size,
+        )
         self.clock = StepClock(gpu)
         self.logprobs: int | None = None  # top alternatives per token while a generation asks for log-probs
         self.last_logprobs = None  # the last step's committed tokens' TokenLogprobs (None when not asked)
@@ -271,7 +280,7 @@ class SpeculativeEngine:
         self.clock.stamp_verify(rec, done=False)
         rec.copy(self.spec_tokens, target.ids, 4 * rows)
         target.record_forward(rec, rows, cache, pos, logits="all", tree=True)
-        self._tree_verifier().record(rec, rows)
+        self._tree_verify.record(rec, rows)
         self.clock.stamp_verify(rec, done=True)
         rec.submit()
         words = np.frombuffer(
@@ -291,19 +300,6 @@ class SpeculativeEngine:
         ctx.hidden_rows = 0  # the kept rows are not consecutive rows of the target's activations
         self.drafter.commit(ctx, accepted)
         return StepOutcome(new, n, accepted, False, tree=True)
-
-    def _tree_verifier(self) -> TreeVerify:
-        if self._tree_verify is None:
-            target = self.target
-            self._tree_verify = TreeVerify(
-                self.registry,
-                target.logits,
-                self.spec_tokens,
-                target.tree,
-                self.tree_result,
-                vocab=target.config.vocab_size,
-            )
-        return self._tree_verify
 
     def _verifier(self, draft_logits: Tensor | None) -> _Verifier:
         key = None if draft_logits is None else id(draft_logits.buffer)
@@ -548,8 +544,7 @@ class SpeculativeEngine:
             verifier.op.release(self.registry)
         if self._logprob_op is not None:
             self._logprob_op.release(self.registry)
-        if self._tree_verify is not None:
-            self._tree_verify.release(self.registry)
+        self._tree_verify.release(self.registry)
         self.registry.release_tensors(
             self.spec_tokens, self.randoms, self.result, self.batch_randoms, self.batch_out, self.tree_result
         )
