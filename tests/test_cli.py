@@ -302,7 +302,9 @@ def test_train_draft_writes_heads_that_generate_drafts_with(runs, env, tmp_path)
     common += ["--draft-head", str(heads["eagle"]), "--draft-head", str(heads["medusa"])]
     plain = json.loads(ok(run_cli(["generate", PROMPT, *common, "--speculative", "none", "--json"], env)).stdout)
     for kind in heads:
-        record = json.loads(ok(run_cli(["generate", PROMPT, *common, "--speculative", kind, "--json"], env)).stdout)
+        # warmup "now" compiles and calibrates both heads' verification first: minutes on a slow 2-core machine
+        generate = ["generate", PROMPT, *common, "--speculative", kind, "--json"]
+        record = json.loads(ok(run_cli(generate, env, timeout=600)).stdout)
         assert record["speculative"] == kind and record["drafted"] > 0 and record["text"] == plain["text"]
     again = run_cli(["train-draft", runs["model"], "--out", str(heads["eagle"]), *small], env)
     assert again.returncode == 2 and "not empty" in again.stderr

@@ -60,7 +60,10 @@ def test_buffer_beyond_the_device_limit_is_refused_by_name(gpu):
 def test_lavapipe_gets_avx512_vectors_only_where_the_cpu_has_them_and_the_user_chose_nothing(
     monkeypatch, preset, flags, expected
 ):
-    monkeypatch.delenv("LP_NATIVE_VECTOR_WIDTH", raising=False)
+    # setenv first records the original state, so the value _widen_lavapipe_vectors writes is undone afterwards
+    # (delenv of an unset variable records nothing, and "512" leaked into later tests on CPUs without AVX-512).
+    monkeypatch.setenv("LP_NATIVE_VECTOR_WIDTH", "unset")
+    monkeypatch.delenv("LP_NATIVE_VECTOR_WIDTH")
     if preset is not None:
         monkeypatch.setenv("LP_NATIVE_VECTOR_WIDTH", preset)
     monkeypatch.setattr(device_mod, "_cpu_flags", lambda: flags)
