@@ -21,7 +21,7 @@ from doppler_py.parity import doppler_model
 from doppler_py.parity.doppler_model import DopplerParityError, conversion_config, kernel_digests
 from doppler_py.parity.model_parity import DEFAULT_ATOL, run_parity
 from doppler_py.testing import references
-from doppler_py.testing.tiny import TINY_SPECS, config_dict, write_tiny_model
+from doppler_py.testing.tiny import TINY_SPECS, config_dict
 from tests.parity.conftest import skip_unless_ci
 from tests.parity.doppler_findings import (
     DECODE_KEY_ROWS,
@@ -49,14 +49,6 @@ def doppler_ready(node_executable, doppler_gpu_dir):
     except DopplerParityError as exc:
         skip_unless_ci(str(exc))
     return doppler_gpu_dir
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    def write(spec):
-        return write_tiny_model(tmp_path_factory.mktemp(f"parity-{spec.arch}-{spec.seed}"), spec)
-
-    return write
 
 
 def test_conversion_config_runs_the_hf_config_in_float32(doppler_gpu_dir):
@@ -88,16 +80,16 @@ def test_families_outside_the_lane_are_refused_by_name(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa", "llama-untied-mha", "qwen3-qknorm-gqa"])
-def test_llama_and_qwen3_agree_in_all_three_engines(doppler_ready, folder, name):
-    report = run_parity(folder(TINY_SPECS[name]), PROMPT, STEPS)
+def test_llama_and_qwen3_agree_in_all_three_engines(doppler_ready, tiny_folder, name):
+    report = run_parity(tiny_folder(TINY_SPECS[name]), PROMPT, STEPS)
     assert not report.missing
     assert report.agrees(DEFAULT_ATOL), [(p.pair, p.max_delta, p.first_divergence) for p in report.pairs]
     assert report.runs["ours"].tokens == report.runs["doppler"].tokens == report.runs["hf"].tokens
     assert all(len(pair.deltas) == STEPS for pair in report.pairs)
 
 
-def test_gemma3_agrees_while_the_window_covers_the_whole_context(doppler_ready, folder):
-    report = run_parity(folder(GEMMA_WIDE_WINDOW), LONG_PROMPT, STEPS)
+def test_gemma3_agrees_while_the_window_covers_the_whole_context(doppler_ready, tiny_folder):
+    report = run_parity(tiny_folder(GEMMA_WIDE_WINDOW), LONG_PROMPT, STEPS)
     assert report.agrees(DEFAULT_ATOL), [(p.pair, p.max_delta, p.first_divergence) for p in report.pairs]
 
 
@@ -111,11 +103,11 @@ def test_gemma3_agrees_while_the_window_covers_the_whole_context(doppler_ready, 
     ids=["decode-past-window", "prefill-past-window", "ring-cache"],
 )
 def test_gemma3_past_the_window_is_the_diagnosed_doppler_behaviour(
-    doppler_ready, folder, monkeypatch, spec, prompt, ring, needed
+    doppler_ready, tiny_folder, monkeypatch, spec, prompt, ring, needed
 ):
     """Ours matches HF; the JS original matches the numpy model of its three findings, and each finding that
     can act here is needed for that match (so each one is pinned: a doppler-gpu that changes it fails)."""
-    model = folder(spec)
+    model = tiny_folder(spec)
     report = run_parity(model, prompt, STEPS)
     ours_hf = report.pairs[0]
     assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
@@ -136,10 +128,12 @@ def test_gemma3_past_the_window_is_the_diagnosed_doppler_behaviour(
     assert np.abs(doppler.logits - logits_with(())).max() > 100 * DEFAULT_ATOL
 
 
-def test_cli_prints_every_pair_and_fails_on_a_divergence(doppler_ready, folder, tmp_path, capsys):
+def test_cli_prints_every_pair_and_fails_on_a_divergence(doppler_ready, tiny_folder, tmp_path, capsys):
     report_path = tmp_path / "parity.json"
     ids = ",".join(map(str, PROMPT))
-    status = main(["parity", "doppler", str(folder(GEMMA)), "--ids", ids, "--steps", "5", "--json", str(report_path)])
+    status = main(
+        ["parity", "doppler", str(tiny_folder(GEMMA)), "--ids", ids, "--steps", "5", "--json", str(report_path)]
+    )
     out = capsys.readouterr().out
     assert status == 1
     assert "doppler vs hf" in out and "first divergence step 3" in out and "DIFFERS" in out
