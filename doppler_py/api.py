@@ -257,9 +257,9 @@ class Engine:
 
         tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward).
         None: used when this device's measured verification costs say extra rows are nearly free
-        (`policy.trees_pay`: GPUs, not CPU adapters) and the generation is greedy; True: used; N: used with a
-        node budget of N (k pinned to N); False: chains only. Trees are verified greedily only so far, so
-        True or N with temperature > 0 is refused.
+        (`policy.trees_pay`: GPUs, not CPU adapters); True: used; N: used with a node budget of N (k pinned
+        to N); False: chains only. Sampled trees are verified exactly (recursive rejection over each node's
+        children), so trees keep the target's distribution at any temperature.
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
@@ -273,7 +273,7 @@ class Engine:
         mode = self._resolve_mode(speculative)
         engine = self.speculative_engine(mode)
         engine.policy.check_k(k)
-        k = use_trees(engine, tree, params, k, logprobs)
+        k = use_trees(engine, tree, k, logprobs)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         matcher = StopMatcher(stops)
@@ -539,7 +539,7 @@ WARMUP_MODES = ("now", "background")
 TREE_BRANCHES = 4  # continuations a prompt-lookup tree may hold
 
 
-def use_trees(engine: SpeculativeEngine, tree: bool | int | None, params: SamplingParams, k: int | None, logprobs):
+def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None, logprobs):
     """Set the engine's prompt-lookup drafter to propose trees or chains for this generation (see `stream`);
     returns the draft length to pin (a tree's node budget, else `k`)."""
     # Not inside "auto"'s head + lookup pair: after a tree step no consecutive feature rows are left for a head.
@@ -548,7 +548,6 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, params: Sampli
         wanted = (
             tree is None
             and lookup is not None
-            and params.greedy
             and logprobs is None
             and trees_pay(engine.policy.costs, engine.policy.k_max + 1)
         )
@@ -560,8 +559,6 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, params: Sampli
                 f"tree={tree!r} needs prompt-lookup drafts alone (speculative='prompt-lookup'); this generation "
                 f"drafts with {engine.drafter.name!r}"
             )
-        if not params.greedy:
-            raise GenerationOptionError("token trees are verified greedily only so far: use temperature 0")
         if logprobs is not None:
             raise GenerationOptionError("log-probs are not given for token trees: use tree=False with logprobs")
         if tree is not True:

@@ -1,5 +1,5 @@
-// sample: token choice from rows of logits. Two kernel families share one definition of the filtered
-// distribution (temperature, exact top-k, top-p), whose contract and numpy reference are in
+// sample: token choice from rows of logits. The kernels share one definition of the filtered distribution
+// (temperature, exact top-k, top-p), whose contract and numpy reference are in
 // doppler_py/testing/sampling_reference.py:
 // * `main`, the sampler: one token id per row — the argmax (temperature 0), or a draw from the filtered
 //   distribution by inverse CDF with a host-drawn uniform u.
@@ -7,33 +7,49 @@
 //   speculative sampling: accept draft d_i iff u_i * q_i(d_i) < p_i(d_i), then a draw from max(0, p_n - q_n) or
 //   the bonus draw from p_k); doppler_py/testing/verify_reference.py is its numpy reference and states the
 //   contract, doppler_py/ops/speculative.py records it.
+// * `tree_rows`, `tree_finalize`: the verification of a token tree of deterministic drafts (doppler_py/ops/
+//   tree.py's layout): at each row, recursive rejection over its children (distinct tokens, row order): child c
+//   is accepted iff u_c * (1 - p(earlier children)) < p(c); when all are rejected, a draw from p without the
+//   children's tokens; at a leaf, from p. Greedy: the child equal to the argmax. doppler_py/testing/
+//   tree_reference.py (`sampled_walk`, `greedy_walk`) is its numpy reference, doppler_py/ops/tree_verify.py
+//   records it.
+// * `top_tokens`: the k largest logits of each row in order, for a greedy drafter's tree branches
+//   (doppler_py/ops/top_tokens.py).
 //
-// Bindings (each entry point binds only the ones it uses):
+// Bindings (each entry point binds only the ones it uses, at most 7 storage buffers):
 //   0 params (uniform Params)                              all
 //   1 logits (read, [rows, vocab] f32)                     main; spec_rows (target rows 0..k);
-//                                                          spec_draft_filter (the draft's rows 0..k-1)
+//                                                          spec_draft_filter (the draft's rows 0..k-1); tree_rows;
+//                                                          top_tokens
 //   2 randoms (read, f32 in [0, 1])                        main ([rows]); spec_rows ([2k+1]: k+i accepts d_i,
-//                                                          2k is the final draw; 0..k-1 belong to drafting)
-//   3 out_ids (read_write, [rows] u32)                     main; always a valid id in [0, vocab)
+//                                                          2k is the final draw; 0..k-1 belong to drafting);
+//                                                          tree_rows ([k+1]: k-1 tests node row k, k is the final draw)
+//   3 out_ids (read_write, [rows] u32)                     main (always a valid id in [0, vocab)); top_tokens
+//                                                          ([rows, k])
 //   4 draft_logits (read, [k, vocab] f32)                  spec_rows (unread in one-hot mode and when greedy)
 //   5 draft_states (read_write, [k] RowState)              spec_draft_filter writes, spec_rows reads
-//   6 tokens (read, [k+1] u32; tokens[1+i] = d_i)          spec_rows, spec_finalize
-//   7 row_results (read_write, [3 (k+1)] u32)              spec_rows writes, spec_finalize reads
-//   8 result (read_write, [k+3] u32)                       spec_finalize: n, final token, status, d_0..d_{k-1}
-// The file declares 8 storage buffers, so even a layout of all of them fits the WebGPU default limit.
+//   6 tokens (read, [k+1] u32; tokens[1+i] = d_i)          spec_rows, spec_finalize; tree_*: row r's token
+//   7 row_results (read_write, [3 (k+1)] u32)              spec_rows / tree_rows write, *_finalize read
+//   8 result (read_write)                                  spec_finalize ([k+3]: n, final token, status,
+//                                                          d_0..d_{k-1}); tree_finalize ([3 + 2k]: n, final
+//                                                          token, status, (token, row) per accepted node)
+//   9 tree (read, [k+1] (depth, ancestor mask))            tree_rows
 // Params: vocab (1 <= vocab < 2^24); temperature (<= 0 = greedy); top_k (0 or >= vocab = off);
-//   top_p (>= 1 = off); k (draft tokens, speculative entries only); onehot (1: the draft is deterministic,
-//   q_i = one-hot at d_i, so draft_logits are not read).
+//   top_p (>= 1 = off); k (draft tokens; tree entries: nodes, rows - 1, at most 31; top_tokens: tokens per row,
+//   at most 32); onehot (1: the draft is deterministic, q_i = one-hot at d_i, so draft_logits are not read;
+//   tree entries are always one-hot).
 // Dispatch: main (rows, 1, 1); speculative step: spec_draft_filter (k, 1, 1) only when temperature > 0 and
-//   onehot = 0, then spec_rows (k + 1, 1, 1), then spec_finalize (1, 1, 1). One workgroup of 256 per row
-//   (spec_finalize: a single invocation).
+//   onehot = 0, then spec_rows (k + 1, 1, 1), then spec_finalize (1, 1, 1); tree: tree_rows (k + 1, 1, 1), then
+//   tree_finalize (1, 1, 1); top_tokens (rows, 1, 1). One workgroup of 256 per row (the finalize entries: a
+//   single invocation).
 // Method: logits are compared through an order-preserving u32 key of their bits, so a threshold is found
 // exactly by bisection over the 32 key bits: top-k counts the tokens at or above a candidate key, top-p sums
 // their weights (32 passes each over the row, invocation j reading tokens j, j + 256, ...). The steps that
 // need token-index order (breaking top-k ties, the CDF) give each invocation one contiguous chunk of the row
 // and prefix-sum the chunk totals. A speculative row i < k computes its accept decision AND the token it
 // would emit if it were the first rejection (the residual draw), so rows run in parallel and spec_finalize
-// only picks n, the first rejected row (k if none), and that row's token.
+// only picks n, the first rejected row (k if none), and that row's token. Tree rows likewise: each row decides
+// which child (if any) it accepts and the token it emits if the walk stops there; tree_finalize walks.
 
 struct Params {
   vocab: u32,
@@ -66,6 +82,7 @@ struct RowState {
 @group(0) @binding(6) var<storage, read> tokens: array<u32>;
 @group(0) @binding(7) var<storage, read_write> row_results: array<u32>;
 @group(0) @binding(8) var<storage, read_write> result: array<u32>;
+@group(0) @binding(9) var<storage, read> tree: array<vec2<u32>>;
 
 const WG: u32 = 256u;
 // The key of -inf, which NaN shares. Every logit's key is >= this, so key 0 is below every token.
@@ -75,7 +92,8 @@ const POS_INF_BITS: u32 = 0x7f800000u;
 const STATUS_TARGET_NONFINITE: u32 = 1u;
 const STATUS_DRAFT_NONFINITE: u32 = 2u;
 const STATUS_DRAFT_TOKEN_OUT_OF_RANGE: u32 = 4u;
-const ROW_RESULT_WORDS: u32 = 3u;  // accepted, token, status
+const ROW_RESULT_WORDS: u32 = 3u;  // accepted (tree rows: the accepted child's row, 0 = none), token, status
+const MAX_TREE_ROWS: u32 = 32u;  // ancestor masks are one u32
 
 var<workgroup> partial: array<f32, 256>;  // workgroup_sum's tree
 var<workgroup> bounds: array<f32, 257>;  // workgroup_prefix's result
@@ -84,6 +102,10 @@ var<workgroup> row_max_key: atomic<u32>;
 var<workgroup> row_nonfinite: atomic<u32>;
 var<workgroup> chosen: atomic<u32>;  // the argmax first, then a sampled token
 var<workgroup> last_tie: atomic<u32>;
+// One-hot residuals leave these tokens out (spec_rows: the rejected draft; tree_rows: the row's children).
+// Every invocation holds the same list.
+var<private> excluded: array<u32, 32>;
+var<private> excluded_count: u32;
 
 // a < b as reals iff order_key(a) < order_key(b); NaN gets the key of -inf and -0 the key of +0.
 fn order_key(x: f32) -> u32 {
@@ -206,6 +228,25 @@ fn walk_passes_goal(i: u32, w: f32, goal: f32, running: ptr<function, f32>, toke
 
 // -- one row of `logits`, starting at `base` ---------------------------------------------------------------
 
+// The workgroup's best of every invocation's (key, index): the largest key, the lowest index among equals.
+fn workgroup_best(lid: u32, key: u32, index: u32) -> vec2<u32> {
+  if (lid == 0u) {
+    atomicStore(&row_max_key, 0u);
+    atomicStore(&chosen, params.vocab - 1u);
+  }
+  workgroupBarrier();
+  atomicMax(&row_max_key, key);
+  workgroupBarrier();
+  let max_key = atomicLoad(&row_max_key);
+  if (key == max_key) {
+    atomicMin(&chosen, index);
+  }
+  workgroupBarrier();
+  let best = vec2<u32>(max_key, atomicLoad(&chosen));
+  workgroupBarrier();
+  return best;
+}
+
 // The row maximum, the lowest index holding it, and whether the row holds NaN or +inf.
 fn scan_row(lid: u32, base: u32) -> RowState {
   var best_key = 0u;
@@ -221,22 +262,15 @@ fn scan_row(lid: u32, base: u32) -> RowState {
     nonfinite = nonfinite | select(0u, 1u, is_nan_or_pos_inf(x));
   }
   if (lid == 0u) {
-    atomicStore(&row_max_key, 0u);
     atomicStore(&row_nonfinite, 0u);
-    atomicStore(&chosen, params.vocab - 1u);
   }
-  workgroupBarrier();
-  atomicMax(&row_max_key, best_key);
+  let best = workgroup_best(lid, best_key, best_index);  // its first barrier orders the store above
   atomicOr(&row_nonfinite, nonfinite);
   workgroupBarrier();
   var s: RowState;  // zero: top-k and top-p keep everything
-  s.max_key = atomicLoad(&row_max_key);
+  s.max_key = best.x;
+  s.argmax = best.y;
   s.nonfinite = atomicLoad(&row_nonfinite);
-  if (best_key == s.max_key) {
-    atomicMin(&chosen, best_index);
-  }
-  workgroupBarrier();
-  s.argmax = atomicLoad(&chosen);
   workgroupBarrier();
   return s;
 }
@@ -391,22 +425,33 @@ fn spec_draft_filter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
   }
 }
 
-// The residual max(0, p(i) - q(i)) of token i; in one-hot mode q is one-hot at d, so it is p without d.
-fn residual_weight(i: u32, row: u32, p: RowState, q: RowState, d: u32) -> f32 {
+fn is_excluded(i: u32) -> bool {
+  for (var j = 0u; j < excluded_count; j = j + 1u) {
+    if (excluded[j] == i) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The residual max(0, p(i) - q(i)) of token i; in one-hot mode q is one-hot at each rejected deterministic
+// draft (the `excluded` tokens), so it is p without them.
+fn residual_weight(i: u32, row: u32, p: RowState, q: RowState) -> f32 {
   let p_i = kept_weight(logits[row * params.vocab + i], i, p, p.min_key) / p.total;
   if (params.onehot != 0u) {
-    return select(p_i, 0.0, i == d);
+    return select(p_i, 0.0, is_excluded(i));
   }
   let q_i = kept_weight(draft_logits[row * params.vocab + i], i, q, q.min_key) / q.total;
   return max(p_i - q_i, 0.0);
 }
 
-// A draw from normalise(max(0, p - q)) by inverse CDF with u; from p when rounding left the residual empty.
-fn residual_pick(lid: u32, row: u32, p: RowState, q: RowState, d: u32, u: f32) -> u32 {
+// A draw from normalise(max(0, p - q)) by inverse CDF with u; from p when the residual is empty (rounding, or
+// one-hot drafts that covered all of p's mass).
+fn residual_pick(lid: u32, row: u32, p: RowState, q: RowState, u: f32) -> u32 {
   let chunk = chunk_range(lid);
   var mass = 0.0;
   for (var i = chunk.x; i < chunk.y; i = i + 1u) {
-    mass = mass + residual_weight(i, row, p, q, d);
+    mass = mass + residual_weight(i, row, p, q);
   }
   if (lid == 0u) {
     atomicStore(&chosen, p.argmax);
@@ -417,7 +462,7 @@ fn residual_pick(lid: u32, row: u32, p: RowState, q: RowState, d: u32, u: f32) -
     var running = bounds[lid];
     var token = chunk.x;
     for (var i = chunk.x; i < chunk.y; i = i + 1u) {
-      if (walk_passes_goal(i, residual_weight(i, row, p, q, d), goal, &running, &token)) {
+      if (walk_passes_goal(i, residual_weight(i, row, p, q), goal, &running, &token)) {
         break;
       }
     }
@@ -464,7 +509,9 @@ fn spec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
       }
       let p_d = select(0.0, kept_weight(logits[base + safe_d], safe_d, p_full, p_full.min_key) / p_full.total, valid);
       accepted = select(0u, 1u, randoms[k + row] * q_d < p_d);
-      token = residual_pick(lid, row, p_full, q, d, u_final);
+      excluded[0] = d;
+      excluded_count = 1u;
+      token = residual_pick(lid, row, p_full, q, u_final);
     } else {
       accepted = select(0u, 1u, valid && d == p.argmax);
     }
@@ -493,5 +540,116 @@ fn spec_finalize() {
   result[2] = status;
   for (var i = 0u; i < k; i = i + 1u) {
     result[3u + i] = tokens[1u + i];
+  }
+}
+
+// -- token-tree verification --------------------------------------------------------------------------------
+
+// A tree row's parent: the highest bit of its ancestor mask other than its own.
+fn tree_parent(row: u32) -> u32 {
+  return u32(firstLeadingBit(tree[row].y & ~(1u << row)));
+}
+
+// Row r: the child it accepts (0: none) and the token emitted if the walk stops at r; the children are tested
+// in row order, each with its own uniform randoms[child - 1], against the mass the earlier ones left.
+@compute @workgroup_size(256)
+fn tree_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let rows = params.k + 1u;
+  let row = wid.x;
+  let base = row * params.vocab;
+  let p = filter_row(lid, base);
+  var status = select(0u, STATUS_TARGET_NONFINITE, p.nonfinite != 0u);
+  var accepted = 0u;
+  var token = p.argmax;
+  if (params.temperature > 0.0) {
+    let p_full = with_total(lid, base, p);
+    excluded_count = 0u;
+    var rejected_mass = 0.0;  // p of the distinct children tokens rejected so far
+    for (var child = row + 1u; child < rows; child = child + 1u) {
+      if (tree_parent(child) != row) {
+        continue;
+      }
+      let d = tokens[child];
+      if (d >= params.vocab) {
+        status = status | STATUS_DRAFT_TOKEN_OUT_OF_RANGE;
+        continue;
+      }
+      if (is_excluded(d)) {
+        continue;  // a repeated sibling: its token's mass is gone already, so it cannot be accepted
+      }
+      let p_d = kept_weight(logits[base + d], d, p_full, p_full.min_key) / p_full.total;
+      let remaining = 1.0 - rejected_mass;
+      if (remaining > 0.0 && randoms[child - 1u] * remaining < p_d) {
+        accepted = child;
+        break;
+      }
+      rejected_mass = rejected_mass + p_d;
+      excluded[excluded_count] = d;
+      excluded_count = excluded_count + 1u;
+    }
+    // With no child tested (a leaf) nothing is excluded and this is a draw from p. No branch on the count:
+    // Tint cannot prove a private variable uniform, and the draw has barriers.
+    token = residual_pick(lid, row, p_full, p_full, randoms[params.k]);
+  } else {
+    for (var child = row + 1u; child < rows; child = child + 1u) {
+      if (tree_parent(child) == row && tokens[child] == p.argmax) {
+        accepted = child;
+        break;
+      }
+    }
+  }
+  if (lid == 0u) {
+    row_results[ROW_RESULT_WORDS * row] = accepted;
+    row_results[ROW_RESULT_WORDS * row + 1u] = token;
+    row_results[ROW_RESULT_WORDS * row + 2u] = status;
+  }
+}
+
+// The walk from the root along accepted children; the status of every row.
+@compute @workgroup_size(1)
+fn tree_finalize() {
+  let rows = params.k + 1u;
+  var status = 0u;
+  for (var r = 0u; r < rows; r = r + 1u) {
+    status = status | row_results[ROW_RESULT_WORDS * r + 2u];
+  }
+  var node = 0u;
+  var n = 0u;
+  for (var next = row_results[0]; next != 0u && n < MAX_TREE_ROWS; next = row_results[ROW_RESULT_WORDS * next]) {
+    result[3u + 2u * n] = tokens[next];
+    result[4u + 2u * n] = next;
+    n = n + 1u;
+    node = next;
+  }
+  result[0] = n;
+  result[1] = row_results[ROW_RESULT_WORDS * node + 1u];
+  result[2] = status;
+}
+
+// -- a greedy drafter's branches ----------------------------------------------------------------------------
+
+// The params.k (<= 32) largest logits of each row, best first (the lowest index first among equals, NaN ranked
+// as -inf), into out_ids[row * k + j]; params.vocab where the row has fewer than k tokens.
+@compute @workgroup_size(256)
+fn top_tokens(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let row = wid.x;
+  let base = row * params.vocab;
+  excluded_count = 0u;
+  for (var j = 0u; j < params.k; j = j + 1u) {
+    var best_key = 0u;
+    var best_index = 0u;
+    for (var i = lid; i < params.vocab; i = i + WG) {
+      let key = order_key(logits[base + i]);
+      if (key > best_key && !is_excluded(i)) {
+        best_key = key;
+        best_index = i;
+      }
+    }
+    let best = workgroup_best(lid, best_key, best_index);
+    excluded[j] = best.y;
+    excluded_count = j + 1u;
+    if (lid == 0u) {
+      out_ids[row * params.k + j] = select(best.y, params.vocab, best.x == 0u);
+    }
   }
 }

@@ -24,7 +24,7 @@ STATUS_TARGET_NONFINITE = 1  # NaN or +inf in a target row 0..k
 STATUS_DRAFT_NONFINITE = 2  # NaN or +inf in a draft row the kernel read (draft mode, temperature > 0)
 STATUS_DRAFT_TOKEN_OUT_OF_RANGE = 4  # a draft token >= vocab (never accepted)
 
-_ROW_RESULT_WORDS = 3  # accepted, token, status per row (the shader's ROW_RESULT_WORDS)
+ROW_RESULT_WORDS = 3  # accepted, token, status per row (the shader's ROW_RESULT_WORDS)
 _ROW_STATE_WORDS = 8  # the shader's RowState struct
 
 
@@ -78,7 +78,7 @@ class SpecVerify:
         # Scratch: the draft rows' filtered distributions, and each row's (accepted, token, status).
         # f32 keeps the Dawn replay's comparison of the states tolerant of rounding in their float fields.
         self.draft_states = Tensor.empty(gpu, (max_k, _ROW_STATE_WORDS), "f32", label="spec draft states")
-        self.row_results = Tensor.empty(gpu, (max_k + 1, _ROW_RESULT_WORDS), "u32", label="spec row results")
+        self.row_results = Tensor.empty(gpu, (max_k + 1, ROW_RESULT_WORDS), "u32", label="spec row results")
         slot = registry.uniform_slot(registry.kernel("sample", "spec_rows").uniform).set(vocab=vocab)
         # In one-hot mode the draft's logits are never read; the target's stand in for the binding.
         rows_draft_logits = draft_logits if draft_logits is not None else target_logits

@@ -68,8 +68,9 @@ class Proposal:
                     temperature/top-k/top-p as the target (the verifier filters both alike); None when the
                     proposal is deterministic (q is one-hot at each d_i, e.g. n-gram lookup or a greedy draft)
     parents         the tree shape, one parent index per node (-1: the last committed token), each before its
-                    children; None is a chain (node i's parent is i-1). A tree (`ops/tree.py`) is verified
-                    greedily only, from host tokens; after a tree step ctx.hidden_rows is 0.
+                    children; None is a chain (node i's parent is i-1). A tree (`ops/tree.py`) comes from host
+                    tokens, with distinct tokens among siblings and no draft_logits (its nodes are verified as
+                    deterministic drafts); after a tree step ctx.hidden_rows is 0.
     """
 
     count: int

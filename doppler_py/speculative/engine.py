@@ -20,9 +20,10 @@ token while drafting (the drafter draws them), then n accept draws and one final
 verification. The same seed therefore reproduces the same tokens.
 
 Token trees (a proposal with `parents`, `ops/tree.py`): the forward runs the n + 1 tree rows at once, each
-seeing the cache and its own ancestors; `ops.tree_verify` walks the tree greedily on the GPU (one readback),
-the accepted path's K/V are moved into place (`ops.kv_compact`, no readback) and the cache truncated. Trees
-are verified greedily only so far: a sampled generation gets a clear error, not an approximation.
+seeing the cache and its own ancestors; `ops.tree_verify` walks the tree on the GPU (one readback): greedily,
+or by recursive rejection over each row's children (deterministic drafts: one uniform per node, then the final
+draw), which keeps the target's distribution exactly. The accepted path's K/V are moved into place
+(`ops.kv_compact`, no readback) and the cache truncated.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import LogProbs, check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS, STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
 from doppler_py.ops.tree import MAX_TREE_ROWS, check_parents, compaction_moves, is_chain, layout_words
-from doppler_py.ops.tree_verify import TreeVerify, result_words
+from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
@@ -109,6 +110,7 @@ class SpeculativeEngine:
             target.logits,
             self.spec_tokens,
             target.tree,
+            self.randoms,
             self.tree_result,
             vocab=target.config.vocab_size,
         )
@@ -259,13 +261,12 @@ class SpeculativeEngine:
         return n
 
     def _tree_step(self, ctx: StepContext, proposal: Proposal, n: int, pos: int) -> StepOutcome:
-        """`step` for a token tree: one forward over its rows, the greedy walk on the GPU, one readback, then the
+        """`step` for a token tree: one forward over its rows, the walk on the GPU, one readback, then the
         accepted path's K/V moved into place."""
         name = self.drafter.name
-        if not ctx.params.greedy:
-            raise GenerationOptionError(
-                f"drafter {name!r} proposed a token tree, and trees are verified greedily (temperature 0) only so "
-                "far; use temperature 0 or a drafter without trees"
+        if proposal.draft_logits is not None:
+            raise InternalError(
+                f"drafter {name!r} proposed a tree with draft logits; tree nodes are verified as deterministic drafts"
             )
         if self.logprobs is not None:
             raise GenerationOptionError(f"drafter {name!r} proposed a token tree; log-probs are not given for trees")
@@ -274,13 +275,16 @@ class SpeculativeEngine:
         target, cache = self.target, ctx.target_cache
         self.clock.drafted()
         rows = n + 1
+        if not ctx.params.greedy:  # one test per node, then the final draw, whatever path the walk takes
+            u = np.array([ctx.rng.random() for _ in range(random_words(rows))], dtype=np.float32)
+            self.randoms.view((u.size,)).write(u)
         self.spec_tokens.view((rows,)).write(np.array([ctx.tokens[-1], *proposal.tokens], np.uint32))
         target.tree.view((rows, 2)).write(layout_words(proposal.parents))
         rec = self.registry.recorder()
         self.clock.stamp_verify(rec, done=False)
         rec.copy(self.spec_tokens, target.ids, 4 * rows)
         target.record_forward(rec, rows, cache, pos, logits="all", tree=True)
-        self._tree_verify.record(rec, rows)
+        self._tree_verify.record(rec, rows, ctx.params)
         self.clock.stamp_verify(rec, done=True)
         rec.submit()
         words = np.frombuffer(

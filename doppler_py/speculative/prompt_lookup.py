@@ -1,10 +1,10 @@
 """Prompt lookup: propose the continuation of the most recent earlier occurrence of the last n-gram.
 
 No model and no GPU work: the proposal is a host list, deterministic, so q is one-hot and the check stays exact.
-With `branches` > 1 and greedy decoding it proposes a token tree instead: the distinct continuations of several
+With `branches` > 1 it proposes a token tree instead: the distinct continuations of several
 earlier occurrences (the longest matching n-grams first, the most recent first) merged into one trie, the most
 recent continuation as its first chain. They cost no model work, and a tree row is verified in the same
-forward as a chain row.
+forward as a chain row. Siblings are distinct tokens, as the sampled tree verification requires.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class PromptLookupDrafter(NoOpHooks):
     continuations were mostly rejected, and requiring n >= 2 (up to 4) raised acceptance on the repeat,
     summarise and code prompts (e.g. repeat 0.92 → 0.98, summarise 0.29 → 0.75).
 
-    `branches`: how many distinct continuations a greedy step may propose as a token tree (1: always a chain).
+    `branches`: how many distinct continuations a step may propose as a token tree (1: always a chain).
     """
 
     name = "prompt-lookup"
@@ -64,7 +64,7 @@ class PromptLookupDrafter(NoOpHooks):
         return found[0] if found else []
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
-        if self.branches > 1 and ctx.params.greedy:
+        if self.branches > 1:
             found = self.continuations(ctx.tokens, k, self.branches)
             if len(found) > 1:
                 return trie_proposal(found, k)

@@ -1,4 +1,5 @@
-"""numpy references of token-tree verification and KV compaction (doppler_py/ops/tree_verify.py, kv_compact.py).
+"""numpy references of token-tree verification, KV compaction and a greedy drafter's branches
+(doppler_py/ops/tree_verify.py, kv_compact.py, top_tokens.py).
 
 Sampled verification of a tree of deterministic drafts (prompt lookup: each node is one token, q one-hot), the
 contract the GPU walk is to follow (`sampled_walk`; greedy is `greedy_walk`): recursive rejection sampling
@@ -69,6 +70,17 @@ def sampled_walk(
         accepted.append(int(tokens[chosen]))
         rows.append(chosen)
         node = chosen
+
+
+def top_tokens(logits: np.ndarray, count: int) -> np.ndarray:
+    """int64 [rows, count]: each row's `count` largest logits' indices, best first, the lowest index first among
+    equals and NaN ranked as -inf (the sampler's greedy order); padded with the vocabulary size."""
+    rows, vocab = logits.shape
+    out = np.full((rows, count), vocab, np.int64)
+    for r, row in enumerate(np.asarray(logits, np.float32)):
+        order = np.lexsort((np.arange(vocab), -np.where(np.isnan(row), -np.inf, row)))
+        out[r, : min(count, vocab)] = order[:count]
+    return out
 
 
 def apply_moves(cache: np.ndarray, start_pos: int, moves: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -32,20 +32,11 @@ from doppler_py.ops.speculative import (
 )
 from doppler_py.sampling import SamplingParams
 from doppler_py.testing.distribution import assert_histograms_converge, total_variation
-from doppler_py.testing.sampling_reference import (
-    clean_logits,
-    filtered_probs,
-    inverse_cdf,
-    mass_by_value,
-    scaled_weights,
-    top_k_mask,
-)
-from doppler_py.testing.verify_reference import accepts, residual, verify_reference
+from doppler_py.testing.float_margins import MARGIN, draws, less_than_decisions, top_p_near_tie
+from doppler_py.testing.sampling_reference import clean_logits, filtered_probs
+from doppler_py.testing.verify_reference import residual, verify_reference
 
 INF = np.inf
-MARGIN = 1e-5  # see the module docstring
-# A weight exp(s - max s) below ~1e-38 is 0 in float32 but not in the float64 reference.
-F32_UNDERFLOW = 1e-37
 
 
 @dataclass
@@ -94,30 +85,10 @@ class Verifier:
 
 
 # -- which outcomes float rounding allows ----------------------------------------------------------------------
-def top_p_near_tie(logits: np.ndarray, params: SamplingParams) -> bool:
-    """Whether top-p's kept mass lies within MARGIN of its target for some cut (the kept set is then unsure)."""
-    if params.greedy or np.float32(params.top_p) >= 1:
-        return False
-    x = clean_logits(logits)
-    _, masses = mass_by_value(x, scaled_weights(x, params.temperature), top_k_mask(x, params.top_k))
-    needed = np.float64(np.float32(params.top_p)) * masses[-1]
-    return bool(np.any(np.abs(masses - needed) < MARGIN * masses[-1]))
-
-
 def accept_decisions(p: np.ndarray, q: np.ndarray | None, token: int, u: float) -> set[bool]:
     if not 0 <= token < p.size:
         return {False}
-    lhs, rhs = u * (1.0 if q is None else q[token]), p[token]
-    larger = max(lhs, rhs)
-    if larger > 0 and (abs(lhs - rhs) <= MARGIN * larger or larger < F32_UNDERFLOW):
-        return {True, False}
-    return {accepts(p, q, token, u)}
-
-
-def draws(weights: np.ndarray, u: float) -> set[int]:
-    """inverse_cdf's answers for goals within MARGIN (in probability) of u * mass."""
-    mass = weights.sum()
-    return {inverse_cdf(weights, min(max(g, 0.0), 1.0)) for g in (u - MARGIN / mass, u, u + MARGIN / mass)}
+    return less_than_decisions(u * (1.0 if q is None else q[token]), p[token])
 
 
 def final_draws(p: np.ndarray, q: np.ndarray | None, token: int, u: float) -> set[int]:

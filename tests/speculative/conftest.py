@@ -55,8 +55,10 @@ def held_in_prompt(work, case: str) -> list[int]:
     return records[int(case)]["prompt_ids"]
 
 
-def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = 800) -> None:
-    """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target (T = 1.5, top-6)."""
+def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = 800, new_tokens: int = 2) -> int:
+    """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target (T = 1.5, top-6);
+    returns the number of token trees verified. Generations of `new_tokens` > 2 tokens let the first step
+    verify two drafts (a step never drafts past the last token asked for)."""
     import numpy as np
 
     from doppler_py.sampling import SamplingParams
@@ -67,7 +69,7 @@ def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = 800)
     prompt = list(prompt)
     params = SamplingParams(temperature=1.5, top_k=6)
     vocab = target.config.vocab_size
-    cache = target.new_cache(16)
+    cache = target.new_cache(len(prompt) + 2)
     p1 = filtered_probs(target.forward(prompt, cache, 0), params)
     joint = np.zeros((vocab, vocab))
     for t1 in np.flatnonzero(p1):
@@ -77,8 +79,12 @@ def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = 800)
 
     engine = SpeculativeEngine(target, drafter)
     counts = np.zeros_like(joint)
+    trees = 0
     for seed in range(trials):
-        t1, t2 = engine.generate(prompt, 2, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=2).tokens
+        result = engine.generate(prompt, new_tokens, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=2)
+        t1, t2 = result.tokens[:2]
         counts[t1, t2] += 1
+        trees += result.stats.tree_steps
     engine.close()
     assert_samples_follow(counts, joint)
+    return trees
