@@ -255,7 +255,8 @@ class Engine:
         `piece_logprobs` holds the entries of the tokens whose text each yielded piece completes (tokens with
         no text of their own, like an end-of-sequence token, come with the last piece or only in the result).
 
-        tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward).
+        tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward) or of
+        draft-model drafts (the draft's greedy chain plus its second-best tokens as side leaves).
         None: used when this device's measured verification costs say extra rows are nearly free
         (`policy.trees_pay`: GPUs, not CPU adapters); True: used; N: used with a node budget of N (k pinned
         to N); False: chains only. Sampled trees are verified exactly (recursive rejection over each node's
@@ -536,28 +537,26 @@ def load(
 
 
 WARMUP_MODES = ("now", "background")
-TREE_BRANCHES = 4  # continuations a prompt-lookup tree may hold
-
-
 def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None, logprobs):
-    """Set the engine's prompt-lookup drafter to propose trees or chains for this generation (see `stream`);
-    returns the draft length to pin (a tree's node budget, else `k`)."""
-    # Not inside "auto"'s head + lookup pair: after a tree step no consecutive feature rows are left for a head.
-    lookup = engine.drafter if isinstance(engine.drafter, PromptLookupDrafter) else None
+    """Set the engine's drafter to propose trees or chains for this generation (see `stream`); returns the draft
+    length to pin (a tree's node budget, else `k`)."""
+    # Drafters that can branch (prompt lookup, a draft model) say how many ways when trees are on. Not inside
+    # "auto"'s head + lookup pair: after a tree step no consecutive feature rows are left for a head.
+    brancher = engine.drafter if hasattr(engine.drafter, "tree_branches") else None
     if tree is None or tree is False:
         wanted = (
             tree is None
-            and lookup is not None
+            and brancher is not None
             and logprobs is None
             and trees_pay(engine.policy.costs, engine.policy.k_max + 1)
         )
     else:
         if not isinstance(tree, int) or (tree is not True and tree < 2):
             raise GenerationOptionError(f"tree must be None, True, False or a node budget >= 2, got {tree!r}")
-        if lookup is None:
+        if brancher is None:
             raise GenerationOptionError(
-                f"tree={tree!r} needs prompt-lookup drafts alone (speculative='prompt-lookup'); this generation "
-                f"drafts with {engine.drafter.name!r}"
+                f"tree={tree!r} needs prompt-lookup or draft-model drafts alone (speculative='prompt-lookup' or "
+                f"'draft-model'); this generation drafts with {engine.drafter.name!r}"
             )
         if logprobs is not None:
             raise GenerationOptionError("log-probs are not given for token trees: use tree=False with logprobs")
@@ -567,8 +566,8 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
                 raise GenerationOptionError(f"tree={tree} is a node budget (k = {tree}); it conflicts with k={k}")
             k = tree
         wanted = True
-    if lookup is not None:
-        lookup.branches = TREE_BRANCHES if wanted else 1
+    if brancher is not None:
+        brancher.branches = brancher.tree_branches if wanted else 1
     return k
 
 

@@ -8,6 +8,8 @@ residual). `ModelDrafter` is the loop shared by the draft-model and layer-skip d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from doppler_py.gpu.kernels import Recorder
@@ -82,19 +84,30 @@ class ModelDrafter(NoOpHooks):
         raise NotImplementedError
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
-        model, cache, pending = self.model, self.cache(ctx), self.pending(ctx)
         k = min(k, self.sampling.max_drafts)
-        if len(pending) + k - 1 > model.max_rows or cache.free < len(pending) + k:
+        if not self.draft(ctx, k, ctx.params):
             return NO_PROPOSAL
+        return Proposal(k, self.sampling.tokens, self.sampling.logits)
+
+    def draft(
+        self, ctx: StepContext, k: int, params: SamplingParams, last: Callable[[Recorder], None] | None = None
+    ) -> bool:
+        """Draft k tokens into `sampling` (False, and nothing run, when the cache or the rows cannot take them).
+        `last` records more work into the last draft's submit."""
+        model, cache, pending = self.model, self.cache(ctx), self.pending(ctx)
+        if len(pending) + k - 1 > model.max_rows or cache.free < len(pending) + k:
+            return False
         model.ids.view((len(pending),)).write(model.check_ids(pending))
         rows, pos = len(pending), cache.length
         for i in range(k):
             rec = model.registry.recorder()
             model.record_forward(rec, rows, cache, pos, logits="last", num_layers=self.num_layers)
-            self.sampling.record(rec, model, i, ctx.params)
+            self.sampling.record(rec, model, i, params)
+            if last is not None and i == k - 1:
+                last(rec)
             self.sampling.submit(rec, ctx.rng.random())
             pos, rows = pos + rows, 1
-        return Proposal(k, self.sampling.tokens, self.sampling.logits)
+        return True
 
     def close(self) -> None:
         self.finish()

@@ -29,6 +29,7 @@ class PromptLookupDrafter(NoOpHooks):
     """
 
     name = "prompt-lookup"
+    tree_branches = 4  # continuations a tree holds when trees are on
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, branches: int = 1):
         if not 1 <= min_ngram <= max_ngram:

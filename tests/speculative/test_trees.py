@@ -16,6 +16,7 @@ from doppler_py.ops.tree import layout_words, row_depths
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import PromptLookupDrafter
 from doppler_py.speculative.contract import NoOpHooks, Proposal
+from doppler_py.speculative.draft_model import DraftModelDrafter, matching_prefix, tree_proposal
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS
@@ -133,6 +134,71 @@ def test_sampled_prompt_lookup_trees_keep_the_targets_two_token_distribution(mod
     assert check_two_token_joint(models["target"], drafter, prompt=PROMPT, new_tokens=3) >= 800
 
 
+@pytest.mark.parametrize("draft", ["draft", "padded_draft", "target"])
+@pytest.mark.parametrize("k", [2, 5, 9])
+def test_greedy_draft_model_trees_are_plain_greedy_decoding(models, draft, k):
+    """The draft's chain plus its second-best tokens as side leaves: accepted side leaves leave the draft cache
+    behind the committed tokens, which it must catch up on. The target drafting for itself accepts its chain."""
+    target = models["target"]
+    plain = reference_decode(target, PROMPT, 40, GREEDY)
+    drafter = DraftModelDrafter(models[draft], 48, branches=DraftModelDrafter.tree_branches)
+    engine = SpeculativeEngine(target, drafter)
+    try:
+        result = engine.generate(PROMPT, 40, GREEDY, k=k)
+    finally:
+        engine.close()
+    assert result.tokens == plain
+    assert result.stats.tree_steps > 0
+    if draft == "target":
+        assert result.stats.accepted >= 40 - 2 * result.stats.steps
+
+
+class CheckedDraftModel(DraftModelDrafter):
+    """Holds every tree's chain to the draft model's own greedy continuation of the committed tokens (decoded
+    from scratch), so a draft cache left wrong after an accepted side leaf shows; counts those steps."""
+
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
+        self.side_steps = 0
+        self.chains = 0
+
+    def propose(self, ctx, k):
+        proposal = super().propose(ctx, k)
+        if self.chain is not None:
+            self.chains += 1
+            assert self.chain == reference_decode(self.model, ctx.tokens, len(self.chain), GREEDY)
+        return proposal
+
+    def commit(self, ctx, accepted):
+        if self.chain is not None and accepted:
+            path = ctx.tokens[len(ctx.tokens) - accepted - 1 : -1]
+            self.side_steps += matching_prefix(path, self.chain) < accepted
+        super().commit(ctx, accepted)
+
+
+def test_the_draft_cache_follows_an_accepted_side_leaf(models):
+    drafter = CheckedDraftModel(models["draft"], 48, branches=DraftModelDrafter.tree_branches)
+    engine = SpeculativeEngine(models["target"], drafter)
+    try:
+        engine.generate(PROMPT, 40, GREEDY, k=6)
+    finally:
+        engine.close()
+    assert drafter.side_steps > 0 and drafter.chains > 10
+
+
+def test_sampled_draft_model_trees_keep_the_targets_two_token_distribution(models):
+    drafter = DraftModelDrafter(models["draft"], 48, branches=DraftModelDrafter.tree_branches)
+    assert check_two_token_joint(models["target"], drafter, new_tokens=3) >= 800
+
+
+def test_draft_model_tree_gives_half_the_budget_to_the_chain_and_leaves_to_the_shallowest_depths():
+    best = np.array([[5, 6], [7, 8], [9, 10], [11, 48]])  # 48: no second token (a vocabulary of 48)
+    tree = tree_proposal(best, 7, 48)
+    assert tree.tokens == [5, 7, 9, 11, 6, 8, 10] and tree.parents == [-1, 0, 1, 2, -1, 0, 1]
+    assert tree_proposal(best, 9, 48).tokens == [5, 7, 9, 11, 6, 8, 10]  # nothing past the vocabulary
+    assert tree_proposal(best[:1], 1, 48).parents is None  # no room for a leaf: a chain
+
+
 def test_lookup_trie_keeps_the_likeliest_continuation_as_its_first_chain():
     drafter = PromptLookupDrafter(branches=3)
     tokens = [5, 6, 1, 2, 5, 6, 3, 4, 5, 6, 7, 8, 5, 6]
@@ -181,7 +247,7 @@ def test_api_trees_keep_greedy_output_and_refuse_what_they_cannot_do(api_engine)
         api_engine.generate(prompt, tree=6, k=3, **options)
     with pytest.raises(GenerationOptionError, match="node budget"):
         api_engine.generate(prompt, tree=1, **options)
-    with pytest.raises(GenerationOptionError, match="prompt-lookup drafts alone"):
+    with pytest.raises(GenerationOptionError, match="draft-model drafts alone"):
         api_engine.generate(prompt, tree=True, max_tokens=4, speculative="layer-skip", chat=False)
     # Unmeasured or CPU-like costs: "auto" (None) stays on chains.
     api_engine.speculative_engine("prompt-lookup").policy.costs.verify.update({1: 1.0e-3, 17: 9.0e-3})
