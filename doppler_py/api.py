@@ -537,6 +537,8 @@ def load(
 
 
 WARMUP_MODES = ("now", "background")
+
+
 def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None, logprobs):
     """Set the engine's drafter to propose trees or chains for this generation (see `stream`); returns the draft
     length to pin (a tree's node budget, else `k`)."""

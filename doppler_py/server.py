@@ -9,9 +9,10 @@ Every response carries `usage` and a `doppler` object with the speculation figur
 
 `stop` (a string or up to 4) ends the text before the first stop string, with finish_reason "stop"; streamed
 text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto", "prompt-lookup",
-"draft-model", "layer-skip", "none") and `k` (pinned draft length). Options a request leaves out take the
-server's defaults (the `serve` command's flags). Features that would silently change results (n > 1,
-penalties, tools) are refused with 400 rather than ignored.
+"draft-model", "layer-skip", "eagle", "medusa", "none"), `k` (pinned draft length) and `tree` (true, false,
+"auto" or a node budget: token trees of prompt-lookup or draft-model drafts, `Engine.stream`'s `tree`).
+Options a request leaves out take the server's defaults (the `serve` command's flags). Features that would
+silently change results (n > 1, penalties, tools) are refused with 400 rather than ignored.
 
 Log-probabilities: chat `"logprobs": true` with `top_logprobs` 0..20, completions `"logprobs": N` (0..20),
 answered in OpenAI's shapes, streamed chunks included (each carries its own tokens' entries). They are the
@@ -151,6 +152,20 @@ def _int_field(body: dict, name: str, low: int, high: int) -> int | None:
     return value
 
 
+def _tree_field(body: dict) -> bool | int | str | None:
+    """`tree`: true, false, "auto" (the server's default, as if left out) or a node budget N >= 2."""
+    tree = body.get("tree")
+    if tree is None or tree == "auto" or isinstance(tree, bool):
+        return tree
+    if isinstance(tree, int) and 2 <= tree <= MAX_DRAFT_TOKENS:
+        return tree
+    raise RequestError(
+        400,
+        f"'tree' must be true, false, \"auto\" or a node budget in 2..{MAX_DRAFT_TOKENS}, got {_describe(tree)}",
+        param="tree",
+    )
+
+
 def _stop_field(body: dict) -> list[str] | None:
     stop = body.get("stop")
     if stop is None or stop == [] or stop == "":  # what clients send to mean "no stop strings"
@@ -198,10 +213,13 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
         "seed": _field(body, "seed", (int,), "an integer"),
         "speculative": speculative,
         "k": _int_field(body, "k", 1, MAX_DRAFT_TOKENS),
+        "tree": _tree_field(body),
         "stop": _stop_field(body),
         "logprobs": logprobs,
     }
     options = dict(defaults) | {name: value for name, value in given.items() if value is not None}
+    if options.get("tree") == "auto":
+        options["tree"] = None  # the engine's policy decides
     sampling = {name: options[name] for name in ("temperature", "top_k", "top_p", "seed") if name in options}
     try:
         SamplingParams(**sampling)  # the engine's own checks, before the request waits for the GPU

@@ -134,6 +134,18 @@ def test_completion_returns_text_usage_and_speculation_figures(client):
     assert body["usage"]["prompt_tokens"] == len("Once upon")  # no chat template: one token per character
 
 
+def test_a_tree_request_gives_the_chain_requests_greedy_text(client, engine):
+    body = {"model": "tiny-chat0", "prompt": "abcabdabcabeabcab", "max_tokens": 16, "speculative": "prompt-lookup"}
+    texts = []
+    for tree in (False, True, 6, "auto"):
+        response = client.post("/v1/completions", json=body | {"tree": tree})
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["text"])
+        if tree is True:
+            assert engine.last_result.stats["tree_steps"] > 0
+    assert len(set(texts)) == 1
+
+
 def test_chat_completion_renders_the_chat_template(client, engine):
     response = client.post("/v1/chat/completions", json={"messages": STORY, "max_tokens": 8})
     assert response.status_code == 200, response.text
@@ -247,6 +259,9 @@ BAD_REQUESTS = {
     "k-huge": (DONE, {"prompt": "hi", "k": 1000}, 400, "'k'"),
     "speculative-unknown": (DONE, {"prompt": "hi", "speculative": "magic"}, 400, "speculative"),
     "draft-model-without-draft": (DONE, {"prompt": "hi", "speculative": "draft-model"}, 400, "draft"),
+    "tree-one-node": (DONE, {"prompt": "hi", "tree": 1}, 400, "'tree'"),
+    "tree-string": (DONE, {"prompt": "hi", "tree": "yes"}, 400, "'tree'"),
+    "tree-with-layer-skip": (DONE, {"prompt": "hi", "tree": True, "speculative": "layer-skip"}, 400, "tree"),
     "stream-not-bool": (DONE, {"prompt": "hi", "stream": "yes"}, 400, "'stream'"),
     "n-above-one": (DONE, {"prompt": "hi", "n": 2}, 400, "'n' is not supported"),
     "stop-too-many": (CHAT, {"messages": STORY, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
