@@ -5,7 +5,8 @@
 For every weight format and prompt kind, each repeat runs every method once, one after another, so machine
 noise hits all methods alike; the table reports medians and the speedup of each method over plain decoding of
 the same model measured in the same run, then each group's geometric mean and worst prompt. Greedy decoding
-(so all methods produce the same text); a second pass reports acceptance at --sampled-temperature.
+(so all methods produce the same text); a second pass reports acceptance at --sampled-temperature (every
+drafter on the open-ended prompts, the lookup methods, chains and trees, on the copy-heavy ones too).
 Peers (HF transformers on torch CPU, plain and with its prompt lookup) run on the same prompts when installed.
 """
 
@@ -106,7 +107,7 @@ PROMPTS = {
     ),
 }
 METHODS = ("plain", "prompt-lookup", "lookup-tree", "eagle", "medusa", "auto")
-# Token trees of prompt-lookup drafts (greedy only): against "prompt-lookup" (chains) at the same draft budget;
+# Token trees of prompt-lookup drafts: against "prompt-lookup" (chains) at the same draft budget;
 # with --k both verify the same rows per step (the tree's node budget is k).
 TREE_METHODS = {"lookup-tree": "prompt-lookup"}
 
@@ -247,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
                             f"accept {row['acceptance_rate']:.2f} tok/step {row['tokens_per_step']:.2f}",
                             file=sys.stderr,
                         )
-            if args.sampled_temperature > 0:
-                for prompt in (p for p in prompts if PROMPTS[p][0] == OPEN_ENDED):
-                    for method in (m for m in methods if m != "plain" and m not in TREE_METHODS):
-                        row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, args.sampled_temperature)
-                        sampled.append({"weights": weight, "prompt": prompt, "method": method} | row)
+            if args.sampled_temperature > 0:  # every drafter on open-ended prompts, lookup's on copy-heavy ones too
+                for prompt, method in (
+                    (p, m)
+                    for p in prompts
+                    for m in methods
+                    if m != "plain" and (PROMPTS[p][0] == OPEN_ENDED or m in (*TREE_METHODS, *TREE_METHODS.values()))
+                ):
+                    row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, args.sampled_temperature, k=args.k)
+                    sampled.append({"weights": weight, "prompt": prompt, "method": method} | row)
     peers: dict[str, dict[str, list[dict]]] = {}
     peer = load_peer(args.threads) if args.peers else None
     if peer is not None:
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             cost = row["draft_cost_vs_plain_step"]
             print(f"eagle {row['prompt']:10s} acceptance by position {row['acceptance_by_position']} draft cost {cost}")
     if sampled:
-        print(f"\nT = {args.sampled_temperature}: acceptance on the open-ended prompts")
+        print(f"\nT = {args.sampled_temperature}: acceptance (open-ended prompts; lookup methods on copy-heavy too)")
         for row in sampled:
             print(
                 f"{row['weights']:12s} {row['prompt']:10s} {row['method']:14s} accept {row['acceptance_rate']:.2f} "
