@@ -55,7 +55,12 @@ def held_in_prompt(work, case: str) -> list[int]:
     return records[int(case)]["prompt_ids"]
 
 
-def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = 800, new_tokens: int = 2) -> int:
+# Generations per joint-distribution check: enough to catch a wrongly wired verification (stale or misplaced
+# uniforms, a wrong residual); the kernels' own statistical tests hold the sampling itself at higher power.
+JOINT_TRIALS = 500
+
+
+def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = JOINT_TRIALS, new_tokens: int = 2) -> int:
     """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target (T = 1.5, top-6);
     returns the number of token trees verified. Generations of `new_tokens` > 2 tokens let the first step
     verify two drafts (a step never drafts past the last token asked for)."""
