@@ -75,7 +75,7 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
         type=_tree_option,
         default=None,
         metavar="auto|on|off|N",
-        help="token trees of prompt-lookup or draft-model drafts: auto (default: where extra rows are nearly free), "
+        help="token trees of lookup, draft-model or EAGLE drafts: auto (default: where extra rows are nearly free), "
         "on, off, or a node budget N",
     )
     group.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")

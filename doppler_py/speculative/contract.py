@@ -70,7 +70,8 @@ class Proposal:
     parents         the tree shape, one parent index per node (-1: the last committed token), each before its
                     children; None is a chain (node i's parent is i-1). A tree (`ops/tree.py`) comes from host
                     tokens, with distinct tokens among siblings and no draft_logits (its nodes are verified as
-                    deterministic drafts); after a tree step ctx.hidden_rows is 0.
+                    deterministic drafts); after a tree step ctx.hidden holds the root's and the accepted
+                    path's rows, in order, as after a chain.
     """
 
     count: int

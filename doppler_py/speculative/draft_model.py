@@ -1,37 +1,24 @@
 """A smaller model with the target's vocabulary drafting on the GPU with its own KV cache.
 
-With `branches` > 1 it proposes a token tree: its greedy chain (each draft the best token of the draft's row),
-plus, as sibling leaves at the shallowest depths, the next `branches - 1` best tokens of those rows
-(`ops.top_tokens`, read back with the chain: one small readback per step). Half the node budget goes to the
-chain, half to the leaves. The nodes are deterministic given the context, so the tree is verified exactly at
-any temperature (`ops.tree_verify`).
+With `branches` > 1 it proposes a token tree (`gpu_drafting.TreeBranches`): its greedy chain plus each draft
+row's second-best token as a side leaf.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
-from doppler_py.gpu.tensor import Tensor
+from doppler_py.errors import VocabularyMismatchError
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
-from doppler_py.ops.top_tokens import TopTokens
-from doppler_py.ops.tree import MAX_TREE_ROWS
-from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import ModelDrafter
+from doppler_py.speculative.gpu_drafting import GREEDY, Branching, ModelDrafter, TreeBranches
 
 # Draft and target vocabularies may differ by this many padding rows (e.g. 49152 vs 49280).
 MAX_VOCAB_PADDING = 1024
 
 
-TREE_BRANCHES = 2  # tokens per depth of a draft-model tree when trees are on (the chain's and one sibling)
-GREEDY = SamplingParams()
-
-
-class DraftModelDrafter(ModelDrafter):
+class DraftModelDrafter(Branching, ModelDrafter):
     """Keeps its own cache in step with the committed tokens: it consumes them lazily before drafting and
     truncates what it drafted past the accepted prefix.
 
@@ -39,47 +26,24 @@ class DraftModelDrafter(ModelDrafter):
     temperature; more: greedy trees, module docstring)."""
 
     name = "draft-model"
-    tree_branches = TREE_BRANCHES
 
     def __init__(self, draft: Transformer, target_vocab: int, branches: int = 1):
         check_vocabularies(draft.config.vocab_size, target_vocab)
         super().__init__(draft, target_vocab)
         self.draft_cache: KVCache | None = None
         self.consumed = 0  # committed tokens in the draft cache
-        self.branches = branches
+        self.branching = TreeBranches(self.sampling, branches)
         self.chain: list[int] | None = None  # the last tree's chain (None: the last proposal was a GPU chain)
-        self.top_ids = Tensor.empty(draft.gpu, self.sampling.max_drafts * TREE_BRANCHES, "u32", "draft top tokens")
-        self.top = TopTokens(
-            draft.registry,
-            self.sampling.logits,
-            self.top_ids,
-            vocab=target_vocab,
-            max_rows=self.sampling.max_drafts,
-            count=TREE_BRANCHES,
-        )
-
-    @property
-    def branches(self) -> int:
-        return self._branches
-
-    @branches.setter
-    def branches(self, value: int) -> None:
-        if value not in (1, TREE_BRANCHES):
-            raise GenerationOptionError(f"a draft-model tree has 1 or {TREE_BRANCHES} branches per depth, got {value}")
-        self._branches = value
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         self.chain = None
         if self.branches == 1 or k < 2:
             return super().propose(ctx, k)
-        depth = min(k - k // 2, self.sampling.max_drafts)  # the chain; the rest of the budget are leaves
-        if not self.draft(ctx, depth, GREEDY, last=lambda rec: self.top.record(rec, depth)):
+        depth = self.branching.chain_length(k)
+        if not self.draft(ctx, depth, GREEDY, last=lambda rec: self.branching.record(rec, depth)):
             return NO_PROPOSAL
-        best = np.frombuffer(
-            self.model.gpu.queue.read_buffer(self.top_ids.buffer, 0, 4 * depth * TREE_BRANCHES), np.uint32
-        ).reshape(depth, TREE_BRANCHES)
-        self.chain = best[:, 0].tolist()
-        return tree_proposal(best, k, self.sampling.vocab)
+        proposal, self.chain = self.branching.read(depth, k)
+        return proposal
 
     def cache(self, ctx: StepContext) -> KVCache:
         return self.draft_cache
@@ -123,8 +87,7 @@ class DraftModelDrafter(ModelDrafter):
 
     def close(self) -> None:
         super().close()
-        self.top.release(self.model.registry)
-        self.model.registry.release_tensors(self.top_ids)
+        self.branching.close()
 
 
 def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -133,23 +96,6 @@ def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-def tree_proposal(best: np.ndarray, budget: int, vocab: int) -> Proposal:
-    """A tree of at most `budget` nodes from `best` [depth, branches] (each draft row's best tokens in order):
-    the chain best[:, 0] (nodes 0..depth-1, node i under node i - 1), then, depth by depth from the root, the
-    other tokens of each row as leaves beside the chain's node, while the budget lasts."""
-    depth = best.shape[0]
-    tokens = best[:, 0].tolist()
-    parents = list(range(-1, depth - 1))
-    for i in range(depth):
-        for token in best[i, 1:].tolist():
-            if len(tokens) < min(budget, MAX_TREE_ROWS - 1) and token < vocab:
-                tokens.append(token)
-                parents.append(i - 1)
-    if len(tokens) == depth:
-        return Proposal(depth, tokens)
-    return Proposal(len(tokens), tokens, parents=parents)
 
 
 def check_vocabularies(draft_vocab: int, target_vocab: int) -> None:

@@ -10,6 +10,9 @@ token after that over a reduced draft vocabulary (the N most frequent target tok
 
 The first draft comes from the pairs of the rows the target just verified; each further draft feeds back the
 head's own `out` as the next feature with the token it just sampled. Nothing returns to the host while drafting.
+With `branches` > 1 it proposes a token tree (`gpu_drafting.TreeBranches`): its greedy chain plus each draft
+row's second-best token as a side leaf, read back once; after a tree step the target's features of the
+accepted path are moved into consecutive rows (the engine), so the head consumes them as after a chain.
 
 A head folder (written by `doppler_py.training.eagle`):
     config.json, model.safetensors   the decoder layer, its norm and the LM head as a one-layer LLaMA whose
@@ -37,8 +40,9 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import Linear
 from doppler_py.ops.vocab_scatter import VocabScatter
+from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import DraftSampler
+from doppler_py.speculative.gpu_drafting import GREEDY, Branching, DraftSampler, TreeBranches
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
 from doppler_py.tokenizer import Tokenizer
 
@@ -114,7 +118,7 @@ def load_head(
     )
 
 
-class EagleDrafter:
+class EagleDrafter(Branching):
     """Drafts with an `EagleHead` on the GPU (see the module docstring)."""
 
     name = "eagle"
@@ -138,6 +142,7 @@ class EagleDrafter:
         )  # fmt: skip
         self.fc_own = Linear(registry, head.fc_feature, self.features, model.x, max_rows=1, accumulate=True)
         self.sampling = DraftSampler(model, target.config.vocab_size)
+        self.branching = TreeBranches(self.sampling)
         self.scatter = VocabScatter(registry, model.logits, head.draft_to_target, self.sampling.row)
         self.cache: KVCache | None = None
         self.consumed = 0  # pairs (f_p, t_{p+1}) in the head cache: positions 0..consumed-1
@@ -179,6 +184,17 @@ class EagleDrafter:
         k = min(k, self.sampling.max_drafts)
         if self.consumed == 0 or self.consumed != m or self.cache.free < k:
             return NO_PROPOSAL
+        if self.branches > 1 and k >= 2:  # a tree: the greedy chain plus second-best leaves
+            depth = self.branching.chain_length(k)
+            self._draft(ctx, depth, GREEDY, tree=True)
+            return self.branching.read(depth, k)[0]
+        self._draft(ctx, k, ctx.params, tree=False)
+        return Proposal(k, self.sampling.tokens, self.sampling.logits)
+
+    def _draft(self, ctx: StepContext, k: int, params: SamplingParams, *, tree: bool) -> None:
+        """Draft k tokens into `sampling`, one submit each; with `tree`, the last also finds each row's best
+        tokens."""
+        m = len(ctx.tokens) - 1
         model, hidden = self.head.model, self.target.config.hidden_size
         for i in range(k):
             rec = model.registry.recorder()
@@ -190,9 +206,10 @@ class EagleDrafter:
                 model.record_forward(rec, 1, self.cache, m + i - 1, logits="last", embedded=True)
                 self.out_row = 0
             self.scatter.record(rec)  # the draft-vocabulary logits over the target's vocabulary
-            self.sampling.record_pick(rec, model.ids, i, ctx.params)
+            self.sampling.record_pick(rec, model.ids, i, params)
+            if tree and i == k - 1:
+                self.branching.record(rec, k)
             self.sampling.submit(rec, ctx.rng.random())
-        return Proposal(k, self.sampling.tokens, self.sampling.logits)
 
     def finish(self) -> None:
         if self.cache is not None:
@@ -203,5 +220,6 @@ class EagleDrafter:
     def close(self) -> None:
         self.finish()
         self.scatter.release(self.target.registry)
+        self.branching.close()
         self.sampling.close()
         self.target.registry.release_tensors(self.emb, self.features)

@@ -105,6 +105,9 @@ class SpeculativeEngine:
         # Made now, not at the first token tree: the tree policy may switch trees on mid-session, and a steady
         # engine allocates nothing per generation (tests/reliability/test_resources.py).
         self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
+        # The accepted path's feature rows on their way to rows 1, 2, ... of target.x (a copy may not read and
+        # write one buffer).
+        self.tree_features = Tensor.empty(gpu, (MAX_TREE_ROWS, target.config.hidden_size), "f32", "tree features")
         self._tree_verify = TreeVerify(
             self.registry,
             target.logits,
@@ -297,13 +300,27 @@ class SpeculativeEngine:
         if moves:
             rec = self.registry.recorder()
             target.compact(rec, cache, pos, moves)
+            self._compact_features(rec, moves)
             rec.submit()
         cache.truncate(pos + 1 + accepted)
         new = [*path_tokens, final]
         ctx.tokens.extend(new)
-        ctx.hidden_rows = 0  # the kept rows are not consecutive rows of the target's activations
+        ctx.hidden_rows = accepted + 1  # the root's and the accepted path's features, as after a chain
         self.drafter.commit(ctx, accepted)
         return StepOutcome(new, n, accepted, False, tree=True)
+
+    def _compact_features(self, rec: Recorder, moves: list[tuple[int, int]]) -> None:
+        """Move the accepted path's rows of target.x (the final residual stream a head drafts from) into place,
+        through `tree_features`, as the K/V rows are moved."""
+        row_bytes = 4 * self.target.config.hidden_size
+        for src, dst in moves:
+            rec.copy(
+                self.target.x, self.tree_features, row_bytes, src_offset=src * row_bytes, dst_offset=dst * row_bytes
+            )
+        for _, dst in moves:
+            rec.copy(
+                self.tree_features, self.target.x, row_bytes, src_offset=dst * row_bytes, dst_offset=dst * row_bytes
+            )
 
     def _verifier(self, draft_logits: Tensor | None) -> _Verifier:
         key = None if draft_logits is None else id(draft_logits.buffer)
@@ -550,7 +567,13 @@ class SpeculativeEngine:
             self._logprob_op.release(self.registry)
         self._tree_verify.release(self.registry)
         self.registry.release_tensors(
-            self.spec_tokens, self.randoms, self.result, self.batch_randoms, self.batch_out, self.tree_result
+            self.spec_tokens,
+            self.randoms,
+            self.result,
+            self.batch_randoms,
+            self.batch_out,
+            self.tree_result,
+            self.tree_features,
         )
         self.clock.close()
         self.closed = True

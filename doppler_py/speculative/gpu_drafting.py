@@ -12,12 +12,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.kernels import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
+from doppler_py.ops.top_tokens import TopTokens
+from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
 
@@ -64,6 +67,95 @@ class DraftSampler:
     def close(self) -> None:
         self.registry.release_slot(self.sampler.bound.params)
         self.registry.release_tensors(self.row, self.u, self.pick, self.tokens, self.logits)
+
+
+TREE_BRANCHES = 2  # tokens per depth of a drafter's tree when trees are on (the chain's and one sibling)
+GREEDY = SamplingParams()
+
+
+class TreeBranches:
+    """A GPU drafter's token trees: its greedy chain (each draft the best token of its row), plus each row's
+    second-best token as a side leaf at the shallowest depths, read back with the chain (`ops.top_tokens`: one
+    small readback per step). Half the node budget goes to the chain, half to the leaves. The nodes are
+    deterministic given the context, so the tree is verified exactly at any temperature (`ops.tree_verify`).
+
+    `branches`: 1 (chains) or TREE_BRANCHES (trees), set per generation (`api.use_trees`)."""
+
+    def __init__(self, sampling: DraftSampler, branches: int = 1):
+        self.sampling = sampling
+        self.branches = branches
+        self.top_ids = Tensor.empty(
+            sampling.registry.gpu, sampling.max_drafts * TREE_BRANCHES, "u32", "draft top tokens"
+        )
+        self.top = TopTokens(
+            sampling.registry,
+            sampling.logits,
+            self.top_ids,
+            vocab=sampling.vocab,
+            max_rows=sampling.max_drafts,
+            count=TREE_BRANCHES,
+        )
+
+    @property
+    def branches(self) -> int:
+        return self._branches
+
+    @branches.setter
+    def branches(self, value: int) -> None:
+        if value not in (1, TREE_BRANCHES):
+            raise GenerationOptionError(f"a drafter's tree has 1 or {TREE_BRANCHES} branches per depth, got {value}")
+        self._branches = value
+
+    def chain_length(self, budget: int) -> int:
+        return min(budget - budget // 2, self.sampling.max_drafts)
+
+    def record(self, rec: Recorder, depth: int) -> None:
+        """Record the top tokens of the chain's `depth` rows (into the last draft's submit)."""
+        self.top.record(rec, depth)
+
+    def read(self, depth: int, budget: int) -> tuple[Proposal, list[int]]:
+        """The tree of at most `budget` nodes, and its chain, once the drafts are done."""
+        best = np.frombuffer(
+            self.sampling.registry.gpu.queue.read_buffer(self.top_ids.buffer, 0, 4 * depth * TREE_BRANCHES), np.uint32
+        ).reshape(depth, TREE_BRANCHES)
+        return tree_proposal(best, budget, self.sampling.vocab), best[:, 0].tolist()
+
+    def close(self) -> None:
+        self.top.release(self.sampling.registry)
+        self.sampling.registry.release_tensors(self.top_ids)
+
+
+class Branching:
+    """For a drafter holding a `TreeBranches` as `branching`: how many ways it branches (`api.use_trees` sets
+    `branches` to `tree_branches` when trees are on, to 1 when not)."""
+
+    tree_branches = TREE_BRANCHES
+    branching: TreeBranches
+
+    @property
+    def branches(self) -> int:
+        return self.branching.branches
+
+    @branches.setter
+    def branches(self, value: int) -> None:
+        self.branching.branches = value
+
+
+def tree_proposal(best: np.ndarray, budget: int, vocab: int) -> Proposal:
+    """A tree of at most `budget` nodes from `best` [depth, branches] (each draft row's best tokens in order):
+    the chain best[:, 0] (nodes 0..depth-1, node i under node i - 1), then, depth by depth from the root, the
+    other tokens of each row as leaves beside the chain's node, while the budget lasts."""
+    depth = best.shape[0]
+    tokens = best[:, 0].tolist()
+    parents = list(range(-1, depth - 1))
+    for i in range(depth):
+        for token in best[i, 1:].tolist():
+            if len(tokens) < min(budget, MAX_TREE_ROWS - 1) and token < vocab:
+                tokens.append(token)
+                parents.append(i - 1)
+    if len(tokens) == depth:
+        return Proposal(depth, tokens)
+    return Proposal(len(tokens), tokens, parents=parents)
 
 
 class ModelDrafter(NoOpHooks):

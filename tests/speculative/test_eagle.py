@@ -89,6 +89,21 @@ def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(models,
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
 
 
+@pytest.mark.parametrize(("case", "k"), [("1", 4), ("long", 8)])
+def test_greedy_eagle_trees_equal_plain_greedy(models, head, head_dir, case, k):
+    """The head's greedy chain plus its second-best tokens as leaves; after each tree step it drafts on from the
+    accepted path's features, moved into place by the engine."""
+    target = models["target"]
+    prompt = held_in_prompt(head_dir.parent / "work", case)
+    drafter = EagleDrafter(target, head)
+    drafter.branches = drafter.tree_branches
+    engine = SpeculativeEngine(target, drafter)
+    result = engine.generate(prompt, 40, GREEDY, k=k)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
+    assert result.stats.tree_steps > 0 and result.stats.accepted > 0
+
+
 def test_sampled_output_keeps_the_target_joint_distribution(models, head):
     check_two_token_joint(models["target"], EagleDrafter(models["target"], head))
 

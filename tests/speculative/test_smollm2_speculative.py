@@ -79,9 +79,19 @@ OPEN_ENDED = [
 ]
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts(setup, kind, k):
+@pytest.mark.parametrize(
+    ("kind", "k", "tree"),
+    [
+        ("eagle", 1, False),
+        ("eagle", 3, False),
+        ("eagle", 8, False),
+        ("eagle", 8, True),  # the head's chain plus second-best leaves
+        ("medusa", 1, False),
+        ("medusa", 4, False),
+        ("medusa", 8, False),
+    ],
+)
+def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts(setup, kind, k, tree):
     from doppler_py.model.catalog import known_head
 
     if known_head(DEFAULT_MODEL, kind) is None:
@@ -90,6 +100,8 @@ def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts
     heads = {"eagle": lambda: load_head(known_head(DEFAULT_MODEL, "eagle"), target, "q4_1"),
              "medusa": lambda: load_medusa(known_head(DEFAULT_MODEL, "medusa"), target, "q4_1")}[kind]()  # fmt: skip
     drafter = {"eagle": EagleDrafter, "medusa": MedusaDrafter}[kind](target, heads)
+    if tree:
+        drafter.branches = drafter.tree_branches
     engine = SpeculativeEngine(target, drafter)
     for prompt in OPEN_ENDED:
         ids = encode(prompt)
@@ -97,5 +109,6 @@ def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts
         result = engine.generate(ids, NEW_TOKENS, SamplingParams(), k=k)
         assert result.tokens == plain, prompt
         assert result.stats.drafted > 0
+        assert result.stats.tree_steps > 0 or not tree
     engine.close()
     heads.close()

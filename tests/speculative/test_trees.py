@@ -16,8 +16,9 @@ from doppler_py.ops.tree import layout_words, row_depths
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import PromptLookupDrafter
 from doppler_py.speculative.contract import NoOpHooks, Proposal
-from doppler_py.speculative.draft_model import DraftModelDrafter, matching_prefix, tree_proposal
+from doppler_py.speculative.draft_model import DraftModelDrafter, matching_prefix
 from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.gpu_drafting import tree_proposal
 from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS
 
@@ -125,6 +126,41 @@ def test_accepted_side_branches_are_moved_into_place(tiny_model, name):
     assert result.tokens == plain
     assert result.stats.accepted > 20 and len(moves) > 5 and max(moves) >= 3
     assert result.stats.tree_steps == len(moves) and result.stats.as_dict()["tree_steps"] == len(moves)
+
+
+class FeatureCheckingOracle(SideBranchOracle):
+    """After every step, ctx.hidden must hold the features a chain over the committed tokens gives: the root's
+    and the accepted path's rows, in order (moved into place after a side branch), as a head reads them."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.checked = 0
+
+    def commit(self, ctx, accepted):
+        model, rows = ctx.target, ctx.hidden_rows
+        assert rows == accepted + 1
+        got = ctx.hidden.numpy()[:rows]
+        cache = model.new_cache(len(ctx.tokens))
+        before = ctx.tokens[: -1 - rows]
+        for begin in range(0, len(before), model.max_rows):
+            model.forward(before[begin : begin + model.max_rows], cache, begin, logits="none")
+        model.forward(ctx.tokens[-1 - rows : -1], cache, len(before), logits="none")
+        want = ctx.hidden.numpy()[:rows]
+        model.release_cache(cache)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        self.checked += accepted > 0
+
+
+def test_after_a_tree_step_the_features_are_the_accepted_paths_in_order(tiny_model):
+    model = tiny_model(TINY_SPECS["llama-tied-gqa"], max_rows=32)
+    plain = reference_decode(model, PROMPT, 30, GREEDY)
+    drafter = FeatureCheckingOracle(plain, len(PROMPT), model.config.vocab_size)
+    engine = SpeculativeEngine(model, drafter)
+    try:
+        assert engine.generate(PROMPT, 30, GREEDY, k=6).tokens == plain
+    finally:
+        engine.close()
+    assert drafter.checked > 5
 
 
 def test_sampled_prompt_lookup_trees_keep_the_targets_two_token_distribution(models):
@@ -247,7 +283,7 @@ def test_api_trees_keep_greedy_output_and_refuse_what_they_cannot_do(api_engine)
         api_engine.generate(prompt, tree=6, k=3, **options)
     with pytest.raises(GenerationOptionError, match="node budget"):
         api_engine.generate(prompt, tree=1, **options)
-    with pytest.raises(GenerationOptionError, match="draft-model drafts alone"):
+    with pytest.raises(GenerationOptionError, match="EAGLE drafts alone"):
         api_engine.generate(prompt, tree=True, max_tokens=4, speculative="layer-skip", chat=False)
     # Unmeasured or CPU-like costs: "auto" (None) stays on chains.
     api_engine.speculative_engine("prompt-lookup").policy.costs.verify.update({1: 1.0e-3, 17: 9.0e-3})
