@@ -106,10 +106,11 @@ PROMPTS = {
         [{"role": "user", "content": "Write a short dialogue between a librarian and a student who lost a book."}],
     ),
 }
-METHODS = ("plain", "prompt-lookup", "lookup-tree", "eagle", "medusa", "auto")
-# Token trees of prompt-lookup drafts: against "prompt-lookup" (chains) at the same draft budget;
-# with --k both verify the same rows per step (the tree's node budget is k).
-TREE_METHODS = {"lookup-tree": "prompt-lookup"}
+METHODS = ("plain", "prompt-lookup", "lookup-tree", "eagle", "eagle-tree", "medusa", "auto")
+# Token trees: each against its drafter's chains at the same draft budget; with --k both verify the same rows
+# per step (the tree's node budget is k).
+TREE_METHODS = {"lookup-tree": "prompt-lookup", "eagle-tree": "eagle"}
+LOOKUP_METHODS = ("prompt-lookup", "lookup-tree")
 
 
 def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0, k: int | None = None) -> dict:
@@ -230,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     for weight in weights:
         with doppler_py.load(weights=weight, progress=False, max_seq=1024, draft_head=args.draft_head) as engine:
             methods = args.methods.split(",")
-            missing = [m for m in methods if m in ("eagle", "medusa") and m not in engine.heads]
+            missing = [
+                m
+                for m in methods
+                if (kind := TREE_METHODS.get(m, m)) in ("eagle", "medusa") and kind not in engine.heads
+            ]
             if missing:  # heads come from the catalog (shipped with the package) or --draft-head
                 print(f"[{weight}] no {' or '.join(missing)} head for this model: skipping it", file=sys.stderr)
                 methods = [m for m in methods if m not in missing]
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     (p, m)
                     for p in prompts
                     for m in methods
-                    if m != "plain" and (PROMPTS[p][0] == OPEN_ENDED or m in (*TREE_METHODS, *TREE_METHODS.values()))
+                    if m != "plain" and (PROMPTS[p][0] == OPEN_ENDED or m in LOOKUP_METHODS)
                 ):
                     row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, args.sampled_temperature, k=args.k)
                     sampled.append({"weights": weight, "prompt": prompt, "method": method} | row)
