@@ -3,6 +3,16 @@
 The sampler and verification kernels compare float quantities with thresholds: a weight over a sum against a
 uniform draw, a running mass against a goal, a kept mass against top-p's target. Each is off by ~1e-6
 relatively on the GPU (WGSL's `exp` and division are a few ulp off), so a comparison within MARGIN = 1e-5
+# The option sets the verification tests sweep: greedy, plain temperatures, top-k, top-p and both.
+SWEPT_OPTIONS = [
+    {"temperature": 0.0},
+    {"temperature": 0.5},
+    {"temperature": 1.0},
+    {"temperature": 2.0},
+    {"temperature": 1.0, "top_k": 5},
+    {"temperature": 0.5, "top_p": 0.8},
+    {"temperature": 2.0, "top_k": 40, "top_p": 0.9},
+]
 (relative) of its boundary may be decided either way. These helpers list every answer those margins allow; the
 kernel tests accept any of them and count the cases with more than one, which must stay rare.
 """
@@ -15,6 +25,16 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.testing.sampling_reference import clean_logits, inverse_cdf, mass_by_value, scaled_weights, top_k_mask
 
 MARGIN = 1e-5
+# The option sets the verification tests sweep: greedy, plain temperatures, top-k, top-p and both.
+SWEPT_OPTIONS = [
+    {"temperature": 0.0},
+    {"temperature": 0.5},
+    {"temperature": 1.0},
+    {"temperature": 2.0},
+    {"temperature": 1.0, "top_k": 5},
+    {"temperature": 0.5, "top_p": 0.8},
+    {"temperature": 2.0, "top_k": 40, "top_p": 0.9},
+]
 # A weight exp(s - max s) below ~1e-38 is 0 in float32 but not in the float64 reference.
 F32_UNDERFLOW = 1e-37
 

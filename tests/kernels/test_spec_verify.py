@@ -32,7 +32,7 @@ from doppler_py.ops.speculative import (
 )
 from doppler_py.sampling import SamplingParams
 from doppler_py.testing.distribution import assert_histograms_converge, total_variation
-from doppler_py.testing.float_margins import MARGIN, draws, less_than_decisions, top_p_near_tie
+from doppler_py.testing.float_margins import MARGIN, SWEPT_OPTIONS, draws, less_than_decisions, top_p_near_tie
 from doppler_py.testing.sampling_reference import clean_logits, filtered_probs
 from doppler_py.testing.verify_reference import residual, verify_reference
 
@@ -153,15 +153,7 @@ def random_step(rng, vocab: int, k: int, params: SamplingParams, onehot: bool) -
     return Step(target, draft, np.array(drafts), rng.random(2 * k + 1).astype(np.float32))
 
 
-OPTIONS = [
-    {"temperature": 0.0},
-    {"temperature": 0.5},
-    {"temperature": 1.0},
-    {"temperature": 2.0},
-    {"temperature": 1.0, "top_k": 5},
-    {"temperature": 0.5, "top_p": 0.8},
-    {"temperature": 2.0, "top_k": 40, "top_p": 0.9},
-]
+OPTIONS = SWEPT_OPTIONS
 
 
 @pytest.mark.parametrize(("vocab", "steps"), [(1, 14), (2, 28), (7, 56), (1000, 70), (4099, 56)])

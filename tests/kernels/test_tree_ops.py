@@ -21,7 +21,7 @@ from doppler_py.ops.tree import MAX_TREE_ROWS, compaction_moves, layout_words, p
 from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.sampling import SamplingParams
 from doppler_py.testing.distribution import assert_samples_follow
-from doppler_py.testing.float_margins import MARGIN, draws, less_than_decisions, top_p_near_tie
+from doppler_py.testing.float_margins import MARGIN, SWEPT_OPTIONS, draws, less_than_decisions, top_p_near_tie
 from doppler_py.testing.sampling_reference import filtered_probs
 from doppler_py.testing.tree_reference import apply_moves, greedy_walk, sampled_walk, top_tokens
 
@@ -169,14 +169,7 @@ def sampled_tokens(rng, logits: np.ndarray, parents: list[int], params: Sampling
     return tokens
 
 
-SAMPLED_OPTIONS = [
-    {"temperature": 0.5},
-    {"temperature": 1.0},
-    {"temperature": 2.0},
-    {"temperature": 1.0, "top_k": 5},
-    {"temperature": 0.5, "top_p": 0.8},
-    {"temperature": 2.0, "top_k": 40, "top_p": 0.9},
-]
+SAMPLED_OPTIONS = [options for options in SWEPT_OPTIONS if options["temperature"] > 0]
 
 
 @pytest.mark.parametrize(("vocab", "cases"), [(1, 12), (2, 24), (7, 48), (1000, 48), (4099, 36)])
