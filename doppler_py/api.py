@@ -258,7 +258,8 @@ class Engine:
         tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward) or of
         draft-model or EAGLE drafts (the greedy chain plus each row's second-best token as a side leaf).
         None: used when this device's measured verification costs say extra rows are nearly free
-        (`policy.trees_pay`: GPUs, not CPU adapters); True: used; N: used with a node budget of N (k pinned
+        (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft length as the node budget
+        (a step the policy gives one draft proposes a chain of one); N: used with a node budget of N (k pinned
         to N); False: chains only. Sampled trees are verified exactly (recursive rejection over each node's
         children), so trees keep the target's distribution at any temperature.
         """

@@ -141,7 +141,7 @@ def test_a_tree_request_gives_the_chain_requests_greedy_text(client, engine):
         response = client.post("/v1/completions", json=body | {"tree": tree})
         assert response.status_code == 200, response.text
         texts.append(response.json()["choices"][0]["text"])
-        if tree is True:
+        if tree == 6:  # a pinned budget; True's is the policy's k, which may be 1 where wide verifies cost more
             assert engine.last_result.stats["tree_steps"] > 0
     assert len(set(texts)) == 1
 
