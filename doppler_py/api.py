@@ -256,7 +256,8 @@ class Engine:
         no text of their own, like an end-of-sequence token, come with the last piece or only in the result).
 
         tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward) or of
-        draft-model or EAGLE drafts (the greedy chain plus each row's second-best token as a side leaf).
+        draft-model or EAGLE drafts (the greedy chain plus each row's second-best token as a side leaf), or of
+        Medusa heads (each head's best tokens, by measured acceptance per head and rank: `medusa_tree`).
         None: used when this device's measured verification costs say extra rows are nearly free
         (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft length as the node budget
         (a step the policy gives one draft proposes a chain of one); N: used with a node budget of N (k pinned
@@ -543,7 +544,8 @@ WARMUP_MODES = ("now", "background")
 def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None, logprobs):
     """Set the engine's drafter to propose trees or chains for this generation (see `stream`); returns the draft
     length to pin (a tree's node budget, else `k`)."""
-    # Drafters that can branch (prompt lookup, a draft model, an EAGLE head) say how many ways when trees are on.
+    # Drafters that can branch (prompt lookup, a draft model, an EAGLE or Medusa head) say how many ways when
+    # trees are on.
     # Not "auto"'s head + lookup pair: its per-step choice is between two chains.
     brancher = engine.drafter if hasattr(engine.drafter, "tree_branches") else None
     if tree is None or tree is False:
@@ -558,8 +560,9 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
             raise GenerationOptionError(f"tree must be None, True, False or a node budget >= 2, got {tree!r}")
         if brancher is None:
             raise GenerationOptionError(
-                f"tree={tree!r} needs prompt-lookup, draft-model or EAGLE drafts alone (speculative="
-                f"'prompt-lookup', 'draft-model' or 'eagle'); this generation drafts with {engine.drafter.name!r}"
+                f"tree={tree!r} needs prompt-lookup, draft-model, EAGLE or Medusa drafts alone "
+                f"(speculative='prompt-lookup', 'draft-model', 'eagle' or 'medusa'); this generation drafts "
+                f"with {engine.drafter.name!r}"
             )
         if logprobs is not None:
             raise GenerationOptionError("log-probs are not given for token trees: use tree=False with logprobs")

@@ -75,8 +75,8 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
         type=_tree_option,
         default=None,
         metavar="auto|on|off|N",
-        help="token trees of lookup, draft-model or EAGLE drafts: auto (default: where extra rows are nearly free), "
-        "on, off, or a node budget N",
+        help="token trees of lookup, draft-model, EAGLE or Medusa drafts: auto (default: where extra rows are "
+        "nearly free), on, off, or a node budget N",
     )
     group.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

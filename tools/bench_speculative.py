@@ -106,10 +106,10 @@ PROMPTS = {
         [{"role": "user", "content": "Write a short dialogue between a librarian and a student who lost a book."}],
     ),
 }
-METHODS = ("plain", "prompt-lookup", "lookup-tree", "eagle", "eagle-tree", "medusa", "auto")
+METHODS = ("plain", "prompt-lookup", "lookup-tree", "eagle", "eagle-tree", "medusa", "medusa-tree", "auto")
 # Token trees: each against its drafter's chains at the same draft budget; with --k both verify the same rows
 # per step (the tree's node budget is k).
-TREE_METHODS = {"lookup-tree": "prompt-lookup", "eagle-tree": "eagle"}
+TREE_METHODS = {"lookup-tree": "prompt-lookup", "eagle-tree": "eagle", "medusa-tree": "medusa"}
 LOOKUP_METHODS = ("prompt-lookup", "lookup-tree")
 
 

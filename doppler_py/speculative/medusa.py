@@ -19,26 +19,35 @@ A head folder (written by `doppler_py.training.medusa`):
     medusa.json          kind, heads, the target it was made for (see `head_files`), the draft vocabulary size
     medusa.safetensors   resblock.weight [K, H, H], resblock.bias [K, H], lm_head.weight [N, H],
                          draft_to_target [N] (target ids)
-    training_card.json   how it was trained (data, steps, losses, per-head top-1 on held-out text)
+    training_card.json   how it was trained (data, steps, losses, per-head top-1 on held-out text); its
+                         validation_top1_by_head, when there, is the prior of the heads' token trees
+
+With `branches` > 1 the heads propose a token tree instead (`medusa_tree`): each head's best tokens, combined
+into the tree with the most expected accepted tokens by measured acceptance per head and rank.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from doppler_py.errors import ModelFormatError
+from doppler_py.errors import GenerationOptionError, ModelFormatError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.linear import InputNorm, Linear
+from doppler_py.ops.top_tokens import TopTokens
 from doppler_py.ops.vocab_scatter import VocabScatter
+from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import DraftSampler
+from doppler_py.speculative.gpu_drafting import GREEDY, DraftSampler
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
+from doppler_py.speculative.medusa_tree import MEDUSA_TREE_TOPS, RankAcceptance, medusa_tree
 from doppler_py.tokenizer import Tokenizer
 
 
@@ -52,6 +61,7 @@ class MedusaHeads:
     gate_up_bias: Tensor  # [2KH]: the K biases, then K·H ones
     lm_head: Weight  # [N, H]
     draft_to_target: np.ndarray
+    top1_by_head: Sequence[float] | None = None  # validation top-1 per head, from the training card
 
     def close(self) -> None:
         self.gate_up.destroy()
@@ -90,13 +100,36 @@ def load_medusa(
         gate_up_bias=Tensor.from_numpy(gpu, bias, "f32", "medusa resblock bias"),
         lm_head=Weight.from_numpy(gpu, lm.astype(np.float32), fmt, name="medusa lm_head"),
         draft_to_target=tensors["draft_to_target"].astype(np.int64),
+        top1_by_head=card_top1(folder / "training_card.json", heads),
     )
+
+
+def card_top1(card: Path, heads: int) -> list[float] | None:
+    """The card's validation top-1 per head (None without a card or that entry); a malformed one is refused."""
+    if not card.is_file():
+        return None
+    try:
+        top1 = json.loads(card.read_text()).get("validation_top1_by_head")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ModelFormatError(f"{card}: not a JSON object ({exc})") from exc
+    if top1 is None:
+        return None
+    if (
+        not isinstance(top1, list)
+        or len(top1) != heads
+        or not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1 for v in top1)
+    ):
+        raise ModelFormatError(
+            f"{card}: validation_top1_by_head must list {heads} rates in [0, 1] (one per head), got {top1!r}"
+        )
+    return [float(v) for v in top1]
 
 
 class MedusaDrafter(NoOpHooks):
     """Drafts up to K tokens with `MedusaHeads` in one pass (see the module docstring)."""
 
     name = "medusa"
+    tree_branches = MEDUSA_TREE_TOPS
 
     def __init__(self, target: Transformer, heads: MedusaHeads):
         self.target, self.heads = target, heads
@@ -118,11 +151,54 @@ class MedusaDrafter(NoOpHooks):
         self.lm_h = Linear(registry, heads.lm_head, self.features, self.logits, max_rows=k, accumulate=True, norm=norm)
         self.sampling = DraftSampler(target, cfg.vocab_size)
         self.scatter = VocabScatter(registry, self.row, heads.draft_to_target, self.sampling.row)
+        depth = min(k, self.sampling.max_drafts)
+        self.top_ids = Tensor.empty(gpu, depth * MEDUSA_TREE_TOPS, "u32", "medusa top tokens")
+        self.top = TopTokens(
+            registry, self.sampling.logits, self.top_ids, vocab=cfg.vocab_size, max_rows=depth, count=MEDUSA_TREE_TOPS
+        )
+        self.acceptance = RankAcceptance(k, MEDUSA_TREE_TOPS, heads.top1_by_head)
+        self.last_top: np.ndarray | None = None  # the heads' best tokens behind the tree being verified
+        self._branches = 1
+
+    @property
+    def branches(self) -> int:
+        """1: chains of sampled drafts; MEDUSA_TREE_TOPS: token trees (set per generation by `api.use_trees`)."""
+        return self._branches
+
+    @branches.setter
+    def branches(self, value: int) -> None:
+        if value not in (1, MEDUSA_TREE_TOPS):
+            raise GenerationOptionError(f"Medusa's trees take 1 or {MEDUSA_TREE_TOPS} tokens per head, got {value}")
+        self._branches = value
+
+    def start(self, ctx: StepContext) -> None:
+        self.acceptance.reset()
+        self.last_top = None
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
-        k = min(k, self.heads.heads, self.sampling.max_drafts)
-        if ctx.hidden_rows == 0 or k == 0:
+        if ctx.hidden_rows == 0:
             return NO_PROPOSAL
+        depth = min(k, self.heads.heads, self.sampling.max_drafts)
+        if self.branches > 1 and k >= 2:
+            self._run_heads(ctx, depth, GREEDY, tree=True)
+            top = np.frombuffer(
+                self.target.gpu.queue.read_buffer(self.top_ids.buffer, 0, 4 * depth * MEDUSA_TREE_TOPS), np.uint32
+            ).reshape(depth, MEDUSA_TREE_TOPS)
+            self.last_top = top
+            return medusa_tree(top, self.acceptance.rates, k, self.target.config.vocab_size)
+        if depth == 0:
+            return NO_PROPOSAL
+        self._run_heads(ctx, depth, ctx.params, tree=False)
+        return Proposal(depth, self.sampling.tokens, self.sampling.logits)
+
+    def commit(self, ctx: StepContext, accepted: int) -> None:
+        if self.last_top is not None:  # what the target gave at each depth the walk reached
+            self.acceptance.observe(self.last_top, ctx.tokens[-(accepted + 1) :])
+            self.last_top = None
+
+    def _run_heads(self, ctx: StepContext, k: int, params: SamplingParams, *, tree: bool) -> None:
+        """Draft k tokens into `sampling` (head i's logits row into logits[i]), one submit per head; with `tree`,
+        the last also finds each row's best tokens."""
         h, n = self.target.config.hidden_size, self.heads.draft_to_target.size
         rec = self.target.registry.recorder()
         last = (ctx.hidden_rows - 1) * h * 4
@@ -137,13 +213,15 @@ class MedusaDrafter(NoOpHooks):
                 rec = self.target.registry.recorder()
             rec.copy(self.logits, self.row, n * 4, src_offset=i * n * 4)
             self.scatter.record(rec)  # head i's draft-vocabulary logits over the target's vocabulary
-            self.sampling.record_pick(rec, self.next_id, i, ctx.params)
+            self.sampling.record_pick(rec, self.next_id, i, params)
+            if tree and i == k - 1:
+                self.top.record(rec, k)
             self.sampling.submit(rec, ctx.rng.random())
-        return Proposal(k, self.sampling.tokens, self.sampling.logits)
 
     def close(self) -> None:
         self.scatter.release(self.target.registry)
+        self.top.release(self.target.registry)
         self.sampling.close()
         self.target.registry.release_tensors(
-            self.features, self.gate_up_out, self.act, self.logits, self.row, self.scratch, self.next_id
+            self.features, self.gate_up_out, self.act, self.logits, self.row, self.scratch, self.next_id, self.top_ids
         )

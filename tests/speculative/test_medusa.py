@@ -78,8 +78,29 @@ def test_greedy_medusa_equals_plain_greedy_and_drafts_as_the_trainer_does(
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
 
 
-def test_sampled_output_keeps_the_target_joint_distribution(models, heads):
-    check_two_token_joint(models["target"], MedusaDrafter(models["target"], heads))
+@pytest.mark.parametrize("k", [2, 5, 8])
+def test_greedy_medusa_trees_equal_plain_greedy(models, heads, heads_dir, k):
+    """Each head's best tokens, by the acceptance measured per head and rank: the same tokens as plain decoding,
+    through trees (a budget of 2 already branches: the tiny heads' second token beats two heads' first)."""
+    target = models["target"]
+    drafter = MedusaDrafter(target, heads)
+    drafter.branches = drafter.tree_branches
+    engine = SpeculativeEngine(target, drafter)
+    for case in ("0", "long"):
+        prompt = held_in_prompt(heads_dir.parent / "work", case)
+        result = engine.generate(prompt, 40, GREEDY, k=k)
+        assert result.tokens == reference_decode(target, prompt, 40, GREEDY), case
+        assert result.stats.tree_steps > 0 and drafter.acceptance.seen[0] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampled_output_keeps_the_target_joint_distribution(models, heads, tree):
+    drafter = MedusaDrafter(models["target"], heads)
+    if tree:
+        drafter.branches = drafter.tree_branches
+    trees = check_two_token_joint(models["target"], drafter, new_tokens=3)  # 3: the first step takes 2 drafts
+    assert (trees > 0) == tree
 
 
 def test_sampled_medusa_is_reproducible_by_seed(models, heads):
@@ -103,8 +124,10 @@ def test_the_api_loads_both_kinds_of_head_and_medusa_stays_exact(heads_dir, tiny
         assert sorted(engine.heads) == ["eagle", "medusa"]
         plain = engine.generate(prompt, max_tokens=30)
         medusa = engine.generate(prompt, max_tokens=30, speculative="medusa", k=2)
+        medusa_tree = engine.generate(prompt, max_tokens=30, speculative="medusa", tree=4)
+        assert engine.last_result.stats["tree_steps"] > 0
         auto = engine.generate(prompt, max_tokens=30, speculative="auto")
-    assert medusa.tokens == plain.tokens == auto.tokens
+    assert medusa.tokens == plain.tokens == auto.tokens == medusa_tree.tokens
     assert medusa.speculative == "medusa" and medusa.drafted > 0
     assert auto.speculative == "eagle+prompt-lookup"  # EAGLE first when both are there
 

@@ -89,6 +89,7 @@ OPEN_ENDED = [
         ("medusa", 1, False),
         ("medusa", 4, False),
         ("medusa", 8, False),
+        ("medusa", 8, True),  # each head's best tokens, by measured acceptance per head and rank
     ],
 )
 def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts(setup, kind, k, tree):

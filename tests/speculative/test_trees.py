@@ -285,7 +285,7 @@ def test_api_trees_keep_greedy_output_and_refuse_what_they_cannot_do(api_engine)
         api_engine.generate(prompt, tree=6, k=3, **options)
     with pytest.raises(GenerationOptionError, match="node budget"):
         api_engine.generate(prompt, tree=1, **options)
-    with pytest.raises(GenerationOptionError, match="EAGLE drafts alone"):
+    with pytest.raises(GenerationOptionError, match="Medusa drafts alone"):
         api_engine.generate(prompt, tree=True, max_tokens=4, speculative="layer-skip", chat=False)
     # Unmeasured or CPU-like costs: "auto" (None) stays on chains.
     api_engine.speculative_engine("prompt-lookup").policy.costs.verify.update({1: 1.0e-3, 17: 9.0e-3})

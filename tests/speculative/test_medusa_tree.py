@@ -1,0 +1,100 @@
+"""Medusa's static tree builder against brute force, and its measured acceptance per head and rank (host only)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from doppler_py.errors import ModelFormatError
+from doppler_py.ops.tree import row_depths
+from doppler_py.speculative.medusa import card_top1
+from doppler_py.speculative.medusa_tree import PRIOR_WEIGHT, RankAcceptance, medusa_tree, prior_rates
+
+
+def expected_accepted(paths: list[tuple[int, ...]], rates: np.ndarray) -> float:
+    return sum(float(np.prod([rates[d, r] for d, r in enumerate(path)])) for path in paths)
+
+
+def best_by_brute_force(depth: int, tops: int, rates: np.ndarray, budget: int) -> float:
+    """The most expected accepted tokens of any prefix-closed set of at most `budget` rank paths."""
+    nodes = [path for n in range(1, depth + 1) for path in itertools.product(range(tops), repeat=n)]
+    best = 0.0
+    for size in range(1, budget + 1):
+        for subset in itertools.combinations(nodes, size):
+            chosen = set(subset)
+            if all(len(path) == 1 or path[:-1] in chosen for path in chosen):
+                best = max(best, expected_accepted(list(chosen), rates))
+    return best
+
+
+def rank_paths(top: np.ndarray, tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """Each node's ranks from the root, read back from its tokens (distinct within a head's row)."""
+    paths: list[tuple[int, ...]] = []
+    for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        assert parent < node  # parents come before their children
+        head = len(paths[parent]) if parent >= 0 else 0
+        rank = int(np.flatnonzero(top[head] == token)[0])
+        paths.append((paths[parent] if parent >= 0 else ()) + (rank,))
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 2, 4, 5])
+def test_the_tree_has_the_most_expected_accepted_tokens_a_budget_allows(seed, budget):
+    rng = np.random.default_rng(seed)
+    depth, tops, vocab = 3, 2, 50
+    top = np.stack([rng.choice(vocab, tops, replace=False) for _ in range(depth)]).astype(np.uint32)
+    rates = np.sort(rng.uniform(0, 0.9, (depth, tops)), axis=1)[:, ::-1]
+    proposal = medusa_tree(top, rates, budget, vocab)
+    parents = list(proposal.parents) if proposal.parents is not None else list(range(-1, proposal.count - 1))
+    paths = rank_paths(top, list(proposal.tokens), parents)
+    assert proposal.count == len(set(paths)) == budget
+    assert [len(p) - 1 for p in paths] == [d - 1 for d in row_depths(parents)[1:]]
+    assert expected_accepted(paths, rates) == pytest.approx(best_by_brute_force(depth, tops, rates, budget))
+
+
+def test_siblings_are_distinct_padding_is_never_proposed_and_a_chain_comes_out_as_one():
+    vocab = 10
+    top = np.array([[3, 4, vocab], [5, vocab, vocab]], np.uint32)  # head 0 has two tokens, head 1 one
+    rates = np.array([[0.9, 0.5, 0.4], [0.8, 0.3, 0.2]])
+    tree = medusa_tree(top, rates, 8, vocab)
+    assert list(tree.tokens) == [3, 5, 4, 5] and list(tree.parents) == [-1, 0, -1, 2]
+    chain = medusa_tree(top, rates, 2, vocab)  # 0.9 · 0.8 beats 0.5: the best ranks' chain
+    assert chain.parents is None and list(chain.tokens) == [3, 5]
+
+
+def test_measured_acceptance_counts_every_reached_depth_and_rank():
+    acceptance = RankAcceptance(heads=3, tops=2, top1_by_head=[0.5, 0.4, 0.3])
+    np.testing.assert_allclose(acceptance.rates, prior_rates(3, 2, [0.5, 0.4, 0.3]))
+    top = np.array([[7, 8], [9, 10], [11, 12]], np.uint32)
+    acceptance.observe(top, [8, 9])  # the target gave head 0's second token, then head 1's first; depth 2 unseen
+    assert acceptance.seen.tolist() == [1, 1, 0]
+    assert acceptance.hits.tolist() == [[0, 1], [1, 0], [0, 0]]
+    acceptance.observe(top, [1])  # none of head 0's tokens
+    rates = acceptance.rates
+    assert rates[0, 1] == pytest.approx((1 + PRIOR_WEIGHT * 0.5 * 0.3) / (2 + PRIOR_WEIGHT))
+    assert rates[2].tolist() == pytest.approx(prior_rates(3, 2, [0.5, 0.4, 0.3])[2].tolist())
+    for _ in range(400):  # measured beats the prior: head 2 is always right at rank 1
+        acceptance.observe(top, [7, 9, 12])
+    assert acceptance.rates[2, 1] > 0.95 and acceptance.rates[2, 0] < 0.05
+    acceptance.reset()
+    np.testing.assert_allclose(acceptance.rates, prior_rates(3, 2, [0.5, 0.4, 0.3]))
+
+
+def test_the_training_card_gives_the_prior_and_a_malformed_one_is_refused(tmp_path):
+    card = tmp_path / "training_card.json"
+    assert card_top1(card, 2) is None  # no card: the default prior
+    card.write_text(json.dumps({"steps": 3}))
+    assert card_top1(card, 2) is None
+    card.write_text(json.dumps({"validation_top1_by_head": [0.5, 0.25]}))
+    assert card_top1(card, 2) == [0.5, 0.25]
+    for bad in ([0.5], [0.5, 1.5], [0.5, "x"], [True, 0.2], "0.5"):
+        card.write_text(json.dumps({"validation_top1_by_head": bad}))
+        with pytest.raises(ModelFormatError, match=r"training_card\.json: validation_top1_by_head"):
+            card_top1(card, 2)
+    card.write_text("[1, 2")
+    with pytest.raises(ModelFormatError, match=r"training_card\.json"):
+        card_top1(card, 2)
