@@ -22,6 +22,7 @@ from typing import Protocol
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.tree import is_chain
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 
@@ -72,16 +73,29 @@ class Proposal:
                     tokens, with distinct tokens among siblings and no draft_logits (its nodes are verified as
                     deterministic drafts); after a tree step ctx.hidden holds the root's and the accepted
                     path's rows, in order, as after a chain.
+    values          for host tokens in best-first order (non-increasing values, every parent before its
+                    children, so every leading run of nodes is a tree): node i's expected accepted tokens by the
+                    drafter's measured acceptance. The engine may then verify only a leading run
+                    (`policy.tree_budget`); None: all n nodes are verified.
     """
 
     count: int
     tokens: Sequence[int] | Tensor = ()
     draft_logits: Tensor | None = None
     parents: Sequence[int] | None = None
+    values: Sequence[float] | None = None
 
     @property
     def on_gpu(self) -> bool:
         return isinstance(self.tokens, Tensor)
+
+    def leading(self, n: int) -> Proposal:
+        """The first n nodes of a best-first host proposal (see `values`): a tree, or a chain when it is one."""
+        if self.values is None or self.on_gpu:
+            raise ValueError("only a host proposal with node values can be cut to its leading nodes")
+        parents = list(self.parents) if self.parents is not None else list(range(-1, self.count - 1))
+        shape = None if is_chain(parents[:n]) else parents[:n]
+        return Proposal(n, list(self.tokens)[:n], parents=shape, values=list(self.values)[:n])
 
 
 NO_PROPOSAL = Proposal(0)

@@ -45,7 +45,7 @@ from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.policy import DraftLengthPolicy
+from doppler_py.speculative.policy import DraftLengthPolicy, tree_budget
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.timing import StepClock, StepTimes
 from doppler_py.speculative.warmup import COMPILE_CONTEXT, PipelineWarmup
@@ -221,6 +221,10 @@ class SpeculativeEngine:
         target, params, cache = self.target, ctx.params, ctx.target_cache
         pos = len(ctx.tokens) - 1  # the last committed token's position: its K/V are written now
         proposal = self.drafter.propose(ctx, k) if k else NO_PROPOSAL
+        if proposal.values is not None and self.policy.adaptive and self.policy.cost_aware:
+            # The node budget from this device's verify costs and the drafter's measured acceptance. Not in a
+            # seeded sampled generation: its tokens must not depend on timing.
+            proposal = proposal.leading(tree_budget(proposal.values, self.policy.costs))
         n = self._check(proposal, k)
         if proposal.parents is not None and not is_chain(proposal.parents):
             return self._tree_step(ctx, proposal, n, pos)

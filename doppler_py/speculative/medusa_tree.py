@@ -69,11 +69,13 @@ class RankAcceptance:
 
 def medusa_tree(top: np.ndarray, rates: np.ndarray, budget: int, vocab: int) -> Proposal:
     """The tree of at most `budget` nodes from `top` [depth, tops] (each head's best tokens, in order; `vocab`
-    pads a head with fewer) that maximises the expected accepted length under `rates` [>= depth, tops]."""
+    pads a head with fewer) that maximises the expected accepted length under `rates` [>= depth, tops], in
+    best-first order with each node's expected accepted tokens (`Proposal.values`)."""
     depth, tops = top.shape
     budget = min(budget, MAX_TREE_ROWS - 1)
     tokens: list[int] = []
     parents: list[int] = []
+    values: list[float] = []
     # (-value, tie-break order, parent node, depth, rank): equal values keep the order they were found in
     frontier = [(-rates[0, r], r, -1, 0, r) for r in range(tops) if top[0, r] < vocab]
     heapq.heapify(frontier)
@@ -83,11 +85,10 @@ def medusa_tree(top: np.ndarray, rates: np.ndarray, budget: int, vocab: int) -> 
         node = len(tokens)
         tokens.append(int(top[d, r]))
         parents.append(parent)
+        values.append(-value)
         if d + 1 < depth:
             for child in range(tops):
                 if top[d + 1, child] < vocab:
                     heapq.heappush(frontier, (value * rates[d + 1, child], found, node, d + 1, child))
                     found += 1
-    if is_chain(parents):
-        return Proposal(len(tokens), tokens)
-    return Proposal(len(tokens), tokens, parents=parents)
+    return Proposal(len(tokens), tokens, parents=None if is_chain(parents) else parents, values=values)

@@ -15,6 +15,7 @@ doubles each time a probe confirms it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from doppler_py.errors import GenerationOptionError
@@ -72,6 +73,22 @@ class CostModel:
             return None
         step = k * (self.draft_per_token or 0.0) + verify
         return expected_tokens(alpha, k) * plain / step
+
+
+def tree_budget(values: Sequence[float], costs: CostModel) -> int:
+    """How many leading nodes of a best-first tree to verify, given node i adds `values[i]` expected accepted
+    tokens: the count n >= 1 with the most expected tokens per second of verification, (1 + Σ values[:n]) /
+    verify_cost(n + 1); all of them while nothing is measured. The drafting is left out: it is the same for
+    every n (the tree is drafted already), so leaving it out only makes this choice err towards fewer nodes."""
+    if costs.verify_cost(1) is None:
+        return len(values)
+    gained, best, best_n = 1.0, -1.0, len(values)
+    for n, value in enumerate(values, start=1):
+        gained += value
+        rate = gained / costs.verify_cost(n + 1)
+        if rate > best:
+            best, best_n = rate, n
+    return best_n
 
 
 # Token trees spend verified rows on side branches instead of a longer chain. That pays where extra rows are

@@ -94,6 +94,26 @@ def test_greedy_medusa_trees_equal_plain_greedy(models, heads, heads_dir, k):
     engine.close()
 
 
+def test_an_unpinned_tree_verifies_the_node_budget_the_policy_chooses(models, heads, heads_dir, monkeypatch):
+    """The engine cuts a best-first tree to `policy.tree_budget`'s leading nodes unless k is pinned."""
+    import doppler_py.speculative.engine as engine_module
+
+    asked = []
+    monkeypatch.setattr(engine_module, "tree_budget", lambda values, costs: asked.append(len(values)) or 2)
+    target = models["target"]
+    drafter = MedusaDrafter(target, heads)
+    drafter.branches = drafter.tree_branches
+    engine = SpeculativeEngine(target, drafter)
+    engine.policy.costs.verify.update({1: 1.0e-3, 17: 1.0e-3})  # so that the first step drafts k = START_K
+    prompt = held_in_prompt(heads_dir.parent / "work", "long")
+    adaptive = engine.generate(prompt, 40, GREEDY)
+    pinned = engine.generate(prompt, 40, GREEDY, k=6)
+    engine.close()
+    assert adaptive.tokens == pinned.tokens == reference_decode(target, prompt, 40, GREEDY)
+    assert asked and max(asked) > 2 and len(adaptive.stats.acceptance_by_position) <= 2
+    assert pinned.stats.drafted > 2 * pinned.stats.steps  # pinned: the whole budget, never asked
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_sampled_output_keeps_the_target_joint_distribution(models, heads, tree):
     drafter = MedusaDrafter(models["target"], heads)

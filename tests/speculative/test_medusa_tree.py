@@ -10,8 +10,10 @@ import pytest
 
 from doppler_py.errors import ModelFormatError
 from doppler_py.ops.tree import row_depths
+from doppler_py.speculative.contract import Proposal
 from doppler_py.speculative.medusa import card_top1
 from doppler_py.speculative.medusa_tree import PRIOR_WEIGHT, RankAcceptance, medusa_tree, prior_rates
+from doppler_py.speculative.policy import CostModel, tree_budget
 
 
 def expected_accepted(paths: list[tuple[int, ...]], rates: np.ndarray) -> float:
@@ -98,3 +100,37 @@ def test_the_training_card_gives_the_prior_and_a_malformed_one_is_refused(tmp_pa
     card.write_text("[1, 2")
     with pytest.raises(ModelFormatError, match=r"training_card\.json"):
         card_top1(card, 2)
+
+
+GPU_LIKE = CostModel(verify={1: 1.0e-3, 9: 1.1e-3, 17: 1.3e-3})  # rows nearly free
+CPU_LIKE = CostModel(verify={1: 1.0e-3, 9: 3.2e-3, 17: 6.0e-3})  # lavapipe-like: cost grows with the rows
+
+
+def test_the_node_budget_comes_from_measured_costs_and_acceptance():
+    top = np.arange(16, dtype=np.uint32).reshape(4, 4)
+    tree = medusa_tree(top, prior_rates(4, 4, [0.6, 0.45, 0.35, 0.3]), 16, 100)
+    values = list(tree.values)
+    assert tree.count == 16 and values == sorted(values, reverse=True)
+
+    def best(costs: CostModel) -> int:  # brute force over every leading run
+        return max(range(1, 17), key=lambda n: (1 + sum(values[:n])) / costs.verify_cost(n + 1))
+
+    flat = CostModel(verify={1: 1.0e-3, 17: 1.0e-3})
+    assert tree_budget(values, flat) == 16  # free rows: every node that may be accepted
+    gpu, cpu = tree_budget(values, GPU_LIKE), tree_budget(values, CPU_LIKE)
+    assert (gpu, cpu) == (best(GPU_LIKE), best(CPU_LIKE)) and 16 > gpu > cpu, (gpu, cpu)
+    assert tree_budget(values, CostModel()) == 16  # nothing measured yet: the budget asked for
+    strong = medusa_tree(top, prior_rates(4, 4, [0.95, 0.95, 0.95, 0.95]), 16, 100).values
+    assert tree_budget(strong, CPU_LIKE) > tree_budget(values, CPU_LIKE)  # better heads earn more rows
+
+
+def test_a_best_first_tree_cut_to_its_leading_nodes_is_a_tree():
+    vocab = 10
+    top = np.array([[3, 4], [5, 6]], np.uint32)
+    tree = medusa_tree(top, np.array([[0.5, 0.45], [0.3, 0.2]]), 5, vocab)
+    assert list(tree.tokens) == [3, 4, 5, 5, 6] and list(tree.parents) == [-1, -1, 0, 1, 0]
+    cut = tree.leading(3)
+    assert list(cut.tokens) == [3, 4, 5] and list(cut.parents) == [-1, -1, 0] and len(cut.values) == 3
+    assert tree.leading(1).parents is None  # one node: a chain
+    with pytest.raises(ValueError, match="node values"):
+        Proposal(2, [1, 2]).leading(1)  # no values: nothing says which nodes matter most
