@@ -257,7 +257,7 @@ class Engine:
 
         tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward) or of
         draft-model or EAGLE drafts (the greedy chain plus each row's second-best token as a side leaf), or of
-        Medusa heads (each head's best tokens, by measured acceptance per head and rank: `medusa_tree`).
+        Medusa heads (each head's best tokens, by measured acceptance per head and rank: `ranked_trees.medusa_tree`).
         None: used when this device's measured verification costs say extra rows are nearly free
         (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft length as the node budget
         (a step the policy gives one draft proposes a chain of one); N: used with a node budget of N (k pinned

@@ -12,7 +12,7 @@ from doppler_py.errors import VocabularyMismatchError
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import GREEDY, Branching, ModelDrafter, TreeBranches
+from doppler_py.speculative.gpu_drafting import GREEDY, Branching, ModelDrafter, TreeBranches, matching_prefix
 
 # Draft and target vocabularies may differ by this many padding rows (e.g. 49152 vs 49280).
 MAX_VOCAB_PADDING = 1024
@@ -50,6 +50,7 @@ class DraftModelDrafter(Branching, ModelDrafter):
 
     def start(self, ctx: StepContext) -> None:
         self.finish()
+        self.branching.reset()
         self.draft_cache = self.model.new_cache(ctx.capacity)
         prompt = self._known(ctx.tokens[:-1])
         for begin in range(0, len(prompt), self.model.max_rows):
@@ -68,6 +69,7 @@ class DraftModelDrafter(Branching, ModelDrafter):
         return [min(token, last) for token in tokens]
 
     def commit(self, ctx: StepContext, accepted: int) -> None:
+        self.branching.observe(ctx.tokens[-(accepted + 1) :])
         # Drafting consumed the pending tokens and drafts 0..k-2 (the last draft was never fed); of those,
         # the committed ones are the accepted drafts, or after a tree step the accepted path's leading run of
         # chain tokens (a side leaf was never fed).
@@ -88,14 +90,6 @@ class DraftModelDrafter(Branching, ModelDrafter):
     def close(self) -> None:
         super().close()
         self.branching.close()
-
-
-def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def check_vocabularies(draft_vocab: int, target_vocab: int) -> None:

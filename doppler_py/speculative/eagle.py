@@ -150,12 +150,14 @@ class EagleDrafter(Branching):
 
     def start(self, ctx: StepContext) -> None:
         self.finish()
+        self.branching.reset()
         self.cache = self.head.model.new_cache(ctx.capacity)
 
     def prefilled(self, ctx: StepContext, begin: int) -> None:
         self._consume(ctx, begin + ctx.hidden_rows)
 
     def commit(self, ctx: StepContext, accepted: int) -> None:
+        self.branching.observe(ctx.tokens[-(accepted + 1) :])
         self.cache.truncate(self.consumed)  # drop the pairs built on the head's own predictions
         self._consume(ctx, len(ctx.tokens) - 1)
 

@@ -8,7 +8,7 @@ residual). `ModelDrafter` is the loop shared by the draft-model and layer-skip d
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,9 +20,9 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.ops.top_tokens import TopTokens
-from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
+from doppler_py.speculative.ranked_trees import RankAcceptance, chain_with_leaves
 
 
 class DraftSampler:
@@ -70,13 +70,17 @@ class DraftSampler:
 
 
 TREE_BRANCHES = 2  # tokens per depth of a drafter's tree when trees are on (the chain's and one sibling)
+CHAIN_PRIOR_TOP1 = (0.6,)  # prior acceptance of a chain's next draft (the second-best: RANK_FALLOFF of it)
 GREEDY = SamplingParams()
 
 
 class TreeBranches:
-    """A GPU drafter's token trees: its greedy chain (each draft the best token of its row), plus each row's
-    second-best token as a side leaf at the shallowest depths, read back with the chain (`ops.top_tokens`: one
-    small readback per step). Half the node budget goes to the chain, half to the leaves. The nodes are
+    """A GPU drafter's token trees: its greedy chain (each draft the best token of its row) and each row's
+    second-best token as a candidate side leaf, read back with the chain (`ops.top_tokens`: one small readback
+    per step). The chain is drafted over half the node budget; of the chain and leaf candidates, the tree takes
+    those with the most expected accepted tokens by the acceptance per depth and rank measured during the
+    generation (`ranked_trees.RankAcceptance`, conditioned on the walk having followed the chain that far), in
+    best-first order with their values, so the engine may verify fewer (`policy.tree_budget`). The nodes are
     deterministic given the context, so the tree is verified exactly at any temperature (`ops.tree_verify`).
 
     `branches`: 1 (chains) or TREE_BRANCHES (trees), set per generation (`api.use_trees`)."""
@@ -95,6 +99,8 @@ class TreeBranches:
             max_rows=sampling.max_drafts,
             count=TREE_BRANCHES,
         )
+        self.acceptance = RankAcceptance(sampling.max_drafts, TREE_BRANCHES, CHAIN_PRIOR_TOP1)
+        self.last_best: np.ndarray | None = None  # the best tokens behind the tree being verified
 
     @property
     def branches(self) -> int:
@@ -118,7 +124,21 @@ class TreeBranches:
         best = np.frombuffer(
             self.sampling.registry.gpu.queue.read_buffer(self.top_ids.buffer, 0, 4 * depth * TREE_BRANCHES), np.uint32
         ).reshape(depth, TREE_BRANCHES)
-        return tree_proposal(best, budget, self.sampling.vocab), best[:, 0].tolist()
+        self.last_best = best
+        return chain_with_leaves(best, budget, self.sampling.vocab, self.acceptance.rates), best[:, 0].tolist()
+
+    def reset(self) -> None:
+        """A new generation: acceptance is measured afresh (a seeded one gives the same tokens whatever ran)."""
+        self.acceptance.reset()
+        self.last_best = None
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """After a tree step: `committed` is what the target gave at depths 0, 1, ...; a depth's rows were
+        drafted after the chain's tokens, so they are observed while the committed tokens follow the chain."""
+        if self.last_best is not None:
+            followed = matching_prefix(committed, self.last_best[:, 0].tolist())
+            self.acceptance.observe(self.last_best, list(committed)[: followed + 1])
+            self.last_best = None
 
     def close(self) -> None:
         self.top.release(self.sampling.registry)
@@ -141,21 +161,12 @@ class Branching:
         self.branching.branches = value
 
 
-def tree_proposal(best: np.ndarray, budget: int, vocab: int) -> Proposal:
-    """A tree of at most `budget` nodes from `best` [depth, branches] (each draft row's best tokens in order):
-    the chain best[:, 0] (nodes 0..depth-1, node i under node i - 1), then, depth by depth from the root, the
-    other tokens of each row as leaves beside the chain's node, while the budget lasts."""
-    depth = best.shape[0]
-    tokens = best[:, 0].tolist()
-    parents = list(range(-1, depth - 1))
-    for i in range(depth):
-        for token in best[i, 1:].tolist():
-            if len(tokens) < min(budget, MAX_TREE_ROWS - 1) and token < vocab:
-                tokens.append(token)
-                parents.append(i - 1)
-    if len(tokens) == depth:
-        return Proposal(depth, tokens)
-    return Proposal(len(tokens), tokens, parents=parents)
+def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class ModelDrafter(NoOpHooks):

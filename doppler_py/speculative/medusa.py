@@ -22,8 +22,8 @@ A head folder (written by `doppler_py.training.medusa`):
     training_card.json   how it was trained (data, steps, losses, per-head top-1 on held-out text); its
                          validation_top1_by_head, when there, is the prior of the heads' token trees
 
-With `branches` > 1 the heads propose a token tree instead (`medusa_tree`): each head's best tokens, combined
-into the tree with the most expected accepted tokens by measured acceptance per head and rank.
+With `branches` > 1 the heads propose a token tree instead (`ranked_trees.medusa_tree`): each head's best
+tokens, combined into the tree with the most expected accepted tokens by measured acceptance per head and rank.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.gpu_drafting import GREEDY, DraftSampler
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
-from doppler_py.speculative.medusa_tree import MEDUSA_TREE_TOPS, RankAcceptance, medusa_tree
+from doppler_py.speculative.ranked_trees import MEDUSA_TREE_TOPS, RankAcceptance, medusa_tree
 from doppler_py.tokenizer import Tokenizer
 
 

@@ -16,9 +16,10 @@ from doppler_py.ops.tree import layout_words, row_depths
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import PromptLookupDrafter
 from doppler_py.speculative.contract import NoOpHooks, Proposal
-from doppler_py.speculative.draft_model import DraftModelDrafter, matching_prefix
+from doppler_py.speculative.draft_model import DraftModelDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.speculative.gpu_drafting import tree_proposal
+from doppler_py.speculative.gpu_drafting import CHAIN_PRIOR_TOP1, matching_prefix
+from doppler_py.speculative.ranked_trees import chain_with_leaves, prior_rates
 from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS
 
@@ -187,6 +188,9 @@ def test_greedy_draft_model_trees_are_plain_greedy_decoding(models, draft, k):
     assert result.stats.tree_steps > 0
     if draft == "target":
         assert result.stats.accepted >= 40 - 2 * result.stats.steps
+        measured = drafter.branching.acceptance  # every chain token right: no second-best ever is
+        assert measured.seen[0] >= result.stats.tree_steps and measured.hits[:, 1].sum() == 0
+        assert (measured.hits[:, 0] == measured.seen).all()
 
 
 class CheckedDraftModel(DraftModelDrafter):
@@ -227,12 +231,17 @@ def test_sampled_draft_model_trees_keep_the_targets_two_token_distribution(model
     assert check_two_token_joint(models["target"], drafter, new_tokens=3) > 0
 
 
-def test_draft_model_tree_gives_half_the_budget_to_the_chain_and_leaves_to_the_shallowest_depths():
+def test_a_chain_drafters_tree_takes_its_likeliest_chain_nodes_and_leaves_first():
     best = np.array([[5, 6], [7, 8], [9, 10], [11, 48]])  # 48: no second token (a vocabulary of 48)
-    tree = tree_proposal(best, 7, 48)
-    assert tree.tokens == [5, 7, 9, 11, 6, 8, 10] and tree.parents == [-1, 0, 1, 2, -1, 0, 1]
-    assert tree_proposal(best, 9, 48).tokens == [5, 7, 9, 11, 6, 8, 10]  # nothing past the vocabulary
-    assert tree_proposal(best[:1], 1, 48).parents is None  # no room for a leaf: a chain
+    prior = prior_rates(4, 2, CHAIN_PRIOR_TOP1)  # chain 0.6 per depth, a second-best 0.18
+    tree = chain_with_leaves(best, 7, 48, prior)
+    # values .6 .36 .216 .18 .1296 .108 .0648: the chain, and its leaves by depth, interleaved by value
+    assert tree.tokens == [5, 7, 9, 6, 11, 8, 10] and tree.parents == [-1, 0, 1, -1, 2, 0, 1]
+    assert chain_with_leaves(best, 9, 48, prior).count == 7  # nothing past the vocabulary
+    assert chain_with_leaves(best[:1], 1, 48, prior).parents is None  # no room for a leaf: a chain
+    measured = prior.copy()
+    measured[0] = [0.1, 0.8]  # the draft's second choice is usually the target's first token
+    assert chain_with_leaves(best, 3, 48, measured).tokens == [6, 5, 7]  # that leaf first, the deep chain out
 
 
 def test_lookup_trie_keeps_the_likeliest_continuation_as_its_first_chain():

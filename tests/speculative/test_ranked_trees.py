@@ -12,17 +12,22 @@ from doppler_py.errors import ModelFormatError
 from doppler_py.ops.tree import row_depths
 from doppler_py.speculative.contract import Proposal
 from doppler_py.speculative.medusa import card_top1
-from doppler_py.speculative.medusa_tree import PRIOR_WEIGHT, RankAcceptance, medusa_tree, prior_rates
 from doppler_py.speculative.policy import CostModel, tree_budget
+from doppler_py.speculative.ranked_trees import (
+    PRIOR_WEIGHT,
+    RankAcceptance,
+    chain_with_leaves,
+    medusa_tree,
+    prior_rates,
+)
 
 
 def expected_accepted(paths: list[tuple[int, ...]], rates: np.ndarray) -> float:
     return sum(float(np.prod([rates[d, r] for d, r in enumerate(path)])) for path in paths)
 
 
-def best_by_brute_force(depth: int, tops: int, rates: np.ndarray, budget: int) -> float:
-    """The most expected accepted tokens of any prefix-closed set of at most `budget` rank paths."""
-    nodes = [path for n in range(1, depth + 1) for path in itertools.product(range(tops), repeat=n)]
+def best_by_brute_force(nodes: list[tuple[int, ...]], rates: np.ndarray, budget: int) -> float:
+    """The most expected accepted tokens of any prefix-closed set of at most `budget` of these rank paths."""
     best = 0.0
     for size in range(1, budget + 1):
         for subset in itertools.combinations(nodes, size):
@@ -55,7 +60,25 @@ def test_the_tree_has_the_most_expected_accepted_tokens_a_budget_allows(seed, bu
     paths = rank_paths(top, list(proposal.tokens), parents)
     assert proposal.count == len(set(paths)) == budget
     assert [len(p) - 1 for p in paths] == [d - 1 for d in row_depths(parents)[1:]]
-    assert expected_accepted(paths, rates) == pytest.approx(best_by_brute_force(depth, tops, rates, budget))
+    every = [path for n in range(1, depth + 1) for path in itertools.product(range(tops), repeat=n)]
+    assert expected_accepted(paths, rates) == pytest.approx(best_by_brute_force(every, rates, budget))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 3, 5, 7])
+def test_a_chain_with_leaves_has_the_most_expected_accepted_tokens_a_budget_allows(seed, budget):
+    """Only the chain's nodes (rank 0 all the way) have children: its candidates were drafted after them."""
+    rng = np.random.default_rng(seed)
+    depth, tops, vocab = 4, 3, 50
+    best = np.stack([rng.choice(vocab, tops, replace=False) for _ in range(depth)]).astype(np.uint32)
+    rates = rng.uniform(0, 0.9, (depth, tops))
+    proposal = chain_with_leaves(best, budget, vocab, rates)
+    parents = list(proposal.parents) if proposal.parents is not None else list(range(-1, proposal.count - 1))
+    paths = rank_paths(best, list(proposal.tokens), parents)
+    assert proposal.count == len(set(paths)) == budget and all(set(p[:-1]) <= {0} for p in paths)
+    assert list(proposal.values) == pytest.approx([expected_accepted([p], rates) for p in paths])
+    candidates = [(0,) * d + (r,) for d in range(depth) for r in range(tops)]
+    assert expected_accepted(paths, rates) == pytest.approx(best_by_brute_force(candidates, rates, budget))
 
 
 def test_siblings_are_distinct_padding_is_never_proposed_and_a_chain_comes_out_as_one():
@@ -69,7 +92,7 @@ def test_siblings_are_distinct_padding_is_never_proposed_and_a_chain_comes_out_a
 
 
 def test_measured_acceptance_counts_every_reached_depth_and_rank():
-    acceptance = RankAcceptance(heads=3, tops=2, top1_by_head=[0.5, 0.4, 0.3])
+    acceptance = RankAcceptance(depths=3, tops=2, top1_by_depth=[0.5, 0.4, 0.3])
     np.testing.assert_allclose(acceptance.rates, prior_rates(3, 2, [0.5, 0.4, 0.3]))
     top = np.array([[7, 8], [9, 10], [11, 12]], np.uint32)
     acceptance.observe(top, [8, 9])  # the target gave head 0's second token, then head 1's first; depth 2 unseen
