@@ -255,14 +255,15 @@ class Engine:
         `piece_logprobs` holds the entries of the tokens whose text each yielded piece completes (tokens with
         no text of their own, like an end-of-sequence token, come with the last piece or only in the result).
 
-        tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward) or of
-        draft-model or EAGLE drafts (the greedy chain plus each row's second-best token as a side leaf), or of
-        Medusa heads (each head's best tokens, by measured acceptance per head and rank: `ranked_trees.medusa_tree`).
-        None: used when this device's measured verification costs say extra rows are nearly free
-        (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft length as the node budget
-        (a step the policy gives one draft proposes a chain of one); N: used with a node budget of N (k pinned
-        to N); False: chains only. Sampled trees are verified exactly (recursive rejection over each node's
-        children), so trees keep the target's distribution at any temperature.
+        tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward), of
+        draft-model or EAGLE drafts (the greedy chain plus each row's second-best token as a leaf) or of Medusa
+        heads (each head's best tokens); model-drafted nodes are chosen by measured acceptance per depth and
+        rank (`speculative.ranked_trees`). None: used when this device's measured verification costs say extra
+        rows are nearly free (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft
+        length as the node budget (a step the policy gives one draft proposes a chain of one) and, for
+        model-drafted trees, only the nodes worth their verification cost (`policy.tree_budget`); N: used with
+        a node budget of N (k pinned to N); False: chains only. Sampled trees are verified exactly (recursive
+        rejection over each node's children), so trees keep the target's distribution at any temperature.
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
