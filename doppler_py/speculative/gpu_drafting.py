@@ -83,24 +83,29 @@ class TreeBranches:
     best-first order with their values, so the engine may verify fewer (`policy.tree_budget`). The nodes are
     deterministic given the context, so the tree is verified exactly at any temperature (`ops.tree_verify`).
 
-    `branches`: 1 (chains) or TREE_BRANCHES (trees), set per generation (`api.use_trees`)."""
+    A subclass with other candidates (Medusa's heads) sets `tops` and overrides `build` and `observed`.
+    `branches`: 1 (chains) or `tops` (trees), set per generation (`api.use_trees`)."""
 
-    def __init__(self, sampling: DraftSampler, branches: int = 1):
+    tops = TREE_BRANCHES
+
+    def __init__(
+        self,
+        sampling: DraftSampler,
+        branches: int = 1,
+        *,
+        rows: int | None = None,
+        prior: Sequence[float] | None = CHAIN_PRIOR_TOP1,
+    ):
+        """`rows`: the most draft rows with candidates (default: every draft row); `prior`: top-1 per depth."""
         self.sampling = sampling
         self.branches = branches
-        self.top_ids = Tensor.empty(
-            sampling.registry.gpu, sampling.max_drafts * TREE_BRANCHES, "u32", "draft top tokens"
-        )
+        self.rows = rows or sampling.max_drafts
+        self.top_ids = Tensor.empty(sampling.registry.gpu, self.rows * self.tops, "u32", "draft top tokens")
         self.top = TopTokens(
-            sampling.registry,
-            sampling.logits,
-            self.top_ids,
-            vocab=sampling.vocab,
-            max_rows=sampling.max_drafts,
-            count=TREE_BRANCHES,
+            sampling.registry, sampling.logits, self.top_ids, vocab=sampling.vocab, max_rows=self.rows, count=self.tops
         )
-        self.acceptance = RankAcceptance(sampling.max_drafts, TREE_BRANCHES, CHAIN_PRIOR_TOP1)
-        self.last_best: np.ndarray | None = None  # the best tokens behind the tree being verified
+        self.acceptance = RankAcceptance(self.rows, self.tops, prior)
+        self.last_best: np.ndarray | None = None  # the candidates behind the tree being verified
 
     @property
     def branches(self) -> int:
@@ -108,24 +113,32 @@ class TreeBranches:
 
     @branches.setter
     def branches(self, value: int) -> None:
-        if value not in (1, TREE_BRANCHES):
-            raise GenerationOptionError(f"a drafter's tree has 1 or {TREE_BRANCHES} branches per depth, got {value}")
+        if value not in (1, self.tops):
+            raise GenerationOptionError(f"this drafter's trees take 1 or {self.tops} tokens per depth, got {value}")
         self._branches = value
 
     def chain_length(self, budget: int) -> int:
         return min(budget - budget // 2, self.sampling.max_drafts)
 
     def record(self, rec: Recorder, depth: int) -> None:
-        """Record the top tokens of the chain's `depth` rows (into the last draft's submit)."""
+        """Record the candidates of the first `depth` draft rows (into the last draft's submit)."""
         self.top.record(rec, depth)
 
     def read(self, depth: int, budget: int) -> tuple[Proposal, list[int]]:
-        """The tree of at most `budget` nodes, and its chain, once the drafts are done."""
+        """The tree of at most `budget` nodes, and the best tokens' chain, once the drafts are done."""
         best = np.frombuffer(
-            self.sampling.registry.gpu.queue.read_buffer(self.top_ids.buffer, 0, 4 * depth * TREE_BRANCHES), np.uint32
-        ).reshape(depth, TREE_BRANCHES)
+            self.sampling.registry.gpu.queue.read_buffer(self.top_ids.buffer, 0, 4 * depth * self.tops), np.uint32
+        ).reshape(depth, self.tops)
         self.last_best = best
-        return chain_with_leaves(best, budget, self.sampling.vocab, self.acceptance.rates), best[:, 0].tolist()
+        return self.build(best, budget), best[:, 0].tolist()
+
+    def build(self, best: np.ndarray, budget: int) -> Proposal:
+        return chain_with_leaves(best, budget, self.sampling.vocab, self.acceptance.rates)
+
+    def observed(self, best: np.ndarray, committed: list[int]) -> list[int]:
+        """Of the committed tokens at depths 0, 1, ..., those that tell how the candidates fared: a chain
+        drafter's depth-d rows were drafted after the chain's tokens, so while the committed ones follow it."""
+        return committed[: matching_prefix(committed, best[:, 0].tolist()) + 1]
 
     def reset(self) -> None:
         """A new generation: acceptance is measured afresh (a seeded one gives the same tokens whatever ran)."""
@@ -133,11 +146,9 @@ class TreeBranches:
         self.last_best = None
 
     def observe(self, committed: Sequence[int]) -> None:
-        """After a tree step: `committed` is what the target gave at depths 0, 1, ...; a depth's rows were
-        drafted after the chain's tokens, so they are observed while the committed tokens follow the chain."""
+        """After a step that proposed a tree: `committed` is what the target gave at depths 0, 1, ..."""
         if self.last_best is not None:
-            followed = matching_prefix(committed, self.last_best[:, 0].tolist())
-            self.acceptance.observe(self.last_best, list(committed)[: followed + 1])
+            self.acceptance.observe(self.last_best, self.observed(self.last_best, list(committed)))
             self.last_best = None
 
     def close(self) -> None:

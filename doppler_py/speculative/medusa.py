@@ -35,19 +35,18 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.errors import GenerationOptionError, ModelFormatError
+from doppler_py.errors import ModelFormatError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.linear import InputNorm, Linear
-from doppler_py.ops.top_tokens import TopTokens
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import GREEDY, DraftSampler
+from doppler_py.speculative.gpu_drafting import GREEDY, Branching, DraftSampler, TreeBranches
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
-from doppler_py.speculative.ranked_trees import MEDUSA_TREE_TOPS, RankAcceptance, medusa_tree
+from doppler_py.speculative.ranked_trees import MEDUSA_TREE_TOPS, medusa_tree
 from doppler_py.tokenizer import Tokenizer
 
 
@@ -125,7 +124,20 @@ def card_top1(card: Path, heads: int) -> list[float] | None:
     return [float(v) for v in top1]
 
 
-class MedusaDrafter(NoOpHooks):
+class HeadBranches(TreeBranches):
+    """Medusa's trees: each head's best tokens, in any combination (`ranked_trees.medusa_tree`). A head's
+    candidates do not depend on the tree's other nodes, so every depth the walk reached tells how they fared."""
+
+    tops = MEDUSA_TREE_TOPS
+
+    def build(self, best: np.ndarray, budget: int) -> Proposal:
+        return medusa_tree(best, self.acceptance.rates, budget, self.sampling.vocab)
+
+    def observed(self, best: np.ndarray, committed: list[int]) -> list[int]:
+        return committed
+
+
+class MedusaDrafter(Branching, NoOpHooks):
     """Drafts up to K tokens with `MedusaHeads` in one pass (see the module docstring)."""
 
     name = "medusa"
@@ -151,29 +163,10 @@ class MedusaDrafter(NoOpHooks):
         self.lm_h = Linear(registry, heads.lm_head, self.features, self.logits, max_rows=k, accumulate=True, norm=norm)
         self.sampling = DraftSampler(target, cfg.vocab_size)
         self.scatter = VocabScatter(registry, self.row, heads.draft_to_target, self.sampling.row)
-        depth = min(k, self.sampling.max_drafts)
-        self.top_ids = Tensor.empty(gpu, depth * MEDUSA_TREE_TOPS, "u32", "medusa top tokens")
-        self.top = TopTokens(
-            registry, self.sampling.logits, self.top_ids, vocab=cfg.vocab_size, max_rows=depth, count=MEDUSA_TREE_TOPS
-        )
-        self.acceptance = RankAcceptance(k, MEDUSA_TREE_TOPS, heads.top1_by_head)
-        self.last_top: np.ndarray | None = None  # the heads' best tokens behind the tree being verified
-        self._branches = 1
-
-    @property
-    def branches(self) -> int:
-        """1: chains of sampled drafts; MEDUSA_TREE_TOPS: token trees (set per generation by `api.use_trees`)."""
-        return self._branches
-
-    @branches.setter
-    def branches(self, value: int) -> None:
-        if value not in (1, MEDUSA_TREE_TOPS):
-            raise GenerationOptionError(f"Medusa's trees take 1 or {MEDUSA_TREE_TOPS} tokens per head, got {value}")
-        self._branches = value
+        self.branching = HeadBranches(self.sampling, rows=min(k, self.sampling.max_drafts), prior=heads.top1_by_head)
 
     def start(self, ctx: StepContext) -> None:
-        self.acceptance.reset()
-        self.last_top = None
+        self.branching.reset()
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         if ctx.hidden_rows == 0:
@@ -181,20 +174,14 @@ class MedusaDrafter(NoOpHooks):
         depth = min(k, self.heads.heads, self.sampling.max_drafts)
         if self.branches > 1 and k >= 2:
             self._run_heads(ctx, depth, GREEDY, tree=True)
-            top = np.frombuffer(
-                self.target.gpu.queue.read_buffer(self.top_ids.buffer, 0, 4 * depth * MEDUSA_TREE_TOPS), np.uint32
-            ).reshape(depth, MEDUSA_TREE_TOPS)
-            self.last_top = top
-            return medusa_tree(top, self.acceptance.rates, k, self.target.config.vocab_size)
+            return self.branching.read(depth, k)[0]
         if depth == 0:
             return NO_PROPOSAL
         self._run_heads(ctx, depth, ctx.params, tree=False)
         return Proposal(depth, self.sampling.tokens, self.sampling.logits)
 
     def commit(self, ctx: StepContext, accepted: int) -> None:
-        if self.last_top is not None:  # what the target gave at each depth the walk reached
-            self.acceptance.observe(self.last_top, ctx.tokens[-(accepted + 1) :])
-            self.last_top = None
+        self.branching.observe(ctx.tokens[-(accepted + 1) :])
 
     def _run_heads(self, ctx: StepContext, k: int, params: SamplingParams, *, tree: bool) -> None:
         """Draft k tokens into `sampling` (head i's logits row into logits[i]), one submit per head; with `tree`,
@@ -215,13 +202,13 @@ class MedusaDrafter(NoOpHooks):
             self.scatter.record(rec)  # head i's draft-vocabulary logits over the target's vocabulary
             self.sampling.record_pick(rec, self.next_id, i, params)
             if tree and i == k - 1:
-                self.top.record(rec, k)
+                self.branching.record(rec, k)
             self.sampling.submit(rec, ctx.rng.random())
 
     def close(self) -> None:
         self.scatter.release(self.target.registry)
-        self.top.release(self.target.registry)
+        self.branching.close()
         self.sampling.close()
         self.target.registry.release_tensors(
-            self.features, self.gate_up_out, self.act, self.logits, self.row, self.scratch, self.next_id, self.top_ids
+            self.features, self.gate_up_out, self.act, self.logits, self.row, self.scratch, self.next_id
         )

@@ -90,7 +90,7 @@ def test_greedy_medusa_trees_equal_plain_greedy(models, heads, heads_dir, k):
         prompt = held_in_prompt(heads_dir.parent / "work", case)
         result = engine.generate(prompt, 40, GREEDY, k=k)
         assert result.tokens == reference_decode(target, prompt, 40, GREEDY), case
-        assert result.stats.tree_steps > 0 and drafter.acceptance.seen[0] > 0
+        assert result.stats.tree_steps > 0 and drafter.branching.acceptance.seen[0] > 0
     engine.close()
 
 
