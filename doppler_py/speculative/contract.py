@@ -115,7 +115,8 @@ class Drafter(Protocol):
 
     def commit(self, ctx: StepContext, accepted: int) -> None:
         """The last proposal's first `accepted` tokens and one target token were appended to ctx.tokens (a plain
-        step: accepted = 0 of nothing); roll back whatever state ran ahead of that."""
+        step: accepted = 0 of nothing; plain steps batched in one submit while speculation pauses: accepted = 0
+        once for all of them, ctx.hidden_rows tokens appended); roll back whatever state ran ahead of that."""
 
     def finish(self) -> None:
         """The generation ended (completed, failed or cancelled): free its per-generation state."""

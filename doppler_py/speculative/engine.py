@@ -105,9 +105,9 @@ class SpeculativeEngine:
         # Made now, not at the first token tree: the tree policy may switch trees on mid-session, and a steady
         # engine allocates nothing per generation (tests/reliability/test_resources.py).
         self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
-        # The accepted path's feature rows on their way to rows 1, 2, ... of target.x (a copy may not read and
-        # write one buffer).
-        self.tree_features = Tensor.empty(gpu, (MAX_TREE_ROWS, target.config.hidden_size), "f32", "tree features")
+        # Feature rows on their way into target.x (a copy may not read and write one buffer): a tree's accepted
+        # path's, to rows 1, 2, ...; a plain batch's, one per step, to rows 0..n-1.
+        self.feature_scratch = Tensor.empty(gpu, (MAX_TREE_ROWS, target.config.hidden_size), "f32", "feature rows")
         self._tree_verify = TreeVerify(
             self.registry,
             target.logits,
@@ -315,15 +315,15 @@ class SpeculativeEngine:
 
     def _compact_features(self, rec: Recorder, moves: list[tuple[int, int]]) -> None:
         """Move the accepted path's rows of target.x (the final residual stream a head drafts from) into place,
-        through `tree_features`, as the K/V rows are moved."""
+        through `feature_scratch`, as the K/V rows are moved."""
         row_bytes = 4 * self.target.config.hidden_size
         for src, dst in moves:
             rec.copy(
-                self.target.x, self.tree_features, row_bytes, src_offset=src * row_bytes, dst_offset=dst * row_bytes
+                self.target.x, self.feature_scratch, row_bytes, src_offset=src * row_bytes, dst_offset=dst * row_bytes
             )
         for _, dst in moves:
             rec.copy(
-                self.tree_features, self.target.x, row_bytes, src_offset=dst * row_bytes, dst_offset=dst * row_bytes
+                self.feature_scratch, self.target.x, row_bytes, src_offset=dst * row_bytes, dst_offset=dst * row_bytes
             )
 
     def _verifier(self, draft_logits: Tensor | None) -> _Verifier:
@@ -415,7 +415,12 @@ class SpeculativeEngine:
                     speculate = self._ready(ctx, first_step=produced == 0)
                     stats.warmup_steps += not speculate
                     draft_len = self.policy.next_k(remaining) if speculate else 0
-                    new = self._measured_step(ctx, draft_len, stats)[:remaining]
+                    paused = self._paused_batch(remaining) if speculate and draft_len == 0 else 1
+                    if paused > 1:
+                        new = self._measured_batch(ctx, paused, stats)
+                        self.drafter.commit(ctx, 0)
+                    else:
+                        new = self._measured_step(ctx, draft_len, stats)[:remaining]
                 else:
                     new = self._measured_batch(ctx, self._batch_size(remaining, first=produced == 0), stats)
                 for j, token in enumerate(new):
@@ -440,33 +445,45 @@ class SpeculativeEngine:
         second; one when log-probs are asked for (they are read per step)."""
         if first or self.logprobs is not None or self._plain_token_s is None:
             return 1
-        return max(1, min(remaining, MAX_PLAIN_BATCH, int(BATCH_TARGET_S / self._plain_token_s)))
+        most = min(remaining, MAX_PLAIN_BATCH, self.target.max_rows)  # target.x keeps every step's row
+        return max(1, min(most, int(BATCH_TARGET_S / self._plain_token_s)))
+
+    def _paused_batch(self, remaining: int) -> int:
+        """Plain steps for one submit while the policy pauses speculation: the pause's remaining steps, as many
+        as `_batch_size` allows (the first of them already taken from the pause by `next_k`)."""
+        n = min(1 + self.policy.pause_steps, self._batch_size(remaining, first=False))
+        self.policy.pause_steps -= n - 1
+        return n
 
     def _measured_batch(self, ctx: StepContext, n: int, stats: SpecStats) -> list[int]:
         """`n` plain steps (one submit, one readback) with their statistics and the KV-cache invariant check."""
-        start = time.perf_counter()
         if n == 1:
-            new = self._measured_step(ctx, 0, stats)
-            seconds = time.perf_counter() - start
-        else:
-            self._check_open()
-            new = self.plain_batch(ctx, n)
-            seconds = (time.perf_counter() - start) / n
-            for _ in new:
-                stats.record(0, 0, StepTimes(0.0, seconds, None, None))
-            self._check_cache(ctx)
-        self._plain_token_s = seconds if self._plain_token_s is None else 0.7 * self._plain_token_s + 0.3 * seconds
+            return self._measured_step(ctx, 0, stats)
+        self._check_open()
+        start = time.perf_counter()
+        new = self.plain_batch(ctx, n)
+        seconds = (time.perf_counter() - start) / n
+        for _ in new:
+            stats.record(0, 0, StepTimes(0.0, seconds, None, None))
+        self._check_cache(ctx)
+        self._observe_plain(seconds)
         return new
+
+    def _observe_plain(self, seconds: float) -> None:
+        """A plain token's measured cost, for sizing plain batches."""
+        self._plain_token_s = seconds if self._plain_token_s is None else 0.7 * self._plain_token_s + 0.3 * seconds
 
     def plain_batch(self, ctx: StepContext, n: int) -> list[int]:
         """`n` plain steps in ONE submit: each step's token, chosen on the GPU exactly as a plain step chooses it,
         is copied into the next step's input id, and the n tokens come back in one readback. The same random
         numbers are drawn in the same order as n single steps, so the tokens are the same. Tokens after a stop
-        token are the caller's to drop (the generation ends there)."""
+        token are the caller's to drop (the generation ends there). Each step's row of target.x (the final
+        residual stream) is kept, so ctx.hidden then holds all n rows for a drafter, as after a chain step."""
         if not 1 <= n <= MAX_PLAIN_BATCH:
             raise InternalError(f"a plain batch holds 1..{MAX_PLAIN_BATCH} steps, got {n}")
         target, cache = self.target, ctx.target_cache
         pos = len(ctx.tokens) - 1
+        row_bytes = 4 * target.config.hidden_size
         self.batch_randoms.view((n,)).write(np.array([ctx.rng.random() for _ in range(n)], np.float32))
         self.spec_tokens.view((1,)).write(np.array([ctx.tokens[-1]], np.uint32))
         verifier = self._verifier(None)
@@ -482,13 +499,15 @@ class SpeculativeEngine:
             target.record_forward(rec, 1, cache, pos + j, logits="last")
             verifier.record(rec, 0, ctx.params)
             rec.copy(self.result, self.batch_out, 8, src_offset=4, dst_offset=8 * j)  # (token, status)
+            rec.copy(target.x, self.feature_scratch, row_bytes, dst_offset=j * row_bytes)
+        rec.copy(self.feature_scratch, target.x, n * row_bytes)  # a copy may not read and write one buffer
         rec.submit()
         out = np.frombuffer(self.registry.gpu.queue.read_buffer(self.batch_out.buffer, 0, 8 * n), np.uint32)
         tokens, statuses = out[0::2].tolist(), out[1::2].tolist()
         for j, status in enumerate(statuses):
             check_status(status, pos + j, 0)
         ctx.tokens.extend(tokens)
-        ctx.hidden_rows = 1
+        ctx.hidden_rows = n
         return tokens
 
     def _measured_step(self, ctx: StepContext, k: int, stats: SpecStats) -> list[int]:
@@ -502,6 +521,7 @@ class SpeculativeEngine:
         costs = self.policy.costs
         if outcome.drafted == 0:
             costs.observe_verify(1, times.total_s)
+            self._observe_plain(times.total_s)
         else:
             if not outcome.on_gpu:  # a host drafter: the GPU did nothing but verify
                 costs.observe_verify(outcome.drafted + 1, times.verify_s)
@@ -577,7 +597,7 @@ class SpeculativeEngine:
             self.batch_randoms,
             self.batch_out,
             self.tree_result,
-            self.tree_features,
+            self.feature_scratch,
         )
         self.clock.close()
         self.closed = True

@@ -104,6 +104,36 @@ def test_greedy_eagle_trees_equal_plain_greedy(models, head, head_dir, case, k):
     assert result.stats.tree_steps > 0 and result.stats.accepted > 0
 
 
+def test_plain_steps_batched_while_speculation_pauses_keep_every_feature_for_the_head(models, head, head_dir):
+    """While the policy pauses speculation, its plain steps go several to a submit; the head must still get
+    every verified row's feature, so it drafts exactly as when they go one per submit."""
+    target = models["target"]
+    prompt = held_in_prompt(head_dir.parent / "work", "long")
+    runs = {}
+    for batched in (True, False):
+        engine = SpeculativeEngine(target, EagleDrafter(target, head))
+        observe = engine.policy.observe
+        batches = []
+
+        def pause_after_each_step(drafted, accepted, observe=observe, policy=engine.policy):
+            observe(drafted, accepted)
+            policy.pause_steps = 5
+
+        engine.policy.observe = pause_after_each_step
+        plain_batch = engine.plain_batch
+        engine.plain_batch = lambda ctx, n, plain_batch=plain_batch, batches=batches: (
+            batches.append(n) or plain_batch(ctx, n)
+        )
+        if not batched:
+            engine._paused_batch = lambda remaining: 1
+        result = engine.generate(prompt, 40, GREEDY, k=3)
+        engine.close()
+        runs[batched] = (result.tokens, result.stats.drafted, result.stats.accepted, batches)
+    assert runs[True][0] == runs[False][0] == reference_decode(target, prompt, 40, GREEDY)
+    assert runs[True][1:3] == runs[False][1:3] and runs[True][2] > 0  # the same drafts, the same acceptance
+    assert max(runs[True][3]) > 1 and not runs[False][3]
+
+
 def test_sampled_output_keeps_the_target_joint_distribution(models, head):
     check_two_token_joint(models["target"], EagleDrafter(models["target"], head))
 
