@@ -48,16 +48,26 @@ def rank_paths(top: np.ndarray, tokens: list[int], parents: list[int]) -> list[t
     return paths
 
 
+def random_candidates(seed: int, depth: int, tops: int, vocab: int = 50) -> tuple[np.ndarray, np.random.Generator]:
+    """[depth, tops] distinct token ids per depth, and the generator for the rates."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(vocab, tops, replace=False) for _ in range(depth)]).astype(np.uint32), rng
+
+
+def proposal_paths(top: np.ndarray, proposal) -> tuple[list[int], list[tuple[int, ...]]]:
+    """A proposal's parents (a chain's written out) and each node's rank path."""
+    parents = list(proposal.parents) if proposal.parents is not None else list(range(-1, proposal.count - 1))
+    return parents, rank_paths(top, list(proposal.tokens), parents)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [1, 2, 4, 5])
 def test_the_tree_has_the_most_expected_accepted_tokens_a_budget_allows(seed, budget):
-    rng = np.random.default_rng(seed)
-    depth, tops, vocab = 3, 2, 50
-    top = np.stack([rng.choice(vocab, tops, replace=False) for _ in range(depth)]).astype(np.uint32)
+    depth, tops = 3, 2
+    top, rng = random_candidates(seed, depth, tops)
     rates = np.sort(rng.uniform(0, 0.9, (depth, tops)), axis=1)[:, ::-1]
-    proposal = medusa_tree(top, rates, budget, vocab)
-    parents = list(proposal.parents) if proposal.parents is not None else list(range(-1, proposal.count - 1))
-    paths = rank_paths(top, list(proposal.tokens), parents)
+    proposal = medusa_tree(top, rates, budget, 50)
+    parents, paths = proposal_paths(top, proposal)
     assert proposal.count == len(set(paths)) == budget
     assert [len(p) - 1 for p in paths] == [d - 1 for d in row_depths(parents)[1:]]
     every = [path for n in range(1, depth + 1) for path in itertools.product(range(tops), repeat=n)]
@@ -68,13 +78,11 @@ def test_the_tree_has_the_most_expected_accepted_tokens_a_budget_allows(seed, bu
 @pytest.mark.parametrize("budget", [1, 3, 5, 7])
 def test_a_chain_with_leaves_has_the_most_expected_accepted_tokens_a_budget_allows(seed, budget):
     """Only the chain's nodes (rank 0 all the way) have children: its candidates were drafted after them."""
-    rng = np.random.default_rng(seed)
-    depth, tops, vocab = 4, 3, 50
-    best = np.stack([rng.choice(vocab, tops, replace=False) for _ in range(depth)]).astype(np.uint32)
+    depth, tops = 4, 3
+    best, rng = random_candidates(seed, depth, tops)
     rates = rng.uniform(0, 0.9, (depth, tops))
-    proposal = chain_with_leaves(best, budget, vocab, rates)
-    parents = list(proposal.parents) if proposal.parents is not None else list(range(-1, proposal.count - 1))
-    paths = rank_paths(best, list(proposal.tokens), parents)
+    proposal = chain_with_leaves(best, budget, 50, rates)
+    _, paths = proposal_paths(best, proposal)
     assert proposal.count == len(set(paths)) == budget and all(set(p[:-1]) <= {0} for p in paths)
     assert list(proposal.values) == pytest.approx([expected_accepted([p], rates) for p in paths])
     candidates = [(0,) * d + (r,) for d in range(depth) for r in range(tops)]
