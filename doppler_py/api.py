@@ -34,13 +34,14 @@ from doppler_py.speculative.eagle import EagleDrafter, load_head
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
 from doppler_py.speculative.head_files import head_kind
 from doppler_py.speculative.layer_skip import LayerSkipDrafter
+from doppler_py.speculative.lookahead import LookaheadDrafter
 from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
 from doppler_py.speculative.policy import trees_pay
 from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
-SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle", "medusa")
+SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "lookahead", "eagle", "medusa")
 HEAD_KINDS = ("eagle", "medusa")  # trained draft heads, in the order "auto" prefers them
 HEAD_DRAFTERS = {"eagle": EagleDrafter, "medusa": MedusaDrafter}
 HEAD_LOADERS = {"eagle": load_head, "medusa": load_medusa}
@@ -182,6 +183,7 @@ class Engine:
                     "none": lambda: None,
                     "prompt-lookup": PromptLookupDrafter,
                     "layer-skip": lambda: LayerSkipDrafter(self.model),
+                    "lookahead": lambda: LookaheadDrafter(self.model),
                     "draft-model": lambda: DraftModelDrafter(self.draft, self.model.config.vocab_size),
                 }[mode]()
             engine = SpeculativeEngine(self.model, drafter)
@@ -548,6 +550,15 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
     # Drafters that can branch (prompt lookup, a draft model, an EAGLE or Medusa head) say how many ways when
     # trees are on.
     # Not "auto"'s head + lookup pair: its per-step choice is between two chains.
+    if getattr(engine.drafter, "fixed_nodes", None) is not None:  # lookahead: every step is a tree of its shape
+        if tree is not None:
+            raise GenerationOptionError(
+                f"tree={tree!r} does not apply to lookahead: every step verifies its window and candidates as one "
+                "token tree (k sets its node budget)"
+            )
+        if logprobs is not None:
+            raise GenerationOptionError("log-probs are not given for token trees, and every lookahead step is one")
+        return k
     brancher = engine.drafter if hasattr(engine.drafter, "tree_branches") else None
     if tree is None or tree is False:
         wanted = (

@@ -25,7 +25,7 @@ from pathlib import Path
 from doppler_py.errors import DopplerError
 
 EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
-SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "eagle", "medusa", "none")
+SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "lookahead", "eagle", "medusa", "none")
 BENCHES = ("speculative", "kernels", "model")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

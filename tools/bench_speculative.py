@@ -106,18 +106,35 @@ PROMPTS = {
         [{"role": "user", "content": "Write a short dialogue between a librarian and a student who lost a book."}],
     ),
 }
-METHODS = ("plain", "prompt-lookup", "lookup-tree", "eagle", "eagle-tree", "medusa", "medusa-tree", "auto")
+METHODS = (
+    "plain",
+    "prompt-lookup",
+    "lookup-tree",
+    "lookahead",
+    "lookahead-pinned",
+    "eagle",
+    "eagle-tree",
+    "medusa",
+    "medusa-tree",
+    "auto",
+)
 # Token trees: each against its drafter's chains at the same draft budget; with --k both verify the same rows
 # per step (the tree's node budget is k).
 TREE_METHODS = {"lookup-tree": "prompt-lookup", "eagle-tree": "eagle", "medusa-tree": "medusa"}
 LOOKUP_METHODS = ("prompt-lookup", "lookup-tree")
+# Lookahead as the policy runs it (paused where its measured tokens per step do not pay for its rows), and with
+# its full shape pinned, so every step verifies the window (what it yields per step, whatever it costs).
+PINNED_METHODS = {"lookahead-pinned": "lookahead"}
 
 
 def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0, k: int | None = None) -> dict:
-    speculative = None if method == "plain" else TREE_METHODS.get(method, method)
-    # Chains are chains even where the tree policy would switch trees on; "auto" lets the policy decide.
-    tree = (k or True) if method in TREE_METHODS else (None if method == "auto" else False)
-    pinned = k if speculative == "prompt-lookup" else None
+    from doppler_py.speculative.lookahead import LookaheadShape
+
+    speculative = None if method == "plain" else TREE_METHODS.get(method, PINNED_METHODS.get(method, method))
+    # Chains are chains even where the tree policy would switch trees on; "auto" lets the policy decide, and
+    # every lookahead step is a tree of its own.
+    tree = (k or True) if method in TREE_METHODS else (None if method == "auto" or "lookahead" in method else False)
+    pinned = k if speculative == "prompt-lookup" else (LookaheadShape().nodes if method in PINNED_METHODS else None)
     result = engine.generate(
         prompt, max_tokens=tokens, speculative=speculative, temperature=temperature, seed=0, k=pinned, tree=tree
     )

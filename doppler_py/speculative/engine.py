@@ -390,7 +390,9 @@ class SpeculativeEngine:
         target = self.target
         tokens = target.check_ids(prompt_ids).tolist()
         check_fits(len(tokens), max_new_tokens, target.max_positions)
-        self.policy.reset(k, cost_aware=params.greedy or params.seed is None)
+        # A drafter with a fixed step shape (lookahead) says so with `fixed_nodes` (policy: fixed mode).
+        fixed = getattr(self.drafter, "fixed_nodes", None)
+        self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=fixed)
         capacity = len(tokens) + max_new_tokens + self.capacity + 1
         cache = target.new_cache(capacity)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity)

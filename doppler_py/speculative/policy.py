@@ -11,6 +11,10 @@ per token for plain decoding. All costs are MEASURED on the running device as ho
 costs far more than one, on a GPU nearly the same, so the same policy speculates aggressively on a GPU and
 cautiously on lavapipe. When no k predicts a speedup, speculation pauses for a number of plain steps that
 doubles each time a probe confirms it.
+
+A drafter whose steps have a fixed shape (lookahead decoding: its window is part of every proposal, and its
+drafts are not a chain whose tail is the least likely part) is run in fixed mode: k is that shape's node count,
+never adapted, and the pause rule compares the MEASURED tokens per step with the measured cost of its rows.
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ class DraftLengthPolicy:
     # Per generation (see `reset`):
     k: int = START_K
     pinned: bool = False
+    fixed: bool = False  # k is a drafter's fixed step shape (see the module docstring)
+    tokens_per_step: float | None = None  # fixed mode: measured committed tokens per speculative step
     # Timing-based pauses make the step structure depend on the machine's speed; a seeded sampled run must
     # not (the same seed must give the same tokens), so the engine turns them off there.
     cost_aware: bool = True
@@ -125,7 +131,7 @@ class DraftLengthPolicy:
 
     @property
     def k_max(self) -> int:
-        return min(K_CEILING, self.capacity)
+        return self.capacity if self.fixed else min(K_CEILING, self.capacity)
 
     @property
     def k_now(self) -> int:
@@ -137,12 +143,15 @@ class DraftLengthPolicy:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.capacity):
             raise GenerationOptionError(f"k (draft length) must be an integer in 1..{self.capacity}, got {k!r}")
 
-    def reset(self, k: int | None = None, *, cost_aware: bool = True) -> None:
-        """Start of a generation: `k` pins the draft length (None: adapt from START_K); costs are kept."""
+    def reset(self, k: int | None = None, *, cost_aware: bool = True, fixed: int | None = None) -> None:
+        """Start of a generation: `k` pins the draft length (None: adapt from START_K, or take `fixed`, a
+        drafter's fixed step shape, whole); costs are kept."""
         self.check_k(k)
         self.pinned = k is not None
-        self.k = k if k is not None else min(START_K, self.k_max)
+        self.fixed = fixed is not None
+        self.k = k if k is not None else min(fixed or START_K, self.k_max)
         self.alpha, self.pause_steps, self.next_pause = 0.6, 0, 4
+        self.tokens_per_step = None
         self.cost_aware = cost_aware
 
     @property
@@ -161,7 +170,7 @@ class DraftLengthPolicy:
             self.pause_steps -= 1
             return 0
         k = self.k
-        if self.adaptive and self.cost_aware:
+        if self.adaptive and self.cost_aware and not self.fixed:
             best = self.best_k()
             if best is not None:
                 k = min(k, best)
@@ -180,9 +189,11 @@ class DraftLengthPolicy:
         failures = 0 if accepted == drafted else 1
         sample = accepted / (accepted + failures) if accepted + failures else 0.0
         self.alpha = (1 - _EMA) * self.alpha + _EMA * sample
+        self.tokens_per_step = _ema(self.tokens_per_step, accepted + 1.0)
         if not self.adaptive:
             return
-        self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k_min, self.k - 1)
+        if not self.fixed:
+            self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k_min, self.k - 1)
         if not self.cost_aware:
             return
         best = self.best_speedup()
@@ -193,8 +204,17 @@ class DraftLengthPolicy:
             self.next_pause = 4
 
     def best_speedup(self) -> float | None:
+        if self.fixed:
+            return self.fixed_speedup()
         estimates = [s for k in range(self.k_min, self.k_now + 1) if (s := self.costs.speedup(self.alpha, k))]
         return max(estimates) if estimates else None
+
+    def fixed_speedup(self) -> float | None:
+        """Fixed mode: measured tokens per step × plain cost per token / the measured cost of a k-node step."""
+        plain, verify = self.costs.verify_cost(1), self.costs.verify_cost(self.k + 1)
+        if plain is None or verify is None or self.tokens_per_step is None:
+            return None
+        return self.tokens_per_step * plain / (verify + self.k * (self.costs.draft_per_token or 0.0))
 
     def should_speculate(self) -> bool:
         """The `auto` decision: speculate unless measured costs and acceptance predict a slowdown."""

@@ -60,10 +60,12 @@ def held_in_prompt(work, case: str) -> list[int]:
 JOINT_TRIALS = 500
 
 
-def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = JOINT_TRIALS, new_tokens: int = 2) -> int:
+def check_two_token_joint(
+    target, drafter, prompt=(3, 17, 5), trials: int = JOINT_TRIALS, new_tokens: int = 2, k: int = 2
+) -> int:
     """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target (T = 1.5, top-6);
     returns the number of token trees verified. Generations of `new_tokens` > 2 tokens let the first step
-    verify two drafts (a step never drafts past the last token asked for)."""
+    verify k drafts (a step never drafts past the last token asked for)."""
     import numpy as np
 
     from doppler_py.sampling import SamplingParams
@@ -86,7 +88,7 @@ def check_two_token_joint(target, drafter, prompt=(3, 17, 5), trials: int = JOIN
     counts = np.zeros_like(joint)
     trees = 0
     for seed in range(trials):
-        result = engine.generate(prompt, new_tokens, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=2)
+        result = engine.generate(prompt, new_tokens, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=k)
         t1, t2 = result.tokens[:2]
         counts[t1, t2] += 1
         trees += result.stats.tree_steps

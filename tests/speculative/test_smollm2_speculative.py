@@ -1,5 +1,5 @@
 """Greedy speculative decoding on SmolLM2-135M equals plain greedy decoding, for every drafter over k from 1 to 8
-(the trained heads: those shipped with the package, on open-ended prompts), token trees included. The tiny
+(the trained heads: those shipped with the package, on open-ended prompts), token trees and lookahead included. The tiny
 models' tests (tests/speculative/test_engine.py) take every k in 1..8."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.eagle import EagleDrafter, load_head
 from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.lookahead import LookaheadDrafter
 from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
 from doppler_py.testing.decode import reference_decode
 
@@ -53,6 +54,16 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(setup, drafter, k):
     engine.close()
     assert result.tokens == plain[: len(result.tokens)]
     assert len(result.tokens) == len(plain)
+
+
+@pytest.mark.parametrize("k", [3, 16])
+def test_greedy_lookahead_equals_plain_greedy_on_smollm2(setup, k):
+    target, _, ids, plain, _ = setup
+    engine = SpeculativeEngine(target, LookaheadDrafter(target))
+    result = engine.generate(ids, NEW_TOKENS, SamplingParams(), stop_ids=(2,), k=k)
+    engine.close()
+    assert result.tokens == plain
+    assert result.stats.tree_steps > 0
 
 
 @pytest.mark.parametrize(
