@@ -218,13 +218,21 @@ class SpeculativeEngine:
     # -- the algorithm ------------------------------------------------------------------------------------
     def step(self, ctx: StepContext, k: int) -> StepOutcome:
         """draft → one target forward over the proposal → verify on the GPU → one readback → truncate and commit."""
-        target, params, cache = self.target, ctx.params, ctx.target_cache
-        pos = len(ctx.tokens) - 1  # the last committed token's position: its K/V are written now
+        return self.verify(ctx, self.propose(ctx, k), k)
+
+    def propose(self, ctx: StepContext, k: int) -> Proposal:
+        """The drafter's proposal of at most k tokens, cut to the nodes worth verifying (values given)."""
         proposal = self.drafter.propose(ctx, k) if k else NO_PROPOSAL
         if proposal.values is not None and self.policy.adaptive and self.policy.cost_aware:
             # The node budget from this device's verify costs and the drafter's measured acceptance. Not in a
             # seeded sampled generation: its tokens must not depend on timing.
             proposal = proposal.leading(tree_budget(proposal.values, self.policy.costs))
+        return proposal
+
+    def verify(self, ctx: StepContext, proposal: Proposal, k: int) -> StepOutcome:
+        """The second half of `step`: `proposal` (asked with k) verified by one target forward, then committed."""
+        target, params, cache = self.target, ctx.params, ctx.target_cache
+        pos = len(ctx.tokens) - 1  # the last committed token's position: its K/V are written now
         n = self._check(proposal, k)
         if proposal.parents is not None and not is_chain(proposal.parents):
             return self._tree_step(ctx, proposal, n, pos)
@@ -387,30 +395,13 @@ class SpeculativeEngine:
         (a cancelled stream) releases the step's KV caches.
         """
         check_top_logprobs(logprobs)
-        target = self.target
-        tokens = target.check_ids(prompt_ids).tolist()
-        check_fits(len(tokens), max_new_tokens, target.max_positions)
-        # A drafter with a fixed step shape (lookahead) says so with `fixed_nodes` (policy: fixed mode).
-        fixed = getattr(self.drafter, "fixed_nodes", None)
-        self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=fixed)
-        capacity = len(tokens) + max_new_tokens + self.capacity + 1
-        cache = target.new_cache(capacity)
-        ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity)
+        start = time.perf_counter()
+        ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k)
+        stats.prefill_s = time.perf_counter() - start
         stats.drafter = self.drafter.name
         self.logprobs = logprobs
-        start = time.perf_counter()
         produced = 0
         try:
-            self.drafter.start(ctx)
-            for begin in range(0, len(tokens) - 1, target.max_rows):  # the last prompt token is fed by step 1
-                chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
-                target.forward(chunk, cache, begin, logits="none")
-                ctx.hidden_rows = len(chunk)
-                self.drafter.prefilled(ctx, begin)
-            # Submits return before the GPU is done: wait, so the prefill is not billed to the first step
-            # (which would also skew the measured plain-step cost the policy relies on).
-            target.gpu.wait_idle()
-            stats.prefill_s = time.perf_counter() - start
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
                 if self.speculative:
@@ -438,8 +429,42 @@ class SpeculativeEngine:
         finally:
             stats.total_s = time.perf_counter() - start
             self.logprobs = None
-            self.drafter.finish()
-            target.release_cache(cache)
+            self.close_context(ctx)
+
+    def open_context(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, *, k: int | None = None
+    ) -> StepContext:
+        """A generation's start: the checks, the policy reset (`k` pins the draft length), a KV cache, the
+        drafter started, and the prefill of every prompt token but the last (the first step feeds it). Steps
+        (`step`, or `propose` then `verify`) follow; `close_context` ends it."""
+        target = self.target
+        tokens = target.check_ids(prompt_ids).tolist()
+        check_fits(len(tokens), max_new_tokens, target.max_positions)
+        # A drafter with a fixed step shape (lookahead) says so with `fixed_nodes` (policy: fixed mode).
+        fixed = getattr(self.drafter, "fixed_nodes", None)
+        self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=fixed)
+        capacity = len(tokens) + max_new_tokens + self.capacity + 1
+        cache = target.new_cache(capacity)
+        ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity)
+        try:
+            self.drafter.start(ctx)
+            for begin in range(0, len(tokens) - 1, target.max_rows):  # the last prompt token is fed by step 1
+                chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
+                target.forward(chunk, cache, begin, logits="none")
+                ctx.hidden_rows = len(chunk)
+                self.drafter.prefilled(ctx, begin)
+        except BaseException:
+            self.close_context(ctx)
+            raise
+        # Submits return before the GPU is done: wait, so the prefill is not billed to the first step
+        # (which would also skew the measured plain-step cost the policy relies on).
+        target.gpu.wait_idle()
+        return ctx
+
+    def close_context(self, ctx: StepContext) -> None:
+        """A generation's end (completed, failed or cancelled): the drafter's state and the KV cache freed."""
+        self.drafter.finish()
+        self.target.release_cache(ctx.target_cache)
 
     def _batch_size(self, remaining: int, first: bool) -> int:
         """Plain steps for the next submit: one for a generation's first token (it shows at once), then as many

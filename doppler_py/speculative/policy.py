@@ -147,12 +147,21 @@ class DraftLengthPolicy:
         """Start of a generation: `k` pins the draft length (None: adapt from START_K, or take `fixed`, a
         drafter's fixed step shape, whole); costs are kept."""
         self.check_k(k)
+        same_shape = fixed is not None and self.fixed and k is None and self.k == min(fixed, self.capacity)
         self.pinned = k is not None
         self.fixed = fixed is not None
         self.k = k if k is not None else min(fixed or START_K, self.k_max)
-        self.alpha, self.pause_steps, self.next_pause = 0.6, 0, 4
-        self.tokens_per_step = None
         self.cost_aware = cost_aware
+        self.alpha, self.pause_steps = 0.6, 0
+        if same_shape:
+            # A fixed shape's tokens per step were measured by earlier generations: a new one does not probe
+            # again at once where they did not pay (the pause keeps growing as probes confirm it).
+            speedup = self.fixed_speedup()
+            if cost_aware and speedup is not None and speedup < 1.0:
+                self.pause_steps = self.next_pause
+            return
+        self.next_pause = 4
+        self.tokens_per_step = None
 
     @property
     def adaptive(self) -> bool:

@@ -190,3 +190,18 @@ def test_the_api_runs_lookahead_and_refuses_what_does_not_apply(api_engine):
     ):
         with pytest.raises(GenerationOptionError, match=match):
             api_engine.generate("abc", speculative="lookahead", **options | refused)
+
+
+def test_fixed_mode_remembers_across_generations_where_its_shape_did_not_pay():
+    cpu_like = fixed_policy(plain=1.0, wide=6.0)
+    cpu_like.observe(16, 2)
+    cpu_like.reset(fixed=16)  # the next generation starts paused, with its measured rate kept
+    assert cpu_like.next_k(100) == 0 and cpu_like.tokens_per_step == 3.0
+    gpu_like = fixed_policy(plain=1.0, wide=1.3)
+    gpu_like.observe(16, 1)
+    gpu_like.reset(fixed=16)
+    assert gpu_like.next_k(100) == 16
+    other = fixed_policy(plain=1.0, wide=6.0)
+    other.observe(16, 2)
+    other.reset(fixed=12)  # another shape: measured afresh
+    assert other.next_k(100) == 12 and other.tokens_per_step is None
