@@ -78,15 +78,6 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def _append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def make_prompts(hf, tokenizer, work: Path, options: TrainOptions, say: Callable[[str], None]) -> list[str]:
     """Stage 1: the seed list plus Magpie questions (resumable)."""
     import torch
