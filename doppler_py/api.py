@@ -38,13 +38,14 @@ from doppler_py.speculative.lookahead import LookaheadDrafter
 from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
 from doppler_py.speculative.policy import trees_pay
 from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
+from doppler_py.speculative.spark import SparkDrafter, load_spark
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
-SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "lookahead", "eagle", "medusa")
-HEAD_KINDS = ("eagle", "medusa")  # trained draft heads, in the order "auto" prefers them
-HEAD_DRAFTERS = {"eagle": EagleDrafter, "medusa": MedusaDrafter}
-HEAD_LOADERS = {"eagle": load_head, "medusa": load_medusa}
+SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "lookahead", "eagle", "medusa", "spark")
+HEAD_KINDS = ("eagle", "medusa", "spark")  # trained draft heads, in the order "auto" prefers them
+HEAD_DRAFTERS = {"eagle": EagleDrafter, "medusa": MedusaDrafter, "spark": SparkDrafter}
+HEAD_LOADERS = {"eagle": load_head, "medusa": load_medusa, "spark": load_spark}
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 Messages = Sequence[dict]
 
@@ -104,9 +105,9 @@ class Engine:
         folder: Path | None = None,
         warmup: str = "now",
     ):
-        """`heads`: trained draft heads for `model` by kind ("eagle", "medusa"); `owns_registry`: the models' kernel
-        registry was made for this engine and is closed with it; `folder`: the model's files, which key the
-        on-disk cache of measured verification costs (None: no cache); `warmup`: see `load`."""
+        """`heads`: trained draft heads for `model` by kind ("eagle", "medusa", "spark"); `owns_registry`: the
+        models' kernel registry was made for this engine and is closed with it; `folder`: the model's files,
+        which key the on-disk cache of measured verification costs (None: no cache); `warmup`: see `load`."""
         check_warmup(warmup)
         self.model = model
         self.tokenizer = tokenizer
@@ -483,7 +484,7 @@ def load(
     weights: "keep" (default: as stored; the default model is Q4_1 with a Q8_0 embedding), "f32", "f16",
     "q8_0", "q4_0" or "q4_1" (dense tensors quantised on load; block-quantised ones keep their blocks).
     draft: an optional smaller model with the same vocabulary for speculative="draft-model".
-    draft_head: a trained head folder (or several: one per kind) for speculative="eagle"/"medusa" and "auto";
+    draft_head: a trained head folder (or several: one per kind) for speculative="eagle"/"medusa"/"spark" and "auto";
     None: the heads shipped for a known model, if any; False: none.
     warmup: how a speculative mode gets ready on first use. "now": compile its pipelines and measure this
     device's verification costs before its first generation starts (its step structure is then the same from

@@ -25,7 +25,17 @@ from pathlib import Path
 from doppler_py.errors import DopplerError
 
 EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
-SPECULATIVE_CHOICES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "lookahead", "eagle", "medusa", "none")
+SPECULATIVE_CHOICES = (
+    "auto",
+    "prompt-lookup",
+    "draft-model",
+    "layer-skip",
+    "lookahead",
+    "eagle",
+    "medusa",
+    "spark",
+    "none",
+)
 BENCHES = ("speculative", "kernels", "model")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +61,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         "--draft-head",
         metavar="DIR",
         action="append",
-        help="a trained head folder (EAGLE or Medusa; repeatable) for --speculative eagle/medusa/auto (default: the "
-        "heads shipped for a known model; none: no head)",
+        help="a trained head folder (EAGLE, Medusa or spark; repeatable) for --speculative eagle/medusa/spark/auto "
+        "(default: the heads shipped for a known model; none: no head)",
     )
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
     group.add_argument("--browser-limits", action="store_true", help="run under the WebGPU default limits")
@@ -412,7 +422,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
             f"train-draft needs torch and transformers ({exc.name} is missing)",
             advice="install them with `pip install -e .[reference]`",
         ) from exc
-    from doppler_py.training import eagle, medusa
+    from doppler_py.training import eagle, medusa, spark
     from doppler_py.training.data import TrainOptions
 
     out = Path(args.out)
@@ -426,7 +436,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
-    train = {"eagle": eagle.train, "medusa": medusa.train}[args.kind]
+    train = {"eagle": eagle.train, "medusa": medusa.train, "spark": spark.train}[args.kind]
     card = train(args.model, out, work, options, say=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(card, indent=2))
     return 0
@@ -482,7 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train-draft", help="train a draft head for a model by self-distillation (torch on CPU; resumable)"
     )
     trainer.add_argument("model", help="known model name, HF folder or .gguf file")
-    trainer.add_argument("--kind", default="eagle", choices=("eagle", "medusa"), help="head design (default eagle)")
+    trainer.add_argument(
+        "--kind", default="eagle", choices=("eagle", "medusa", "spark"), help="head design (default eagle)"
+    )
     trainer.add_argument("--out", required=True, help="the head folder to write")
     trainer.add_argument(
         "--work", help="data and checkpoints, kept for resuming; heads of both kinds can share it (default: OUT.work)"

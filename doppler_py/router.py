@@ -9,7 +9,8 @@ spent). `generate_draft` and `verify_draft` are the engine's own two halves of a
 proposal after a real prefill, and one target forward that keeps exactly the accepted drafts and the target's
 own next token. Nothing is accepted optimistically and nothing is generated twice.
 
-spark (a block drafter) has no drafter here yet: `get_draft_model("spark")` is None and `should_use` says no.
+Like eagle and medusa, spark (the block drafter) needs a trained head for the model (`doppler-py train-draft
+MODEL --kind spark`); without one, `get_draft_model("spark")` is None and `should_use` says no.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from doppler_py.speculative.contract import Proposal, StepContext
 from doppler_py.speculative.engine import SpeculativeEngine
 
 DRAFT_TYPES = ("medusa", "lookahead", "eagle", "spark")
-DRAFT_MODES = {"medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle"}  # spark: none yet
-HEAD_TYPES = ("medusa", "eagle")  # the types that need a trained head for the model
+DRAFT_MODES = {"medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle", "spark": "spark"}
+HEAD_TYPES = ("medusa", "eagle", "spark")  # the types that need a trained head for the model
 
 
 @dataclass(frozen=True)

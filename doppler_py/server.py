@@ -9,8 +9,9 @@ Every response carries `usage` and a `doppler` object with the speculation figur
 
 `stop` (a string or up to 4) ends the text before the first stop string, with finish_reason "stop"; streamed
 text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto", "prompt-lookup",
-"draft-model", "layer-skip", "lookahead", "eagle", "medusa", "none"), `k` (pinned draft length) and `tree` (true, false,
-"auto" or a node budget: token trees of lookup, draft-model, EAGLE or Medusa drafts, `Engine.stream`'s `tree`).
+"draft-model", "layer-skip", "lookahead", "eagle", "medusa", "spark", "none"), `k` (pinned draft length) and
+`tree` (true, false, "auto" or a node budget: token trees of lookup, draft-model, EAGLE or Medusa drafts,
+`Engine.stream`'s `tree`).
 Options a request leaves out take the server's defaults (the `serve` command's flags). Features that would
 silently change results (n > 1, penalties, tools) are refused with 400 rather than ignored.
 

@@ -73,10 +73,10 @@ class Proposal:
                     tokens, with distinct tokens among siblings and no draft_logits (its nodes are verified as
                     deterministic drafts); after a tree step ctx.hidden holds the root's and the accepted
                     path's rows, in order, as after a chain.
-    values          for host tokens in best-first order (non-increasing values, every parent before its
-                    children, so every leading run of nodes is a tree): node i's expected accepted tokens by the
-                    drafter's measured acceptance. The engine may then verify only a leading run
-                    (`policy.tree_budget`); None: all n nodes are verified.
+    values          for nodes in best-first order (non-increasing values, every parent before its children, so
+                    every leading run of nodes is a tree; a GPU proposal must be a chain): node i's expected
+                    accepted tokens by the drafter's measured or predicted acceptance. The engine may then
+                    verify only a leading run (`policy.tree_budget`); None: all n nodes are verified.
     """
 
     count: int
@@ -90,12 +90,14 @@ class Proposal:
         return isinstance(self.tokens, Tensor)
 
     def leading(self, n: int) -> Proposal:
-        """The first n nodes of a best-first host proposal (see `values`): a tree, or a chain when it is one."""
-        if self.values is None or self.on_gpu:
-            raise ValueError("only a host proposal with node values can be cut to its leading nodes")
+        """The first n nodes of a best-first proposal (see `values`): a tree, or a chain when it is one."""
+        if self.values is None or (self.on_gpu and self.parents is not None):
+            raise ValueError("only a proposal with node values (a chain, if on the GPU) can be cut to leading nodes")
+        if self.on_gpu:  # the first n ids and logits rows of the buffers are the leading chain
+            return Proposal(n, self.tokens, self.draft_logits, values=list(self.values)[:n])
         parents = list(self.parents) if self.parents is not None else list(range(-1, self.count - 1))
         shape = None if is_chain(parents[:n]) else parents[:n]
-        return Proposal(n, list(self.tokens)[:n], parents=shape, values=list(self.values)[:n])
+        return Proposal(n, list(self.tokens)[:n], self.draft_logits, parents=shape, values=list(self.values)[:n])
 
 
 NO_PROPOSAL = Proposal(0)

@@ -1,5 +1,5 @@
 """Reading a trained draft head's folder: what it was made for, and its tensors, with typed errors that name
-the file. Shared by the EAGLE and Medusa heads.
+the file. Shared by the EAGLE, Medusa and spark heads.
 
 Every head folder holds KIND.json with {"kind", "target": {hidden_size, vocab_size, num_hidden_layers,
 model_type, tokenizer_sha256}, ...} and KIND.safetensors, whose draft_to_target [N] lists the target ids of
@@ -19,7 +19,7 @@ from doppler_py.model.safetensors_file import load_array, read_header
 from doppler_py.model.transformer import Transformer
 from doppler_py.tokenizer import Tokenizer
 
-HEAD_NAMES = {"eagle": "an EAGLE", "medusa": "a Medusa"}
+HEAD_NAMES = {"eagle": "an EAGLE", "medusa": "a Medusa", "spark": "a spark"}
 
 
 def vocabulary_digest(tokenizer: Tokenizer) -> str:
@@ -41,11 +41,13 @@ def made_for(target_config, tokenizer: Tokenizer | None) -> dict:
 
 
 def head_kind(folder: str | Path) -> str:
-    """ "eagle" or "medusa", from the description file the folder holds."""
+    """ "eagle", "medusa" or "spark", from the description file the folder holds."""
     folder = Path(folder)
-    kinds = [kind for kind in ("eagle", "medusa") if (folder / f"{kind}.json").is_file()]
+    kinds = [kind for kind in HEAD_NAMES if (folder / f"{kind}.json").is_file()]
     if len(kinds) != 1:
-        raise ModelFormatError(f"{folder}: not a draft head folder (it needs exactly one of eagle.json, medusa.json)")
+        raise ModelFormatError(
+            f"{folder}: not a draft head folder (it needs exactly one of {', '.join(k + '.json' for k in HEAD_NAMES)})"
+        )
     return kinds[0]
 
 

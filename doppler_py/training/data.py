@@ -44,6 +44,8 @@ class TrainOptions:
     seed: int = 0
     holdout: float = 0.05  # fraction of the sequences kept for validation (at least one when there are two)
     medusa_heads: int = 4  # Medusa: heads, head i proposing the token i + 1 places after the target's own
+    spark_block: int = 4  # spark: tokens one block proposes
+    spark_rank: int = 32  # spark: rank of the previous-token bias (a multiple of 32)
 
 
 def load_target(model: str | Path):

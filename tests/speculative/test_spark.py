@@ -1,0 +1,233 @@
+"""Spark, the block drafter, on a tiny model: the GPU block against a numpy reference of its math (random
+weights), the trainer end to end in seconds, exactness greedy and sampled, the confidence head's cut, and
+refusals of heads made for another model or broken files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, replay_accepted
+
+from doppler_py.api import load
+from doppler_py.errors import ModelFormatError, VocabularyMismatchError
+from doppler_py.rng import Mulberry32
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative import SpeculativeEngine
+from doppler_py.speculative.contract import StepContext
+from doppler_py.speculative.head_files import made_for
+from doppler_py.speculative.spark import SparkDrafter, load_spark
+from doppler_py.testing.decode import reference_decode
+
+GREEDY = SamplingParams()
+BLOCK, RANK, DRAFT_VOCAB = 3, 32, 40
+
+
+def write_random_head(folder, target, rng) -> dict[str, np.ndarray]:
+    """A spark folder with random weights (large enough that every term matters); returns its tensors."""
+    from safetensors.numpy import save_file
+
+    h, n = target.config.hidden_size, DRAFT_VOCAB
+    tensors = {
+        "resblock.weight": rng.normal(0, 0.2, (BLOCK, h, h)),
+        "resblock.bias": rng.normal(0, 0.2, (BLOCK, h)),
+        "lm_head.weight": rng.normal(0, 0.3, (n, h)),
+        "prev.embed": rng.normal(0, 1.0, (n + 1, RANK)),
+        "prev.proj": rng.normal(0, 1.0, (n, RANK)),
+        "confidence.weight": rng.normal(0, 0.2, (BLOCK, h)),
+        "confidence.bias": rng.normal(0, 0.5, BLOCK),
+    }
+    tensors = {name: t.astype(np.float32) for name, t in tensors.items()}
+    tensors["draft_to_target"] = rng.permutation(target.config.vocab_size)[:n].astype(np.int64)
+    folder.mkdir()
+    save_file(tensors, str(folder / "spark.safetensors"))
+    meta = {"kind": "spark", "block": BLOCK, "rank": RANK, "target": made_for(target.config, None), "draft_vocab": n}
+    (folder / "spark.json").write_text(json.dumps(meta))
+    return tensors
+
+
+def reference_block(t: dict[str, np.ndarray], feature, norm_weight, eps: float, prevs: list[int], vocab: int):
+    """numpy, float64: each position's logits over the draft vocabulary given the token before it (`prevs`),
+    and the confidences c_i."""
+    f = feature.astype(np.float64)
+    h = f / np.sqrt(np.mean(f * f) + eps) * norm_weight
+    n = t["draft_to_target"].size
+    slots = np.full(vocab, n)
+    slots[t["draft_to_target"]] = np.arange(n)
+    rows = []
+    for i, prev in enumerate(prevs):
+        gate = t["resblock.weight"][i] @ h + t["resblock.bias"][i]
+        y = h + gate / (1 + np.exp(-gate))
+        rows.append(t["lm_head.weight"] @ y + t["prev.proj"] @ t["prev.embed"][slots[prev]])
+    confidence = 1 / (1 + np.exp(-(t["confidence.weight"] @ h + t["confidence.bias"])))
+    return rows, confidence
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_the_gpu_block_drafts_what_the_reference_math_gives(models, tmp_path, rng, k):
+    target = models["target"]
+    tensors = write_random_head(tmp_path / "spark", target, rng)
+    head = load_spark(tmp_path / "spark", target)
+    drafter = SparkDrafter(target, head)
+    prompt = [3, 17, 5, 9, 22, 40, 11]
+    cache = target.new_cache(32)
+    try:
+        target.forward(prompt[:-1], cache, 0, logits="none")
+        h = target.config.hidden_size
+        feature = target.x.numpy().reshape(-1, h)[len(prompt) - 2]
+        ctx = StepContext(list(prompt), target, cache, GREEDY, Mulberry32(0), 64, hidden_rows=len(prompt) - 1)
+        proposal = drafter.propose(ctx, k)
+        depth = min(k, BLOCK)
+        assert proposal.count == depth and proposal.on_gpu
+        drafts = proposal.tokens.numpy()[:depth].tolist()
+    finally:
+        drafter.close()
+        head.close()
+        target.release_cache(cache)
+    norm = target.weights.norm.numpy().reshape(-1)[:h]
+    # The reference follows the GPU's own drafts as each next position's previous token, and accepts a pick
+    # within float rounding of the best.
+    rows, confidence = reference_block(
+        tensors, feature, norm, target.config.rms_norm_eps, [prompt[-1], *drafts[:-1]], target.config.vocab_size
+    )
+    for i, row in enumerate(rows):
+        slot = int(np.flatnonzero(tensors["draft_to_target"] == drafts[i])[0])
+        assert row[slot] >= row.max() - 1e-4 * max(1.0, abs(row.max())), f"position {i}"
+    np.testing.assert_allclose(proposal.values, np.cumprod(confidence[:depth]), rtol=1e-4)
+
+
+torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
+
+from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
+from doppler_py.training.spark import import_block, prev_slots, train  # noqa: E402
+
+OPTIONS = TrainOptions(
+    seed_prompts=16,
+    magpie_prompts=2,
+    max_new_tokens=24,
+    draft_vocab=DRAFT_VOCAB,
+    steps=150,
+    save_every=75,
+    spark_block=BLOCK,
+    spark_rank=RANK,
+)
+
+
+@pytest.fixture(scope="module")
+def block_dir(tmp_path_factory, tiny_folder):
+    out = tmp_path_factory.mktemp("spark")
+    card = train(tiny_folder(TARGET), out / "block", out / "work", OPTIONS, say=lambda _: None)
+    assert card["kind"] == "spark" and card["steps"] == OPTIONS.steps
+    assert len(card["validation_top1_by_position"]) == BLOCK and card["held_in_top1_by_position"][0] > 1.5 / 40
+    assert all(0 < c < 1 for c in card["held_in_confidence_by_position"])
+    return out / "block"
+
+
+@pytest.fixture(scope="module")
+def block(block_dir, models):
+    loaded = load_spark(block_dir, models["target"])
+    yield loaded
+    loaded.close()
+
+
+def torch_accepted(block_dir, tiny_folder, tokens: list[int], prompt_len: int, k: int) -> int:
+    """Drafts accepted when the trainer's torch block drafts (greedy, k pinned, all verified) over a known
+    greedy output: position i's previous token is the draft before it, as on the GPU."""
+    hf, _ = load_target(tiny_folder(TARGET))
+    ref, draft_ids = import_block(block_dir)
+    n = draft_ids.size
+    slot = {int(t): s for s, t in enumerate(draft_ids)}
+    with torch.no_grad():
+        h = hf.model.norm(target_features(hf, [tokens])[0][0])
+
+    def drafts(committed: int, count: int) -> list[int]:  # from the row that produced tokens[committed - 1]
+        out, prev = [], tokens[committed - 1]
+        for i in range(min(count, BLOCK)):
+            slots = torch.full((BLOCK, h.shape[0]), n, dtype=torch.long)
+            slots[i, committed - 2] = slot.get(prev, n)
+            with torch.no_grad():
+                logits, _ = ref(h, slots)
+            prev = int(draft_ids[int(logits[i, committed - 2].argmax())])
+            out.append(prev)
+        return out
+
+    return replay_accepted(drafts, tokens, prompt_len, k)
+
+
+@pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 2), ("2", 8), ("long", 3)])
+def test_greedy_spark_equals_plain_greedy_and_drafts_as_the_trainer_does(
+    models, block, block_dir, tiny_folder, case, k
+):
+    target = models["target"]
+    prompt = held_in_prompt(block_dir.parent / "work", case)
+    engine = SpeculativeEngine(target, SparkDrafter(target, block))
+    result = engine.generate(prompt, 40, GREEDY, k=k)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
+    assert result.stats.drafted > 0 and max(len(result.stats.acceptance_by_position), 1) <= BLOCK
+    expected = torch_accepted(block_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
+    assert expected > 0  # the trained block is right sometimes, so this compares something
+    assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
+
+
+def test_prev_slots_are_the_target_choices_before_each_position():
+    from types import SimpleNamespace
+
+    corpus = SimpleNamespace(draft_ids=[7, 3, 9], to_draft=torch.full((12,), -100, dtype=torch.long))
+    corpus.to_draft[torch.tensor([7, 3, 9])] = torch.tensor([0, 1, 2])
+    slots = prev_slots(corpus, torch.tensor([3, 9, 5, 7]), 2)
+    assert slots.tolist() == [[1, 2, 3, 0], [2, 3, 0, 3]]  # 5 is outside the draft vocabulary: slot 3
+
+
+def test_unpinned_the_confidence_head_decides_how_much_is_verified(models, block, block_dir, monkeypatch):
+    import doppler_py.speculative.engine as engine_module
+
+    asked = []
+    monkeypatch.setattr(engine_module, "tree_budget", lambda values, costs: asked.append(list(values)) or 1)
+    target = models["target"]
+    engine = SpeculativeEngine(target, SparkDrafter(target, block))
+    engine.policy.costs.verify.update({1: 1.0e-3, 17: 1.0e-3})
+    prompt = held_in_prompt(block_dir.parent / "work", "long")
+    adaptive = engine.generate(prompt, 30, GREEDY)
+    pinned = engine.generate(prompt, 30, GREEDY, k=3)
+    engine.close()
+    assert adaptive.tokens == pinned.tokens == reference_decode(target, prompt, 30, GREEDY)
+    assert asked and all(np.all(np.diff(values) <= 0) and 0 < values[0] < 1 for values in asked)
+    assert len(adaptive.stats.acceptance_by_position) == 1  # every step verified the one draft asked for
+    assert pinned.stats.drafted > pinned.stats.steps  # pinned: the whole block
+
+
+def test_sampled_spark_keeps_the_target_joint_distribution(models, block):
+    check_two_token_joint(models["target"], SparkDrafter(models["target"], block), new_tokens=3)
+
+
+def test_the_api_runs_a_spark_head_and_refuses_broken_ones(block_dir, models, tiny_folder, tmp_path):
+    prompt = [{"role": "user", "content": "tell me about rivers"}]
+    with load(tiny_folder(TARGET), weights="f32", draft_head=block_dir, progress=False) as engine:
+        assert sorted(engine.heads) == ["spark"]
+        plain = engine.generate(prompt, max_tokens=30)
+        spark = engine.generate(prompt, max_tokens=30, speculative="spark", k=3)
+        assert engine.generate(prompt, max_tokens=30, speculative="auto").speculative == "spark+prompt-lookup"
+    assert spark.tokens == plain.tokens and spark.speculative == "spark" and spark.drafted > 0
+    wrong = tmp_path / "wrong"
+    shutil.copytree(block_dir, wrong)
+    meta = json.loads((wrong / "spark.json").read_text())
+    meta["target"]["vocab_size"] += 1
+    (wrong / "spark.json").write_text(json.dumps(meta))
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 49 "):
+        load_spark(wrong, models["target"])
+    meta["target"]["vocab_size"] -= 1
+    for field, value, match in (("rank", 48, "multiple of 32"), ("block", 0, "positive integer")):
+        (wrong / "spark.json").write_text(json.dumps(meta | {field: value}))
+        with pytest.raises(ModelFormatError, match=match):
+            load_spark(wrong, models["target"])
+    (wrong / "spark.json").write_text(json.dumps(meta | {"rank": 64}))
+    with pytest.raises(ModelFormatError, match=r"prev\.embed must have shape"):
+        load_spark(wrong, models["target"])
+    (wrong / "spark.json").write_text(json.dumps(meta))
+    data = (wrong / "spark.safetensors").read_bytes()
+    (wrong / "spark.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match=r"spark\.safetensors"):
+        load_spark(wrong, models["target"])
