@@ -116,6 +116,7 @@ METHODS = (
     "eagle-tree",
     "medusa",
     "medusa-tree",
+    "spark",
     "auto",
 )
 # Token trees: each against its drafter's chains at the same draft budget; with --k both verify the same rows
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             missing = [
                 m
                 for m in methods
-                if (kind := TREE_METHODS.get(m, m)) in ("eagle", "medusa") and kind not in engine.heads
+                if (kind := TREE_METHODS.get(m, m)) in ("eagle", "medusa", "spark") and kind not in engine.heads
             ]
             if missing:  # heads come from the catalog (shipped with the package) or --draft-head
                 print(f"[{weight}] no {' or '.join(missing)} head for this model: skipping it", file=sys.stderr)

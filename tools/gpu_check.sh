@@ -71,7 +71,7 @@ else
   profile_args=(--steps 32)
   host_args=(--repeats 100 --cold)
   model_args=(--weights f16,q4_1 --repeats 2 --prompt-tokens 128 --new-tokens 64)
-  spec_args=(--prompts repeat,code,story,explain --methods plain,prompt-lookup,lookup-tree,eagle,eagle-tree,medusa,medusa-tree,auto --k 8 --tokens 64)
+  spec_args=(--prompts repeat,code,story,explain --methods plain,prompt-lookup,lookup-tree,lookahead,lookahead-pinned,eagle,eagle-tree,medusa,medusa-tree,spark,auto --k 8 --tokens 64)
 fi
 pytest_args=(-q -p no:cacheprovider)
 

@@ -37,7 +37,8 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.ops.top_tokens import TopTokens
-from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
+from doppler_py.speculative.contract import NoOpHooks, Proposal, StepContext
+from doppler_py.speculative.trie import Trie
 
 POOL_PER_KEY = 8  # n-grams kept per first token, the most recently found first
 INIT_SEED = 0  # the window's first guesses: tokens of the prompt picked by a fixed seed
@@ -72,30 +73,6 @@ class LookaheadShape:
                 f"lookahead's (window + guesses) * (ngram - 1) = {self.nodes} nodes; a step verifies at most "
                 f"{MAX_DRAFT_TOKENS}"
             )
-
-
-class Trie:
-    """A proposal's nodes, built parent before child, each (parent, token) once, at most `budget` nodes."""
-
-    def __init__(self, budget: int):
-        self.budget = budget
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.index: dict[tuple[int, int], int] = {}
-
-    def add(self, parent: int, token: int) -> int | None:
-        """The node for `token` under `parent` (-1: the root), added if new; None when the budget is spent."""
-        node = self.index.get((parent, token))
-        if node is None and len(self.tokens) < self.budget:
-            node = self.index[(parent, token)] = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(parent)
-        return node
-
-    def proposal(self) -> Proposal:
-        if not self.tokens:
-            return NO_PROPOSAL
-        return Proposal(len(self.tokens), self.tokens, parents=self.parents)
 
 
 class LookaheadDrafter(NoOpHooks):

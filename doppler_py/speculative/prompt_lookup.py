@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.ops.tree import MAX_TREE_ROWS, is_chain
+from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
+from doppler_py.speculative.trie import Trie
 
 
 class PromptLookupDrafter(NoOpHooks):
@@ -79,22 +80,16 @@ def trie_proposal(continuations: list[list[int]], budget: int) -> Proposal:
     accepted) and keeps half the budget or more; each later one adds at most an equal share of the rest. A trie
     that comes out a chain is proposed as one."""
     side = max(1, (budget // 2) // max(1, len(continuations) - 1))
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}
+    trie = Trie(budget)
     for rank, continuation in enumerate(continuations):
         allowance = budget - side * (len(continuations) - 1) if rank == 0 else side
         node = -1
         for token in continuation:
-            child = index.get((node, token))
+            child = trie.find(node, token)
             if child is None:
-                if allowance == 0 or len(tokens) == budget:
+                child = trie.add(node, token) if allowance else None
+                if child is None:
                     break
                 allowance -= 1
-                child = index[(node, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(node)
             node = child
-    if is_chain(parents):
-        return Proposal(len(tokens), tokens)
-    return Proposal(len(tokens), tokens, parents=parents)
+    return trie.proposal()
