@@ -49,9 +49,12 @@ class LookaheadShape:
     """window W (guesses per level), ngram N (levels = N - 1, candidates N - 1 tokens), guesses G (candidates
     verified per step)."""
 
-    window: int = 4
+    # Of the 16-node shapes tried on SmolLM2 (4 open-ended prompts, 48 tokens, greedy), W = 6, N = 3, G = 2 made
+    # the most tokens per target forward: 1.31, against 1.24 for (4, 3, 4), 1.23 for (3, 4, 2) and (5, 2, 11),
+    # and 1.09 for (2, 5, 2).
+    window: int = 6
     ngram: int = 3
-    guesses: int = 4
+    guesses: int = 2
 
     @property
     def levels(self) -> int:

@@ -15,6 +15,7 @@ from doppler_py.speculative.eagle import EagleDrafter, load_head
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.lookahead import LookaheadDrafter
 from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
+from doppler_py.speculative.spark import SparkDrafter, load_spark
 from doppler_py.testing.decode import reference_decode
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
@@ -101,6 +102,8 @@ OPEN_ENDED = [
         ("medusa", 4, False),
         ("medusa", 8, False),
         ("medusa", 8, True),  # each head's best tokens, by measured acceptance per head and rank
+        ("spark", 2, False),
+        ("spark", 4, False),
     ],
 )
 def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts(setup, kind, k, tree):
@@ -109,9 +112,9 @@ def test_greedy_with_the_shipped_heads_equals_plain_greedy_on_open_ended_prompts
     if known_head(DEFAULT_MODEL, kind) is None:
         pytest.skip(f"no {kind} head is shipped for {DEFAULT_MODEL}")
     target, encode = setup[0], setup[4]
-    heads = {"eagle": lambda: load_head(known_head(DEFAULT_MODEL, "eagle"), target, "q4_1"),
-             "medusa": lambda: load_medusa(known_head(DEFAULT_MODEL, "medusa"), target, "q4_1")}[kind]()  # fmt: skip
-    drafter = {"eagle": EagleDrafter, "medusa": MedusaDrafter}[kind](target, heads)
+    loader = {"eagle": load_head, "medusa": load_medusa, "spark": load_spark}[kind]
+    heads = loader(known_head(DEFAULT_MODEL, kind), target, "q4_1")
+    drafter = {"eagle": EagleDrafter, "medusa": MedusaDrafter, "spark": SparkDrafter}[kind](target, heads)
     if tree:
         drafter.branches = drafter.tree_branches
     engine = SpeculativeEngine(target, drafter)
