@@ -551,7 +551,7 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
     # Drafters that can branch (prompt lookup, a draft model, an EAGLE or Medusa head) say how many ways when
     # trees are on.
     # Not "auto"'s head + lookup pair: its per-step choice is between two chains.
-    if getattr(engine.drafter, "fixed_nodes", None) is not None:  # lookahead: every step is a tree of its shape
+    if engine.fixed_nodes is not None:  # lookahead: every step is a tree of its shape
         if tree is not None:
             raise GenerationOptionError(
                 f"tree={tree!r} does not apply to lookahead: every step verifies its window and candidates as one "

@@ -171,8 +171,7 @@ class SpeculativeDecoding:
         spec = self._spec_engine()
         if spec is None or not spec.policy.should_speculate():
             return 0
-        fixed = getattr(spec.drafter, "fixed_nodes", None)  # lookahead: its step shape
-        return fixed or spec.policy.best_k() or spec.policy.k
+        return spec.fixed_nodes or spec.policy.best_k() or spec.policy.k  # lookahead: its step shape
 
     def should_use(self, force_enable: bool | None = None) -> bool:
         """force_enable True/False decides (True only where the type is usable); None: enabled, usable, and

@@ -92,6 +92,10 @@ class SpeculativeEngine:
         if self.capacity < 1:
             raise GenerationOptionError(f"a speculative engine needs room for one draft, got capacity {capacity}")
         self.policy = DraftLengthPolicy(capacity=self.capacity)
+        # A drafter with a fixed step shape (lookahead) says so with `fixed_nodes` (policy: fixed mode).
+        self.fixed_nodes: int | None = getattr(self.drafter, "fixed_nodes", None)
+        if self.fixed_nodes is not None:
+            self.policy.reset(fixed=self.fixed_nodes)
         gpu = target.gpu
         self.spec_tokens = Tensor.empty(gpu, self.capacity + 1, "u32", "spec_tokens")
         self.randoms = Tensor.empty(gpu, 2 * self.capacity + 1, "f32", "spec_randoms")
@@ -440,9 +444,7 @@ class SpeculativeEngine:
         target = self.target
         tokens = target.check_ids(prompt_ids).tolist()
         check_fits(len(tokens), max_new_tokens, target.max_positions)
-        # A drafter with a fixed step shape (lookahead) says so with `fixed_nodes` (policy: fixed mode).
-        fixed = getattr(self.drafter, "fixed_nodes", None)
-        self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=fixed)
+        self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
         capacity = len(tokens) + max_new_tokens + self.capacity + 1
         cache = target.new_cache(capacity)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity)
