@@ -205,7 +205,8 @@ class SpeculativeDecoding:
         k = window or self.config.speculation_window or self.get_recommended_window() or 1
         spec.policy.check_k(k)
         self.close_draft()
-        ids = context if isinstance(context, list) else self.engine.encode_prompt(context)
+        is_ids = isinstance(context, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in context)
+        ids = context if is_ids and context else self.engine.encode_prompt(context)
         params = SamplingParams(temperature=self.config.temperature)
         step = spec.open_context(ids, k + 1, params, k=k)
         try:
