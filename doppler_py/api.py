@@ -259,9 +259,11 @@ class Engine:
         no text of their own, like an end-of-sequence token, come with the last piece or only in the result).
 
         tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward), of
-        draft-model or EAGLE drafts (the greedy chain plus each row's second-best token as a leaf) or of Medusa
-        heads (each head's best tokens); model-drafted nodes are chosen by measured acceptance per depth and
-        rank (`speculative.ranked_trees`). None: used when this device's measured verification costs say extra
+        draft-model drafts (the greedy chain plus each row's second-best token as a leaf) or of Medusa heads
+        (each head's best tokens), whose nodes are chosen by measured acceptance per depth and rank
+        (`speculative.ranked_trees`), or of an EAGLE head (EAGLE-2's dynamic tree: the head expands its
+        likeliest nodes depth by depth and the tree keeps the nodes of highest draft probability,
+        `speculative.dynamic_tree`). None: used when this device's measured verification costs say extra
         rows are nearly free (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft
         length as the node budget (a step the policy gives one draft proposes a chain of one) and, for
         model-drafted trees, only the nodes worth their verification cost (`policy.tree_budget`); N: used with

@@ -10,9 +10,11 @@ token after that over a reduced draft vocabulary (the N most frequent target tok
 
 The first draft comes from the pairs of the rows the target just verified; each further draft feeds back the
 head's own `out` as the next feature with the token it just sampled. Nothing returns to the host while drafting.
-With `branches` > 1 it proposes a token tree (`gpu_drafting.TreeBranches`): its greedy chain plus each draft
-row's second-best token as a side leaf, read back once; after a tree step the target's features of the
-accepted path are moved into consecutive rows (the engine), so the head consumes them as after a chain.
+With `branches` > 1 it proposes EAGLE-2's dynamic token tree (`dynamic_tree`): depth by depth the head runs
+over the `branches` likeliest candidates of the newest depth (by cumulative draft log-probability, one small
+readback of their rows per depth), and the proposal keeps the likeliest nodes of all; after a tree step the
+target's features of the accepted path are moved into consecutive rows (the engine), so the head consumes
+them as after a chain.
 
 A head folder (written by `doppler_py.training.eagle`):
     config.json, model.safetensors   the decoder layer, its norm and the LM head as a one-layer LLaMA whose
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.errors import InternalError, ModelFormatError
+from doppler_py.errors import GenerationOptionError, InternalError, ModelFormatError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.kv_cache import KVCache
@@ -39,10 +41,12 @@ from doppler_py.model.loader import load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import Linear
+from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import GREEDY, Branching, DraftSampler, TreeBranches
+from doppler_py.speculative.dynamic_tree import DYNAMIC_TREE_WIDTH, DraftTree
+from doppler_py.speculative.gpu_drafting import DraftSampler
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
 from doppler_py.tokenizer import Tokenizer
 
@@ -87,7 +91,7 @@ def load_head(
     fmt = dense_format(precision, tensors["fc_embed.weight"].dtype)
     weights = load_weights(folder, gpu, fmt if precision == "keep" else precision)
     try:
-        model = Transformer(weights, target.registry, max_rows=target.max_rows, max_logit_rows=1)
+        model = Transformer(weights, target.registry, max_rows=target.max_rows, max_logit_rows=MAX_TREE_ROWS)
     except BaseException:
         weights.destroy()
         raise
@@ -118,10 +122,11 @@ def load_head(
     )
 
 
-class EagleDrafter(Branching):
+class EagleDrafter:
     """Drafts with an `EagleHead` on the GPU (see the module docstring)."""
 
     name = "eagle"
+    tree_branches = DYNAMIC_TREE_WIDTH
 
     def __init__(self, target: Transformer, head: EagleHead):
         self.target, self.head = target, head
@@ -140,24 +145,34 @@ class EagleDrafter(Branching):
             registry, head.fc_feature_raw, self.features, model.x, max_rows=rows, bias=head.fc_feature_raw_bias,
             accumulate=True,
         )  # fmt: skip
-        self.fc_own = Linear(registry, head.fc_feature, self.features, model.x, max_rows=1, accumulate=True)
+        self.fc_own = Linear(
+            registry, head.fc_feature, self.features, model.x, max_rows=min(rows, MAX_TREE_ROWS), accumulate=True
+        )
         self.sampling = DraftSampler(model, target.config.vocab_size)
-        self.branching = TreeBranches(self.sampling)
+        self.branches = 1
         self.scatter = VocabScatter(registry, model.logits, head.draft_to_target, self.sampling.row)
         self.cache: KVCache | None = None
         self.consumed = 0  # pairs (f_p, t_{p+1}) in the head cache: positions 0..consumed-1
         self.out_row = 0  # the row of model.x holding the head's latest prediction
 
+    @property
+    def branches(self) -> int:
+        return self._branches
+
+    @branches.setter
+    def branches(self, value: int) -> None:
+        if value not in (1, self.tree_branches):
+            raise GenerationOptionError(f"EAGLE's trees take 1 or {self.tree_branches} tokens per depth, got {value}")
+        self._branches = value
+
     def start(self, ctx: StepContext) -> None:
         self.finish()
-        self.branching.reset()
         self.cache = self.head.model.new_cache(ctx.capacity)
 
     def prefilled(self, ctx: StepContext, begin: int) -> None:
         self._consume(ctx, begin + ctx.hidden_rows)
 
     def commit(self, ctx: StepContext, accepted: int) -> None:
-        self.branching.observe(ctx.tokens[-(accepted + 1) :])
         self.cache.truncate(self.consumed)  # drop the pairs built on the head's own predictions
         self._consume(ctx, len(ctx.tokens) - 1)
 
@@ -186,16 +201,47 @@ class EagleDrafter(Branching):
         k = min(k, self.sampling.max_drafts)
         if self.consumed == 0 or self.consumed != m or self.cache.free < k:
             return NO_PROPOSAL
-        if self.branches > 1 and k >= 2:  # a tree: the greedy chain plus second-best leaves
-            depth = self.branching.chain_length(k)
-            self._draft(ctx, depth, GREEDY, tree=True)
-            return self.branching.read(depth, k)[0]
-        self._draft(ctx, k, ctx.params, tree=False)
+        if self.branches > 1 and k >= 2:
+            return self._dynamic_tree(ctx, k)
+        self._draft(ctx, k, ctx.params)
         return Proposal(k, self.sampling.tokens, self.sampling.logits)
 
-    def _draft(self, ctx: StepContext, k: int, params: SamplingParams, *, tree: bool) -> None:
-        """Draft k tokens into `sampling`, one submit each; with `tree`, the last also finds each row's best
-        tokens."""
+    def _dynamic_tree(self, ctx: StepContext, budget: int) -> Proposal:
+        """EAGLE-2's tree of at most `budget` nodes (`dynamic_tree`): one head forward and one readback of the
+        new rows' logits per expanded depth, all rows of the head's tree in each forward."""
+        m = len(ctx.tokens) - 1
+        model, hidden, gpu = self.head.model, self.target.config.hidden_size, self.target.gpu
+        n = model.config.vocab_size
+        root = gpu.queue.read_buffer(model.logits.buffer, 0, n * 4)  # the prediction from the committed pairs
+        tree = DraftTree(self.tree_branches)
+
+        def run_rows(first: int) -> np.ndarray:
+            rows = len(tree.rows)
+            rec = model.registry.recorder()
+            for r in range(first, rows):  # a new row's feature: its parent's output (the root's: out_row)
+                above = tree.parent_row(r)
+                source = self.out_row if above < 0 else above
+                rec.copy(model.x, self.features, hidden * 4, src_offset=source * hidden * 4, dst_offset=r * hidden * 4)
+            model.ids.view((rows,)).write(self.target.check_ids(tree.row_tokens()))
+            model.tree.view((rows, 2)).write(tree.layout())
+            self.embed.record(rec, rows=rows)
+            self.fc_embed.record(rec, rows=rows)
+            self.fc_own.record(rec, rows=rows)
+            model.record_forward(rec, rows, self.cache, m, logits="all", embedded=True, tree=True)
+            rec.submit()
+            raw = gpu.queue.read_buffer(model.logits.buffer, first * n * 4, (rows - first) * n * 4)
+            return np.frombuffer(raw, np.float32).reshape(rows - first, n)
+
+        return tree.grow(
+            budget,
+            np.frombuffer(root, np.float32),
+            run_rows,
+            to_target=self.head.draft_to_target,
+            max_rows=min(MAX_TREE_ROWS, model.max_rows, self.cache.free),
+        )
+
+    def _draft(self, ctx: StepContext, k: int, params: SamplingParams) -> None:
+        """Draft k tokens into `sampling`, one submit each."""
         m = len(ctx.tokens) - 1
         model, hidden = self.head.model, self.target.config.hidden_size
         for i in range(k):
@@ -209,8 +255,6 @@ class EagleDrafter(Branching):
                 self.out_row = 0
             self.scatter.record(rec)  # the draft-vocabulary logits over the target's vocabulary
             self.sampling.record_pick(rec, model.ids, i, params)
-            if tree and i == k - 1:
-                self.branching.record(rec, k)
             self.sampling.submit(rec, ctx.rng.random())
 
     def finish(self) -> None:
@@ -222,6 +266,5 @@ class EagleDrafter(Branching):
     def close(self) -> None:
         self.finish()
         self.scatter.release(self.target.registry)
-        self.branching.close()
         self.sampling.close()
         self.target.registry.release_tensors(self.emb, self.features)

@@ -11,7 +11,7 @@ a tree (`Proposal.values`: the engine may verify fewer, `policy.tree_budget`).
 Two builders:
 - `medusa_tree`: Medusa's heads. Head d proposes the token d + 1 places ahead, the same whatever comes before
   it in the tree (the heads do not see each other's drafts), so every combination of ranks is a candidate.
-- `chain_with_leaves`: a drafter that drafts one greedy chain (a draft model, an EAGLE head). Its depth-d
+- `chain_with_leaves`: a drafter that drafts one greedy chain (a draft model). Its depth-d
   candidates were drafted after the chain's tokens, so only the chain's nodes have children: the chain and one
   leaf per other rank beside each chain node.
 

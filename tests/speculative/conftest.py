@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from doppler_py.testing.tiny import TinySpec, draft_spec
@@ -95,3 +96,12 @@ def check_two_token_joint(
     engine.close()
     assert_samples_follow(counts, joint)
     return trees
+
+
+def proposal_paths(proposal) -> dict[tuple[int, ...], float]:
+    """Each node of a proposal with values as (its path of tokens from the root) -> log of its value."""
+    parents = list(proposal.parents) if proposal.parents is not None else list(range(-1, proposal.count - 1))
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(proposal.tokens, parents, strict=True):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    return {path: float(np.log(value)) for path, value in zip(paths, proposal.values, strict=True)}

@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, replay_accepted
+from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, proposal_paths, replay_accepted
 
 from doppler_py.api import load
 from doppler_py.errors import GenerationOptionError, ModelFormatError, VocabularyMismatchError
@@ -91,8 +91,8 @@ def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(models,
 
 @pytest.mark.parametrize(("case", "k"), [("1", 4), ("long", 8)])
 def test_greedy_eagle_trees_equal_plain_greedy(models, head, head_dir, case, k):
-    """The head's greedy chain plus its second-best tokens as leaves; after each tree step it drafts on from the
-    accepted path's features, moved into place by the engine."""
+    """EAGLE-2's dynamic tree; after each tree step the head drafts on from the accepted path's features, moved
+    into place by the engine."""
     target = models["target"]
     prompt = held_in_prompt(head_dir.parent / "work", case)
     drafter = EagleDrafter(target, head)
@@ -102,6 +102,39 @@ def test_greedy_eagle_trees_equal_plain_greedy(models, head, head_dir, case, k):
     engine.close()
     assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
     assert result.stats.tree_steps > 0 and result.stats.accepted > 0
+
+
+def test_eagle_2_trees_score_every_path_with_the_heads_own_probabilities(models, head, head_dir, tiny_folder):
+    """Each node's value is its path's probability under the trainer's torch head (each token's softmax after
+    the committed pairs and the head's own features down the path): the head's tree forward gives every row
+    its ancestors' features, positions and keys, and no one else's."""
+    target = models["target"]
+    prompt = held_in_prompt(head_dir.parent / "work", "long")
+    drafter = EagleDrafter(target, head)
+    drafter.branches = drafter.tree_branches
+    engine = SpeculativeEngine(target, drafter)
+    ctx = engine.open_context(prompt, 32, GREEDY, k=16)
+    try:
+        proposal = drafter.propose(ctx, 16)
+    finally:
+        engine.close_context(ctx)
+        engine.close()
+    paths = proposal_paths(proposal)
+    assert proposal.count == 16 and proposal.parents is not None and max(map(len, paths)) >= 3
+    hf, _ = load_target(tiny_folder(TARGET))
+    ref, mean, std, draft_ids = import_head(head_dir, hf.config)
+    features = (target_features(hf, [prompt])[0][0] - mean) / std
+    embed = hf.get_input_embeddings().weight.detach()
+    draft_index = {int(t): i for i, t in enumerate(draft_ids)}
+    m = len(prompt) - 1
+    for path, log_value in paths.items():
+        feats, ids, expected = features[:m], list(prompt[1:]), 0.0
+        with torch.no_grad():
+            for token in path:
+                pred, logits = ref(embed[torch.tensor(ids)][None], feats[None])
+                expected += float(torch.log_softmax(logits[0, -1].double(), -1)[draft_index[token]])
+                feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, token]
+        assert log_value == pytest.approx(expected, abs=2e-3), path
 
 
 def test_plain_steps_batched_while_speculation_pauses_keep_every_feature_for_the_head(models, head, head_dir):

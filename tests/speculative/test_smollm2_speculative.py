@@ -97,7 +97,7 @@ OPEN_ENDED = [
         ("eagle", 1, False),
         ("eagle", 3, False),
         ("eagle", 8, False),
-        ("eagle", 8, True),  # the head's chain plus second-best leaves
+        ("eagle", 8, True),  # EAGLE-2's dynamic tree
         ("medusa", 1, False),
         ("medusa", 4, False),
         ("medusa", 8, False),
