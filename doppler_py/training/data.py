@@ -235,9 +235,9 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
         times[stage] = times.get(stage, 0.0) + time.perf_counter() - t0
         times_file.write_text(json.dumps(times, indent=2))
 
-    t0 = time.perf_counter()
     hf, tokenizer = load_target(model)
     torch.manual_seed(options.seed)
+    t0 = time.perf_counter()  # a stage that is already done adds next to nothing
     prompts = make_prompts(hf, tokenizer, work, options, say)
     timed("prompts_s", t0)
     t0 = time.perf_counter()
@@ -267,17 +267,18 @@ def train_loop(
     head, sequence_loss: Callable[[int], object], corpus: Corpus, checkpoint: Path, options: TrainOptions, say
 ) -> tuple[int, list[float], float]:
     """AdamW with a cosine schedule over `options.steps`, `sequences_per_step` training sequences a step;
-    resumes from `checkpoint` (when made for the same draft vocabulary). Returns (steps, losses, seconds)."""
+    resumes from `checkpoint` (when made for the same draft vocabulary). Returns (steps, losses, seconds of
+    training over all runs that built the checkpoint)."""
     import torch
 
     opt = torch.optim.AdamW(head.parameters(), lr=options.lr)
-    step, losses = 0, []
+    step, losses, earlier_s = 0, [], 0.0
     if checkpoint.is_file():
         state = torch.load(checkpoint)
         if state["draft_ids"] == corpus.draft_ids:
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
-            step, losses = state["step"], state["losses"]
+            step, losses, earlier_s = state["step"], state["losses"], state.get("seconds", 0.0)
             say(f"train: resumed at step {step}")
     gen = torch.Generator().manual_seed(options.seed + step)
     t0 = time.perf_counter()
@@ -296,9 +297,10 @@ def train_loop(
             mean_loss, seconds = np.mean(losses[-50:]), time.perf_counter() - t0
             say(f"train: step {step}/{options.steps} loss {mean_loss:.3f} ({seconds:.0f} s)")
         if step % options.save_every == 0 or step == options.steps:
+            seconds = earlier_s + time.perf_counter() - t0
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "losses": losses,
-                        "draft_ids": corpus.draft_ids}, checkpoint)  # fmt: skip
-    return step, losses, time.perf_counter() - t0
+                        "draft_ids": corpus.draft_ids, "seconds": seconds}, checkpoint)  # fmt: skip
+    return step, losses, earlier_s + time.perf_counter() - t0
 
 
 def card(kind: str, model, options: TrainOptions, corpus: Corpus, steps: int, losses: list[float], **extra) -> dict:

@@ -6,14 +6,16 @@ before its own (the target's choice at p + i, teacher-forced: at drafting time i
 drafts after accepted ones matter) and learns the target's choice at p + i + 1 (cross-entropy over the draft
 vocabulary, weighted 0.8^i). The confidence head learns, per position, whether the block's top draft there is
 the target's choice (binary cross-entropy against the block's own current answer, detached): with teacher
-forcing that is the chance a draft is accepted once the drafts before it were. ResBlocks and the bias
-projection start at zero (the block starts as the target's own LM head on h), the LM head from the target's
-output rows of the draft vocabulary.
+forcing that is the chance a draft is accepted once the drafts before it were. Learnt on the sequences the
+block fits, it is far too sure on new text, so it is then rescaled on the held-out split (`calibrate`).
+ResBlocks and the bias projection start at zero (the block starts as the target's own LM head on h), the LM
+head from the target's output rows of the draft vocabulary.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,10 +108,13 @@ def train(
     steps, losses, seconds = train_loop(head, sequence_loss, corpus, Path(work) / "spark.pt", options, say)
     corpus.times["train_s"] = seconds
     figures = {
-        "held_in": block_figures(head, corpus, corpus.train, normed, k),
-        "validation": block_figures(head, corpus, corpus.valid, normed, k),
+        "held_in": block_figures(block_evidence(head, corpus, corpus.train, normed, k)),
+        "validation": block_figures(block_evidence(head, corpus, corpus.valid, normed, k)),
     }
     extra = {f"{split}_{name}": value for split, named in figures.items() for name, value in named.items()}
+    started = time.perf_counter()
+    extra |= calibrate(head, corpus, normed, k)
+    corpus.times["calibrate_s"] = time.perf_counter() - started
     record = card("spark", model, options, corpus, steps, losses, **extra)
     export(head, hf.config, k, options.spark_rank, corpus.draft_ids, Path(out), record, corpus.tokenizer,
            np.dtype(options.head_dtype))  # fmt: skip
@@ -117,13 +122,13 @@ def train(
     return record
 
 
-def block_figures(head, corpus, which: list[int], normed, k: int) -> dict[str, list[float]]:
-    """Per block position, at the answer positions of the sequences `which` (where drafting happens): how often
-    its top draft is the target's choice (the drafts before it teacher-forced), and the mean confidence the
-    head gives it (a calibrated head gives about the same)."""
+def block_evidence(head, corpus, which: list[int], normed, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per block position, at the answer positions of the sequences `which` (where drafting happens): the
+    confidence head's logits and whether the block's top draft is the target's choice (the drafts before it
+    teacher-forced)."""
     import torch
 
-    hits, confidence, totals = [0] * k, [0.0] * k, [0] * k
+    logits_by, right_by = [[] for _ in range(k)], [[] for _ in range(k)]
     with torch.no_grad():
         for i in which:
             argmax = corpus.data[i][1]
@@ -131,12 +136,91 @@ def block_figures(head, corpus, which: list[int], normed, k: int) -> dict[str, l
             kept = corpus.answer_positions(i, argmax.numel())
             for j in range(min(k, argmax.numel() - 1)):
                 labels, at = corpus.to_draft[argmax[j + 1 :]], kept[: -(j + 1)]
-                hits[j] += int((logits[j, : -(j + 1)].argmax(-1)[at] == labels[at]).sum())
-                confidence[j] += float(torch.sigmoid(conf[: -(j + 1), j])[at].sum())
-                totals[j] += int(at.sum())
+                right_by[j].append((logits[j, : -(j + 1)].argmax(-1)[at] == labels[at]).numpy())
+                logits_by[j].append(conf[: -(j + 1), j][at].numpy())
+    return [(joined(logits_by[j]), joined(right_by[j])) for j in range(k)]
+
+
+def joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
+
+
+def block_figures(evidence: list[tuple[np.ndarray, np.ndarray]], scale=None) -> dict[str, list[float]]:
+    """Per block position: how often its top draft is right, and the mean confidence the head gives it (a
+    calibrated head gives about the same); `scale` [(a, b)] maps the confidence logits first."""
+    top1, confidence = [], []
+    for j, (z, right) in enumerate(evidence):
+        a, b = scale[j] if scale is not None else (1.0, 0.0)
+        top1.append(round(float(right.mean()), 4) if right.size else 0.0)
+        confidence.append(round(float(sigmoid(a * z + b).mean()), 4) if z.size else 0.0)
+    return {"top1_by_position": top1, "confidence_by_position": confidence}
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * z))
+
+
+def platt(z: np.ndarray, right: np.ndarray, iterations: int = 100) -> tuple[float, float]:
+    """(a, b) minimising the log loss of sigmoid(a·z + b) against `right`, with a small ridge towards (1, 0) so
+    a split with one class or none stays near the head's own answer: Newton's method, each step halved until
+    the loss goes down (a full Newton step overshoots from (1, 0) when the logits are large and far off)."""
+    prior = np.array([1.0, 0.0])
+    x = np.stack([z, np.ones_like(z)], axis=1)
+    ridge = 1e-3 * max(1, z.size)
+
+    def loss(w: np.ndarray) -> float:
+        t = x @ w
+        return float((np.logaddexp(0.0, t) - right * t).sum() + 0.5 * ridge * ((w - prior) ** 2).sum())
+
+    w = prior.copy()
+    current = loss(w)
+    for _ in range(iterations):
+        p = sigmoid(x @ w)
+        grad = x.T @ (p - right) + ridge * (w - prior)
+        hess = (x * (p * (1 - p))[:, None]).T @ x + ridge * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        while True:
+            trial = w - step
+            if (value := loss(trial)) <= current or np.abs(step).max() < 1e-12:
+                break
+            step = step / 2
+        if current - value < 1e-12 * max(1.0, abs(current)):
+            w = trial if value <= current else w
+            break
+        w, current = trial, value
+    return float(w[0]), float(w[1])
+
+
+def calibrate(head, corpus, normed, k: int) -> dict[str, list[float]]:
+    """Fit the confidence head to sequences the block never trained on (the held-out split): per position an
+    affine map of its logit (Platt scaling), folded into the head's weights. The head learnt its confidence on
+    the sequences the block fits, where it is right far more often than on new text. The reported calibrated
+    confidence is cross-fitted (each half of the split scaled by the map fitted on the other half), so it is
+    not measured on the data it was fitted to."""
+    import torch
+
+    if len(corpus.valid) < 2:
+        return {}
+    halves = [corpus.valid[0::2], corpus.valid[1::2]]
+    evidence = [block_evidence(head, corpus, half, normed, k) for half in halves]
+    crossed: list[tuple[np.ndarray, np.ndarray]] = []
+    for j in range(k):
+        parts = []
+        for fit, apply in ((0, 1), (1, 0)):
+            a, b = platt(*evidence[fit][j])
+            z, right = evidence[apply][j]
+            parts.append((a * z + b, right))
+        crossed.append((np.concatenate([z for z, _ in parts]), np.concatenate([r for _, r in parts])))
+    scale = [platt(*block_evidence(head, corpus, corpus.valid, normed, k)[j]) for j in range(k)]
+    with torch.no_grad():
+        a = torch.tensor([s[0] for s in scale], dtype=head.confidence.weight.dtype)
+        b = torch.tensor([s[1] for s in scale], dtype=head.confidence.bias.dtype)
+        head.confidence.weight.mul_(a[:, None])
+        head.confidence.bias.mul_(a).add_(b)
     return {
-        "top1_by_position": [round(h / max(1, t), 4) for h, t in zip(hits, totals, strict=True)],
-        "confidence_by_position": [round(c / max(1, t), 4) for c, t in zip(confidence, totals, strict=True)],
+        "confidence_scale": [round(x, 4) for x, _ in scale],
+        "confidence_shift": [round(y, 4) for _, y in scale],
+        "validation_calibrated_confidence_by_position": block_figures(crossed)["confidence_by_position"],
     }
 
 
