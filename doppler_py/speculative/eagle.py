@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.errors import GenerationOptionError, InternalError, ModelFormatError
+from doppler_py.errors import InternalError, ModelFormatError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.kv_cache import KVCache
@@ -46,7 +46,7 @@ from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
 from doppler_py.speculative.dynamic_tree import DYNAMIC_TREE_WIDTH, DraftTree
-from doppler_py.speculative.gpu_drafting import DraftSampler
+from doppler_py.speculative.gpu_drafting import DraftSampler, checked_branches
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
 from doppler_py.tokenizer import Tokenizer
 
@@ -161,9 +161,7 @@ class EagleDrafter:
 
     @branches.setter
     def branches(self, value: int) -> None:
-        if value not in (1, self.tree_branches):
-            raise GenerationOptionError(f"EAGLE's trees take 1 or {self.tree_branches} tokens per depth, got {value}")
-        self._branches = value
+        self._branches = checked_branches(value, self.tree_branches, "EAGLE's")
 
     def start(self, ctx: StepContext) -> None:
         self.finish()

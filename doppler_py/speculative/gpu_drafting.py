@@ -74,6 +74,13 @@ CHAIN_PRIOR_TOP1 = (0.6,)  # prior acceptance of a chain's next draft (the secon
 GREEDY = SamplingParams()
 
 
+def checked_branches(value: int, tops: int, whose: str) -> int:
+    """`value` as a drafter's tokens per depth: 1 (chains) or `tops` (its trees), else a GenerationOptionError."""
+    if value not in (1, tops):
+        raise GenerationOptionError(f"{whose} trees take 1 or {tops} tokens per depth, got {value}")
+    return value
+
+
 class TreeBranches:
     """A GPU drafter's token trees: its greedy chain (each draft the best token of its row) and each row's
     second-best token as a candidate side leaf, read back with the chain (`ops.top_tokens`: one small readback
@@ -113,9 +120,7 @@ class TreeBranches:
 
     @branches.setter
     def branches(self, value: int) -> None:
-        if value not in (1, self.tops):
-            raise GenerationOptionError(f"this drafter's trees take 1 or {self.tops} tokens per depth, got {value}")
-        self._branches = value
+        self._branches = checked_branches(value, self.tops, "this drafter's")
 
     def chain_length(self, budget: int) -> int:
         return min(budget - budget // 2, self.sampling.max_drafts)

@@ -145,14 +145,13 @@ def joined(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
 
 
-def block_figures(evidence: list[tuple[np.ndarray, np.ndarray]], scale=None) -> dict[str, list[float]]:
+def block_figures(evidence: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, list[float]]:
     """Per block position: how often its top draft is right, and the mean confidence the head gives it (a
-    calibrated head gives about the same); `scale` [(a, b)] maps the confidence logits first."""
+    calibrated head gives about the same)."""
     top1, confidence = [], []
-    for j, (z, right) in enumerate(evidence):
-        a, b = scale[j] if scale is not None else (1.0, 0.0)
+    for z, right in evidence:
         top1.append(round(float(right.mean()), 4) if right.size else 0.0)
-        confidence.append(round(float(sigmoid(a * z + b).mean()), 4) if z.size else 0.0)
+        confidence.append(round(float(sigmoid(z).mean()), 4) if z.size else 0.0)
     return {"top1_by_position": top1, "confidence_by_position": confidence}
 
 
@@ -179,15 +178,13 @@ def platt(z: np.ndarray, right: np.ndarray, iterations: int = 100) -> tuple[floa
         grad = x.T @ (p - right) + ridge * (w - prior)
         hess = (x * (p * (1 - p))[:, None]).T @ x + ridge * np.eye(2)
         step = np.linalg.solve(hess, grad)
-        while True:
-            trial = w - step
-            if (value := loss(trial)) <= current or np.abs(step).max() < 1e-12:
-                break
+        while (value := loss(w - step)) > current and np.abs(step).max() >= 1e-12:
             step = step / 2
-        if current - value < 1e-12 * max(1.0, abs(current)):
-            w = trial if value <= current else w
+        if value > current:
             break
-        w, current = trial, value
+        w, gain, current = w - step, current - value, value
+        if gain < 1e-12 * max(1.0, abs(current)):
+            break
     return float(w[0]), float(w[1])
 
 
@@ -210,8 +207,9 @@ def calibrate(head, corpus, normed, k: int) -> dict[str, list[float]]:
             a, b = platt(*evidence[fit][j])
             z, right = evidence[apply][j]
             parts.append((a * z + b, right))
-        crossed.append((np.concatenate([z for z, _ in parts]), np.concatenate([r for _, r in parts])))
-    scale = [platt(*block_evidence(head, corpus, corpus.valid, normed, k)[j]) for j in range(k)]
+        crossed.append((joined([z for z, _ in parts]), joined([r for _, r in parts])))
+    # the map folded in is fitted on the whole split: both halves' evidence together
+    scale = [platt(joined([h[j][0] for h in evidence]), joined([h[j][1] for h in evidence])) for j in range(k)]
     with torch.no_grad():
         a = torch.tensor([s[0] for s in scale], dtype=head.confidence.weight.dtype)
         b = torch.tensor([s[1] for s in scale], dtype=head.confidence.bias.dtype)
