@@ -7,11 +7,13 @@ storage buffers or workgroup memory than Chrome allows fails here too.
 from __future__ import annotations
 
 import os
+import shutil
 import zlib
 
 import numpy as np
 import pytest
 
+from doppler_py.gpu import dispatch_loop
 from doppler_py.gpu.device import default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
 from doppler_py.model.loader import load_weights
@@ -33,6 +35,21 @@ def registry(gpu, request):
 
         install_replay(registry, request.config)
     return registry
+
+
+@pytest.fixture(params=["compiled-loop", "python-loop"])
+def tape_loop(request, registry, monkeypatch):
+    """Tapes played through the compiled dispatch loop, then through the Python loop (the same commands). The
+    compiled one must build wherever a C compiler is found (CI installs one); elsewhere its case is skipped."""
+    if not registry.native_dispatch:
+        pytest.skip("no native dispatch path here: forwards are never played from tapes")
+    compiled = request.param == "compiled-loop"
+    if compiled and not dispatch_loop.wait():
+        if shutil.which("cc") or shutil.which("gcc"):
+            pytest.fail(f"a C compiler is here but the dispatch loop is {dispatch_loop.status()}")
+        pytest.skip(f"dispatch loop: {dispatch_loop.status()}")
+    monkeypatch.setattr(registry, "compiled_loop", compiled)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,9 @@ Per step: build a command encoder, record the target forward (T = 1: a decode st
 speculative step verifies, logits for every row) and submit it — the host's share of a step. The GPU's work is
 awaited after each step, outside the timed span, so the figures exclude GPU time and one step's GPU work never
 overlaps the next step's recording. The verifier's own dispatches and the readback come on top of these.
-Cold (--cold): fresh `doppler-py generate` processes, time to the first streamed byte and to the end, with
-speculation auto (the default command) and none. The last line is `host_ms_per_decode_step=X`.
+Tapes play through the compiled dispatch loop where it could be built (`DOPPLER_COMPILED_LOOP=0`: the Python
+loop); the report says which. Cold (--cold): fresh `doppler-py generate` processes, time to the first streamed
+byte and to the end, with speculation auto (the default command) and none. The last line is `host_ms_per_decode_step=X`.
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import doppler_py
+    from doppler_py.gpu import dispatch_loop
 
     report: dict = {"weights": args.weights}
     with doppler_py.load(weights=args.weights, progress=False, max_seq=256, draft_head=False) as engine:
         model = engine.model
-        print(f"adapter: {model.gpu.name} via {model.gpu.backend}", file=sys.stderr)
+        dispatch_loop.wait()  # a new machine builds the compiled loop once; steps are timed with it in use
+        report["dispatch_loop"] = dispatch_loop.status()
+        print(f"adapter: {model.gpu.name} via {model.gpu.backend}; dispatch loop: {report['dispatch_loop']}")
         cache = model.new_cache(256)
         model.forward(list(range(1, CONTEXT + 1)), cache, 0, logits="none")
         report["steps"] = [host_step(model, cache, rows, args.repeats) for rows in (1, 5)]

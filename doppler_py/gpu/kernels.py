@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from doppler_py.errors import DeviceLimitError, InternalError, ShaderError
+from doppler_py.gpu import dispatch_loop
 from doppler_py.gpu.device import Gpu
 from doppler_py.gpu.tensor import Tensor
 
@@ -306,9 +307,22 @@ class _NativePassCalls:
             self.set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
             self.dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
             self.null = ffi.NULL
+            self._ffi = ffi
+            # Addresses of the same three functions, for the compiled loop (dispatch_loop.py) to call.
+            self.functions = tuple(
+                self.address(ffi.addressof(lib, name))
+                for name in (
+                    "wgpuComputePassEncoderSetPipeline",
+                    "wgpuComputePassEncoderSetBindGroup",
+                    "wgpuComputePassEncoderDispatchWorkgroups",
+                )
+            )
             self.available = True
         except (ImportError, AttributeError):
             self.available = False
+
+    def address(self, handle) -> int:
+        return int(self._ffi.cast("uintptr_t", handle))
 
 
 _NATIVE = _NativePassCalls()
@@ -339,6 +353,11 @@ class KernelRegistry:
         self.max_workgroups = int(gpu.limits.get("max-compute-workgroups-per-dimension", 65535))
         # DOPPLER_PUBLIC_DISPATCH=1 records through wgpu-py's public API only (the tests run both paths).
         self.native_dispatch = _NATIVE.available and os.environ.get("DOPPLER_PUBLIC_DISPATCH") != "1"
+        # Tapes play their dispatches through the compiled loop once it is built (the tests also play them
+        # through the Python loop, which records the same commands).
+        self.compiled_loop = self.native_dispatch
+        if self.compiled_loop:
+            dispatch_loop.start()
 
     def fork(self) -> KernelRegistry:
         """A registry for ops another thread records: it shares this one's compiled pipelines, so what it
@@ -573,6 +592,31 @@ class Tape:
         # gathered and scattered per arena with one numpy call (a Python loop over ~150 slots cost ~100 µs).
         self._groups: list[tuple[_UniformArena, np.ndarray, np.ndarray]] = []
         self._where: dict[tuple[int, int], tuple[int, int, int]] = {}  # slot key -> (group, start, end)
+        self._runs: list[tuple] | None = None  # the calls for the compiled loop (`compiled_runs`)
+
+    def compiled_runs(self) -> list[tuple]:
+        """The calls as the compiled loop plays them: each run of consecutive dispatches as (count, pipelines,
+        bind groups, grids) in arrays of the loop's cffi, and each copy as (None, copy args)."""
+        if self._runs is None:
+            ffi, runs, run = dispatch_loop.ffi(), [], []
+
+            def close_run() -> None:
+                if run:
+                    pipelines = ffi.new("uintptr_t[]", [_NATIVE.address(bound.native[0]) for bound, *_ in run])
+                    groups = ffi.new("uintptr_t[]", [_NATIVE.address(bound.native[1]) for bound, *_ in run])
+                    grids = ffi.new("uint32_t[]", [n for _, *grid in run for n in grid])
+                    runs.append((len(run), pipelines, groups, grids))
+                    run.clear()
+
+            for call in self.calls:
+                if call[0] is None:
+                    close_run()
+                    runs.append((None, list(call[1:])))
+                else:
+                    run.append(call)
+            close_run()
+            self._runs = runs
+        return self._runs
 
     def _finish(self) -> None:
         self.keys = frozenset(self.bounds)
@@ -674,14 +718,30 @@ class Recorder:
             if first[0] != now:
                 self._uniform_clash(tape.bounds[key], first[0], first[1], now)
         self._played.append((tape, gathered))
-        for bound, *args in tape.calls:
-            if bound is None:
-                self._play_copy(args)
+        compiled = dispatch_loop.loop() if self.registry.compiled_loop else None
+        if compiled is not None:
+            self._play_compiled(tape, compiled)
+        else:
+            for bound, *args in tape.calls:
+                if bound is None:
+                    self._play_copy(args)
+                    continue
+                if self._pass is None:
+                    self._begin_pass()
+                self._native_dispatch(*bound.native, *args)
+        self.dispatches += tape.dispatches
+
+    def _play_compiled(self, tape: Tape, compiled) -> None:
+        set_pipeline, set_group, dispatch = _NATIVE.functions
+        for count, *run in tape.compiled_runs():
+            if count is None:
+                self._play_copy(run[0])
                 continue
             if self._pass is None:
                 self._begin_pass()
-            self._native_dispatch(*bound.native, *args)
-        self.dispatches += tape.dispatches
+            compiled.play_dispatches(_NATIVE.address(self._native_pass), set_pipeline, set_group, dispatch, count, *run)
+        # The loop set its own pipelines and groups: the next Python dispatch sets its own again.
+        self._last_pipeline = self._last_group = None
 
     def _first_use(self, key: tuple[int, int]) -> tuple[bytes, Kernel, Bound | None] | None:
         """A slot's bytes and kernel at its first dispatch in this submit (by `dispatch` or a played tape)."""

@@ -216,29 +216,50 @@ def _accumulators(gpu, registry, rng, n=64):
     return x, acc, op
 
 
-def test_a_tape_plays_its_dispatches_and_copies_with_the_captured_uniforms(gpu, registry, rng):
-    if not registry.native_dispatch:
-        pytest.skip("tapes play through wgpu-native's pass functions")
+def test_a_tape_plays_its_dispatches_and_copies_with_the_captured_uniforms(gpu, registry, rng, tape_loop):
     n = 64
     x, acc, op = _accumulators(gpu, registry, rng, n)
+    y, other, other_op = _accumulators(gpu, registry, rng, n)
     copy = Tensor.empty(gpu, n)
     rec = registry.recorder()
     rec.capture()
     op.params.set(n=n // 2)
     rec.dispatch(op, 1)
     rec.copy(acc, copy, 4 * n)
+    rec.dispatch(other_op, 1)  # a run after a copy, starting with another bind group
+    rec.dispatch(op, 1)
     tape = rec.end_capture()
     rec.submit()
     op.params.set(n=n)  # another call's values: the tape restores its own
     rec = registry.recorder()
     tape.restore()
     rec.play_tape(tape)
+    rec.dispatch(other_op, 1)
     rec.submit()
     expected = np.zeros(n, np.float32)
-    expected[: n // 2] = 2 * x[: n // 2]
+    expected[: n // 2] = 4 * x[: n // 2]
     np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-6)
-    np.testing.assert_allclose(copy.numpy(), expected, rtol=1e-6)
-    assert rec.dispatches == tape.dispatches == 1
+    np.testing.assert_allclose(copy.numpy(), expected * 3 / 4, rtol=1e-6)
+    np.testing.assert_allclose(other.numpy(), 3 * y, rtol=1e-6)
+    assert rec.dispatches == tape.dispatches + 1 == 4
+
+
+def test_a_dispatch_after_a_played_tape_sets_its_own_bind_group_again(gpu, registry, rng, tape_loop):
+    x, acc, op = _accumulators(gpu, registry, rng)
+    y, other, other_op = _accumulators(gpu, registry, rng)
+    rec = registry.recorder()
+    rec.capture()
+    rec.dispatch(op, 1)
+    tape = rec.end_capture()
+    rec.submit()
+    rec = registry.recorder()
+    rec.dispatch(other_op, 1)
+    tape.restore()
+    rec.play_tape(tape)  # in the same pass: the loop sets op's group over other_op's
+    rec.dispatch(other_op, 1)
+    rec.submit()
+    np.testing.assert_allclose(acc.numpy(), 2 * x, rtol=1e-6)
+    np.testing.assert_allclose(other.numpy(), 2 * y, rtol=1e-6)
 
 
 def test_a_played_slot_follows_the_one_values_per_submit_rule(gpu, registry, rng):

@@ -1,8 +1,9 @@
 """Forwards played from tapes (Transformer.record_forward, Recorder.play_tape): a forward of up to 16 rows is
 recorded once per (cache, rows, logits, layers, phase, attention grid) and played again with only the attention
-positions set. Played forwards must give bit-identical logits to forwards recorded op by op (the wgpu-py
-public-API path never plays tapes), through key changes (rows, logits, layer skip, attention grid as the
-context grows), rollbacks, sliding windows and several forwards in one submit."""
+positions set, through the compiled dispatch loop or the Python one. Played forwards must give bit-identical
+logits to forwards recorded op by op (the wgpu-py public-API path never plays tapes), through key changes (rows,
+logits, layer skip, attention grid as the context grows), rollbacks, sliding windows and several forwards in one
+submit."""
 
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ def run_script(model, registry, monkeypatch, *, tapes: bool) -> tuple[list[np.nd
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding", "qwen3-qknorm-gqa"])
-def test_played_forwards_equal_forwards_recorded_op_by_op(tiny_model, tiny_folder, registry, monkeypatch, name):
+def test_played_forwards_equal_forwards_recorded_op_by_op(
+    tiny_model, tiny_folder, registry, monkeypatch, name, tape_loop
+):
     model = tiny_model(tiny_folder(TINY_SPECS[name]), max_rows=16, max_positions=128)
-    if not registry.native_dispatch:
-        pytest.skip("no native dispatch path here: forwards are never played from tapes")
     reference, plays = run_script(model, registry, monkeypatch, tapes=False)
     assert not model._tapes and plays == 0
     played, plays = run_script(model, registry, monkeypatch, tapes=True)
