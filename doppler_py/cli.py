@@ -294,14 +294,17 @@ def shader_entry_points(shader_dir: Path) -> dict[str, list[str]]:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from doppler_py.gpu import dispatch_loop
     from doppler_py.gpu.device import default_gpu
     from doppler_py.gpu.kernels import SHADER_DIR
     from doppler_py.model.loader import WEIGHT_FORMATS
 
     gpu = default_gpu(browser_limits=args.browser_limits)
+    dispatch_loop.wait(timeout=120)  # a new machine builds it once (~1 s)
     info = gpu.summary() | {
         "weight_precisions": list(WEIGHT_FORMATS),
         "kernels": shader_entry_points(SHADER_DIR),
+        "dispatch_loop": dispatch_loop.status(),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -313,6 +316,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for name, value in info["limits"].items():
         print(f"  {name:40} {value:,}")
     print(f"weights:   {', '.join(info['weight_precisions'])}")
+    print(f"dispatch loop: {info['dispatch_loop']}")
     print("kernels:")
     for shader, entries in info["kernels"].items():
         print(f"  {shader + '.wgsl':24} {', '.join(entries)}")

@@ -181,8 +181,10 @@ def test_info_names_adapter_limits_kernels_and_precisions(runs):
     shaders = {p.stem for p in cli.REPO_ROOT.joinpath("shaders").glob("*.wgsl")}
     assert set(info["kernels"]) == shaders and all(info["kernels"].values())
     assert {"f32", "f16", "q4_1"} <= set(info["weight_precisions"])
+    assert info["dispatch_loop"] == "compiled" or info["dispatch_loop"].startswith("python (")
     text = ok(runs["info"]).stdout
     assert info["adapter"] in text and "matmul.wgsl" in text and "q4_1" in text
+    assert f"dispatch loop: {info['dispatch_loop']}" in text
 
 
 # --- convert and models ------------------------------------------------------------------------------------------
