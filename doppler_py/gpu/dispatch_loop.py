@@ -22,7 +22,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from doppler_py.paths import cache_dir
@@ -62,7 +62,8 @@ void play_dispatches(uintptr_t pass, uintptr_t set_pipeline, uintptr_t set_group
 
 @dataclass
 class _State:
-    thread: threading.Thread | None = None
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)  # set once built, failed or switched off
     module: object | None = None  # the built extension, once ready
     reason: str = "not started"  # why the Python loop is used (while `module` is None)
 
@@ -116,28 +117,28 @@ def _build() -> None:
         lines = str(exc).strip().splitlines()
         _state.reason = f"build failed: {type(exc).__name__}: {lines[-1] if lines else ''}"
         _log.info("compiled dispatch loop unavailable (%s); recording dispatches from Python", _state.reason)
+    finally:
+        _state.done.set()
 
 
 def start() -> None:
     """Start building (or loading the built) loop in the background, once per process."""
     with _lock:
-        if _state.thread is not None:
+        if _state.started:
             return
+        _state.started = True
         if os.environ.get("DOPPLER_COMPILED_LOOP") == "0":
             _state.reason = "off: DOPPLER_COMPILED_LOOP=0"
-            _state.thread = threading.Thread()  # marks it decided; never started
+            _state.done.set()
             return
         _state.reason = "building"
-        _state.thread = threading.Thread(target=_build, name="doppler-dispatch-loop", daemon=True)
-        _state.thread.start()
+        threading.Thread(target=_build, name="doppler-dispatch-loop", daemon=True).start()
 
 
 def wait(timeout: float | None = None) -> bool:
     """Block until the build has finished (tests, benches); True when the compiled loop is in use."""
     start()
-    thread = _state.thread
-    if thread is not None and thread.ident is not None:
-        thread.join(timeout)
+    _state.done.wait(timeout)
     return _state.module is not None
 
 
