@@ -290,7 +290,8 @@ class Bound:
 
 
 class _NativePassCalls:
-    """wgpu-native's three compute-pass entry points, called without wgpu-py's per-call wrapper.
+    """wgpu-native's three compute-pass entry points, called without wgpu-py's per-call wrapper, and a step's
+    encoder, pass and submit created and ended through wgpu-py's raising wrappers without its objects.
 
     A decode step records ~200 dispatches, and wgpu-py's wrapper (argument conversion, an error-capture
     stack push and pop around every C call) cost ~3.5 of the ~5 µs each dispatch took on the host. Errors in a
@@ -301,8 +302,23 @@ class _NativePassCalls:
 
     def __init__(self) -> None:
         try:
+            from wgpu.backends.wgpu_native._api import GPUCommandEncoder, libf
             from wgpu.backends.wgpu_native._ffi import ffi, lib
 
+            # A step's encoder, pass, command buffer and submit go through wgpu-py's error-raising wrappers
+            # (`libf`) but skip its descriptor structs and the pass and command buffer objects (~0.1 ms a step
+            # on a slow machine); none has a label.
+            self.encoder_class = GPUCommandEncoder
+            self.create_encoder = libf.wgpuDeviceCreateCommandEncoder
+            self.encoder_descriptor = ffi.new("WGPUCommandEncoderDescriptor *")
+            self.begin_pass = libf.wgpuCommandEncoderBeginComputePass
+            self.end_pass = libf.wgpuComputePassEncoderEnd
+            self.release_pass = lib.wgpuComputePassEncoderRelease
+            self.pass_descriptor = ffi.new("WGPUComputePassDescriptor *")
+            self.finish = libf.wgpuCommandEncoderFinish
+            self.commands_descriptor = ffi.new("WGPUCommandBufferDescriptor *")
+            self.submit = libf.wgpuQueueSubmit
+            self.release_commands = lib.wgpuCommandBufferRelease
             self.set_pipeline = lib.wgpuComputePassEncoderSetPipeline
             self.set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
             self.dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
@@ -323,6 +339,18 @@ class _NativePassCalls:
 
     def address(self, handle) -> int:
         return int(self._ffi.cast("uintptr_t", handle))
+
+    def command_encoder(self, device):
+        """A wgpu-py command encoder (copies, timestamps and tests use its methods) created without its
+        descriptor struct."""
+        return self.encoder_class("", self.create_encoder(device._internal, self.encoder_descriptor), device)
+
+    def finish_and_submit(self, encoder, queue) -> None:
+        commands = self.finish(encoder._internal, self.commands_descriptor)
+        try:
+            self.submit(queue._internal, 1, self._ffi.new("WGPUCommandBuffer[1]", [commands]))
+        finally:
+            self.release_commands(commands)
 
 
 _NATIVE = _NativePassCalls()
@@ -588,10 +616,12 @@ class Tape:
         self.origins: set[tuple[int, int]] = set()  # the ops' own slots behind the phase copies
         self.dispatches = 0
         self.keys: frozenset[tuple[int, int]] = frozenset()
-        # Per arena: the byte indices of the tape's slots in it, and their bytes at capture. Slot bytes are
-        # gathered and scattered per arena with one numpy call (a Python loop over ~150 slots cost ~100 µs).
-        self._groups: list[tuple[_UniformArena, np.ndarray, np.ndarray]] = []
-        self._where: dict[tuple[int, int], tuple[int, int, int]] = {}  # slot key -> (group, start, end)
+        # Per arena: the span [start, end) holding the tape's slots, which of its bytes are theirs, and the span's
+        # bytes at capture. Slots are restored and gathered per arena with one numpy call over the whole span: a
+        # Python loop over ~150 slots cost ~100 µs, and a fancy-indexed scatter ~190 µs right after a step's
+        # GPU work has evicted the caches (a masked copy of a contiguous span touches a third of the memory).
+        self._spans: list[tuple[_UniformArena, int, int, np.ndarray, np.ndarray]] = []
+        self._where: dict[tuple[int, int], tuple[int, int, int]] = {}  # slot key -> (span, start, end) in it
         self._runs: list[tuple] | None = None  # the calls for the compiled loop (`compiled_runs`)
 
     def compiled_runs(self) -> list[tuple]:
@@ -620,32 +650,31 @@ class Tape:
 
     def _finish(self) -> None:
         self.keys = frozenset(self.bounds)
-        by_arena: dict[int, tuple[_UniformArena, list]] = {}
-        for key, bound in self.bounds.items():
+        by_arena: dict[int, tuple[_UniformArena, list[UniformSlot]]] = {}
+        for bound in self.bounds.values():
             slot = bound.params
-            by_arena.setdefault(id(slot.arena), (slot.arena, []))[1].append((key, slot))
+            by_arena.setdefault(id(slot.arena), (slot.arena, []))[1].append(slot)
         for arena, slots in by_arena.values():
-            group, indices, at = len(self._groups), [], 0
-            for key, slot in slots:
-                size = slot.layout.size
-                indices.append(np.arange(slot.offset, slot.offset + size, dtype=np.int32))
-                self._where[key] = (group, at, at + size)
-                at += size
-            index = np.concatenate(indices)
-            self._groups.append((arena, index, arena.host[index]))
+            start = min(slot.offset for slot in slots)
+            end = max(slot.offset + slot.layout.size for slot in slots)
+            mask = np.zeros(end - start, dtype=bool)
+            for slot in slots:
+                mask[slot.offset - start : slot.offset - start + slot.layout.size] = True
+                self._where[slot.key] = (len(self._spans), slot.offset - start, slot.offset - start + slot.layout.size)
+            self._spans.append((arena, start, end, mask, arena.host[start:end].copy()))
 
     def restore(self) -> None:
-        for arena, index, data in self._groups:
-            arena.host[index] = data
+        for arena, start, end, mask, data in self._spans:
+            np.copyto(arena.host[start:end], data, where=mask)
             arena.dirty = True
 
     def gather(self) -> list[np.ndarray]:
-        """The tape's slots' bytes as they are now (for `slot_bytes`)."""
-        return [arena.host[index] for arena, index, _ in self._groups]
+        """The tape's spans' bytes as they are now (for `slot_bytes`)."""
+        return [arena.host[start:end].copy() for arena, start, end, _, _ in self._spans]
 
     def slot_bytes(self, key: tuple[int, int], gathered: list[np.ndarray]) -> bytes:
-        group, start, end = self._where[key]
-        return gathered[group][start:end].tobytes()
+        span, start, end = self._where[key]
+        return gathered[span][start:end].tobytes()
 
 
 class Recorder:
@@ -653,9 +682,10 @@ class Recorder:
 
     def __init__(self, registry: KernelRegistry):
         self.registry = registry
-        self.encoder = registry.gpu.device.create_command_encoder()
-        self._pass = None
         self._native = registry.native_dispatch
+        device = registry.gpu.device
+        self.encoder = _NATIVE.command_encoder(device) if self._native else device.create_command_encoder()
+        self._pass = None
         self._native_pass = self._last_pipeline = self._last_group = None
         self._max_workgroups = registry.max_workgroups
         self.dispatches = 0
@@ -671,6 +701,13 @@ class Recorder:
         self._uniforms: dict[tuple[int, int], tuple[bytes, Kernel]] = {}
         self._tape: Tape | None = None  # being captured (`capture`)
         self._played: list[tuple[Tape, list[np.ndarray]]] = []  # tapes played, with their slots' bytes then
+
+    def __del__(self) -> None:
+        # A recorder dropped with its pass open (an op raised mid-step): the native pass has no wgpu-py object
+        # whose collection would release it.
+        if getattr(self, "_native_pass", None) is not None:
+            _NATIVE.release_pass(self._native_pass)
+            self._native_pass = None
 
     @property
     def can_play_tapes(self) -> bool:
@@ -710,7 +747,7 @@ class Recorder:
             self._phased_origins.update(tape.origins)
         elif not self._phased_origins.isdisjoint(tape.keys):
             self._phase_mix(tape.bounds[next(iter(tape.keys & self._phased_origins))])
-        reused = tape.keys & self._uniforms.keys()
+        reused = tape.keys & self._uniforms.keys() if self._uniforms else set()
         for other, _ in self._played:
             reused |= tape.keys & other.keys
         for key in reused:
@@ -787,9 +824,8 @@ class Recorder:
                 self._uniform_clash(bound, first[0], first[1], data)
         if self._pass is None:
             self._begin_pass()
-        pipeline, group = bound.native
-        if self._native_pass is not None and pipeline is not None and group is not None:
-            self._native_dispatch(pipeline, group, x, y, z)
+        if self._native_pass is not None:
+            self._native_dispatch(*bound.native, x, y, z)
         else:
             self._pass.set_pipeline(bound.kernel.pipeline)
             self._pass.set_bind_group(0, bound.bind_group)
@@ -805,8 +841,10 @@ class Recorder:
         return bound
 
     def _begin_pass(self) -> None:
-        self._pass = self.encoder.begin_compute_pass()
-        self._native_pass = self._pass._internal if self._native else None
+        if self._native:
+            self._pass = self._native_pass = _NATIVE.begin_pass(self.encoder._internal, _NATIVE.pass_descriptor)
+        else:
+            self._pass = self.encoder.begin_compute_pass()
         self._last_pipeline = self._last_group = None
 
     def _native_dispatch(self, pipeline, group, x: int, y: int, z: int) -> None:
@@ -839,9 +877,14 @@ class Recorder:
         )
 
     def _end_pass(self) -> None:
-        if self._pass is not None:
+        if self._native_pass is not None:
+            try:
+                _NATIVE.end_pass(self._native_pass)
+            finally:
+                _NATIVE.release_pass(self._native_pass)
+        elif self._pass is not None:
             self._pass.end()
-            self._pass = self._native_pass = None
+        self._pass = self._native_pass = None
 
     def copy(
         self, src: Tensor, dst: Tensor, nbytes: int | None = None, *, src_offset: int = 0, dst_offset: int = 0
@@ -874,7 +917,11 @@ class Recorder:
     def submit(self) -> None:
         self._end_pass()
         self.registry.flush_uniforms()
-        self.registry.gpu.queue.submit([self.encoder.finish()])
+        queue = self.registry.gpu.queue
+        if self._native:
+            _NATIVE.finish_and_submit(self.encoder, queue)
+        else:
+            queue.submit([self.encoder.finish()])
         self.encoder = None
 
 

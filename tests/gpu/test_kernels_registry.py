@@ -244,6 +244,44 @@ def test_a_tape_plays_its_dispatches_and_copies_with_the_captured_uniforms(gpu, 
     assert rec.dispatches == tape.dispatches + 1 == 4
 
 
+def test_an_invalid_dispatch_raises_at_submit_and_the_next_submit_works(gpu, registry, rng):
+    # The pass and the submit go through wgpu-native's functions directly on the fast path: wgpu-core's
+    # validation error must still reach the caller as an exception, not a log line.
+    import wgpu
+
+    from doppler_py.gpu.kernels import Bound
+
+    x, acc, op = _accumulators(gpu, registry, rng)
+    vectors = [Tensor.empty(gpu, 64) for _ in range(3)]
+    other = registry.bind(
+        registry.kernel("rmsnorm"), params={"dim": 64}, **dict(zip(("src", "weight", "out"), vectors))
+    )
+    rec = registry.recorder()
+    rec.dispatch(Bound(op.kernel, other.bind_group, op.params, op.resources), 1)  # another layout's group
+    with pytest.raises(wgpu.GPUError):
+        rec.submit()
+    rec = registry.recorder()
+    rec.dispatch(op, 1)
+    rec.submit()
+    np.testing.assert_allclose(acc.numpy(), x, rtol=1e-6)
+
+
+def test_restoring_a_tape_leaves_the_slots_between_its_own_alone(gpu, registry, rng):
+    first, between, last = (_accumulators(gpu, registry, rng)[2] for _ in range(3))
+    assert first.params.arena is last.params.arena is between.params.arena
+    assert first.params.offset < between.params.offset < last.params.offset
+    rec = registry.recorder()
+    rec.capture()
+    rec.dispatch(first, 1)
+    rec.dispatch(last, 1)
+    tape = rec.end_capture()
+    rec.submit()
+    for op in (first, between, last):
+        op.params.set(n=5)
+    tape.restore()
+    assert [op.params.values()["n"] for op in (first, between, last)] == [64, 5, 64]
+
+
 def test_a_dispatch_after_a_played_tape_sets_its_own_bind_group_again(gpu, registry, rng, tape_loop):
     x, acc, op = _accumulators(gpu, registry, rng)
     y, other, other_op = _accumulators(gpu, registry, rng)
