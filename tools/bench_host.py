@@ -23,24 +23,33 @@ from pathlib import Path
 
 CONTEXT = 64  # positions already in the KV cache when a step is recorded
 COLD_PROMPT = "Name three rivers."
+# A step's host time in three parts (medians each): creating the recorder's encoder, recording the forward
+# (a played tape: its Python and the dispatch loop), and the submit (ending the pass, uploading the uniforms,
+# wgpu-core finishing the command buffer, the queue submit).
+STEP_PARTS = ("encoder", "record", "submit")
 
 
 def host_step(model, cache, rows: int, repeats: int) -> dict:
     """Median host ms to record + submit a forward over `rows` rows at position CONTEXT."""
     logits = "last" if rows == 1 else "all"
-    samples, dispatches = [], 0
+    samples, parts, dispatches = [], {part: [] for part in STEP_PARTS}, 0
     model.ids.view((rows,)).write(model.check_ids([1] * rows))
     for i in range(repeats + 5):
         start = time.perf_counter()
         rec = model.registry.recorder()
+        created = time.perf_counter()
         model.record_forward(rec, rows, cache, CONTEXT, logits=logits)
+        recorded = time.perf_counter()
         rec.submit()
-        elapsed = time.perf_counter() - start
+        submitted = time.perf_counter()
         model.gpu.wait_idle()
         cache.truncate(CONTEXT)
         dispatches = rec.dispatches
         if i >= 5:  # the first steps bind groups and compile pipelines
-            samples.append(elapsed * 1e3)
+            samples.append((submitted - start) * 1e3)
+            spans = (created - start, recorded - created, submitted - recorded)
+            for part, elapsed in zip(STEP_PARTS, spans, strict=True):
+                parts[part].append(elapsed * 1e3)
     median = statistics.median(samples)
     return {
         "rows": rows,
@@ -48,6 +57,7 @@ def host_step(model, cache, rows: int, repeats: int) -> dict:
         "host_ms_p90": round(statistics.quantiles(samples, n=10)[-1], 3),
         "dispatches": dispatches,
         "host_us_per_dispatch": round(median * 1e3 / dispatches, 1),
+        "parts_ms": {part: round(statistics.median(values), 3) for part, values in parts.items()},
     }
 
 
@@ -91,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold:
         report["cold"] = [cold_start(mode, args.weights) for mode in ("auto", "none")]
 
-    print(f"{'rows':>4s} {'host ms':>8s} {'p90':>7s} {'dispatches':>10s} {'µs/dispatch':>11s}")
+    print(f"{'rows':>4s} {'host ms':>8s} {'p90':>7s} {'dispatches':>10s} {'µs/dispatch':>11s}", end="")
+    print("".join(f" {part + ' ms':>10s}" for part in STEP_PARTS))
     for row in report["steps"]:
         print(
             f"{row['rows']:4d} {row['host_ms']:8.3f} {row['host_ms_p90']:7.3f} {row['dispatches']:10d} "
-            f"{row['host_us_per_dispatch']:11.1f}"
+            f"{row['host_us_per_dispatch']:11.1f}" + "".join(f" {row['parts_ms'][part]:10.3f}" for part in STEP_PARTS)
         )
     for row in report.get("cold", []):
         print(f"cold, speculative {row['speculative']}: first token {row['first_token_s']} s, end {row['total_s']} s")
