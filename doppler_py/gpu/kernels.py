@@ -877,14 +877,16 @@ class Recorder:
         )
 
     def _end_pass(self) -> None:
-        if self._native_pass is not None:
-            try:
-                _NATIVE.end_pass(self._native_pass)
-            finally:
-                _NATIVE.release_pass(self._native_pass)
-        elif self._pass is not None:
-            self._pass.end()
+        # Forgotten before ending: a pass whose end raised is still released once, here and not again by __del__.
+        open_pass, native_pass = self._pass, self._native_pass
         self._pass = self._native_pass = None
+        if native_pass is not None:
+            try:
+                _NATIVE.end_pass(native_pass)
+            finally:
+                _NATIVE.release_pass(native_pass)
+        elif open_pass is not None:
+            open_pass.end()
 
     def copy(
         self, src: Tensor, dst: Tensor, nbytes: int | None = None, *, src_offset: int = 0, dst_offset: int = 0

@@ -252,10 +252,8 @@ def test_an_invalid_dispatch_raises_at_submit_and_the_next_submit_works(gpu, reg
     from doppler_py.gpu.kernels import Bound
 
     x, acc, op = _accumulators(gpu, registry, rng)
-    vectors = [Tensor.empty(gpu, 64) for _ in range(3)]
-    other = registry.bind(
-        registry.kernel("rmsnorm"), params={"dim": 64}, **dict(zip(("src", "weight", "out"), vectors))
-    )
+    src, weight, out = (Tensor.empty(gpu, 64) for _ in range(3))
+    other = registry.bind(registry.kernel("rmsnorm"), params={"dim": 64}, src=src, weight=weight, out=out)
     rec = registry.recorder()
     rec.dispatch(Bound(op.kernel, other.bind_group, op.params, op.resources), 1)  # another layout's group
     with pytest.raises(wgpu.GPUError):
