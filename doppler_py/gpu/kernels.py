@@ -685,8 +685,8 @@ class Recorder:
         self._native = registry.native_dispatch
         device = registry.gpu.device
         self.encoder = _NATIVE.command_encoder(device) if self._native else device.create_command_encoder()
-        self._pass = None
-        self._native_pass = self._last_pipeline = self._last_group = None
+        # The open compute pass: wgpu-native's handle when `_native`, else wgpu-py's pass object.
+        self._pass = self._last_pipeline = self._last_group = None
         self._max_workgroups = registry.max_workgroups
         self.dispatches = 0
         # Dispatches recorded while `phase` > 0 use per-phase copies of their ops' uniform slots, so one submit
@@ -705,9 +705,9 @@ class Recorder:
     def __del__(self) -> None:
         # A recorder dropped with its pass open (an op raised mid-step): the native pass has no wgpu-py object
         # whose collection would release it.
-        if getattr(self, "_native_pass", None) is not None:
-            _NATIVE.release_pass(self._native_pass)
-            self._native_pass = None
+        if getattr(self, "_native", False) and self._pass is not None:
+            _NATIVE.release_pass(self._pass)
+            self._pass = None
 
     @property
     def can_play_tapes(self) -> bool:
@@ -776,7 +776,7 @@ class Recorder:
                 continue
             if self._pass is None:
                 self._begin_pass()
-            compiled.play_dispatches(_NATIVE.address(self._native_pass), set_pipeline, set_group, dispatch, count, *run)
+            compiled.play_dispatches(_NATIVE.address(self._pass), set_pipeline, set_group, dispatch, count, *run)
         # The loop set its own pipelines and groups: the next Python dispatch sets its own again.
         self._last_pipeline = self._last_group = None
 
@@ -824,7 +824,7 @@ class Recorder:
                 self._uniform_clash(bound, first[0], first[1], data)
         if self._pass is None:
             self._begin_pass()
-        if self._native_pass is not None:
+        if self._native:
             self._native_dispatch(*bound.native, x, y, z)
         else:
             self._pass.set_pipeline(bound.kernel.pipeline)
@@ -842,7 +842,7 @@ class Recorder:
 
     def _begin_pass(self) -> None:
         if self._native:
-            self._pass = self._native_pass = _NATIVE.begin_pass(self.encoder._internal, _NATIVE.pass_descriptor)
+            self._pass = _NATIVE.begin_pass(self.encoder._internal, _NATIVE.pass_descriptor)
         else:
             self._pass = self.encoder.begin_compute_pass()
         self._last_pipeline = self._last_group = None
@@ -850,12 +850,12 @@ class Recorder:
     def _native_dispatch(self, pipeline, group, x: int, y: int, z: int) -> None:
         native = _NATIVE
         if pipeline != self._last_pipeline:  # consecutive dispatches of one kernel keep it set
-            native.set_pipeline(self._native_pass, pipeline)
+            native.set_pipeline(self._pass, pipeline)
             self._last_pipeline = pipeline
         if group != self._last_group:
-            native.set_bind_group(self._native_pass, 0, group, 0, native.null)
+            native.set_bind_group(self._pass, 0, group, 0, native.null)
             self._last_group = group
-        native.dispatch(self._native_pass, x, y, z)
+        native.dispatch(self._pass, x, y, z)
 
     @staticmethod
     def _phase_mix(bound: Bound) -> None:
@@ -878,15 +878,16 @@ class Recorder:
 
     def _end_pass(self) -> None:
         # Forgotten before ending: a pass whose end raised is still released once, here and not again by __del__.
-        open_pass, native_pass = self._pass, self._native_pass
-        self._pass = self._native_pass = None
-        if native_pass is not None:
-            try:
-                _NATIVE.end_pass(native_pass)
-            finally:
-                _NATIVE.release_pass(native_pass)
-        elif open_pass is not None:
+        open_pass, self._pass = self._pass, None
+        if open_pass is None:
+            return
+        if not self._native:
             open_pass.end()
+            return
+        try:
+            _NATIVE.end_pass(open_pass)
+        finally:
+            _NATIVE.release_pass(open_pass)
 
     def copy(
         self, src: Tensor, dst: Tensor, nbytes: int | None = None, *, src_offset: int = 0, dst_offset: int = 0
