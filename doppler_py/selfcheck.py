@@ -92,7 +92,7 @@ def _gpu_stages(gpu: Gpu, folder: Path, config: ModelConfig) -> tuple[dict[str, 
             "hidden": model.x.numpy()[:rows],
             "logits": logits,
         }
-        return stages, not model.attention_ops(cache)[-1].fuse_rope
+        return stages, "rope" in model.attention_ops(cache)[-1].call(rows, 0)[0]  # a rope.wgsl dispatch went first
     finally:
         model.close()
         weights.destroy()

@@ -25,7 +25,14 @@
 // those cache positions in this dispatch, so the writes race with nothing. This saves the separate rope.wgsl
 // dispatch per layer. It is compiled in only with FUSED_ROPE (GPUs): on lavapipe the second key pass cost
 // more GPU time than the dispatch it saves (decode: 235-255 us against 150 + 36 per layer), and its mere
-// presence slowed calls that did not use it. Rotation follows rope.wgsl (HF "rotate half": dim i pairs with
+// presence slowed calls that did not use it.
+//
+// RoPE before the key loop (rope == 2, any adapter): when the grid holds ONE workgroup per kv head (x == 1,
+// n_splits == 1: decode and verification on CPU adapters, and on GPUs at short contexts), that workgroup is
+// the only reader of its kv head's cache, so it writes the rows' rotated keys and values to the caches first,
+// and after a storageBarrier (which makes storage writes visible within the workgroup) attends over the caches
+// as with rope == 0, its queries rotated as they are loaded. No second key pass, no rope.wgsl dispatch; the
+// host picks rope == 2 only for such grids (ops/attention.py). Rotation follows rope.wgsl (HF "rotate half": dim i pairs with
 // i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4 HEAD_DIM / 8 away, and both halves use the angles
 // of dims i mod HEAD_DIM / 2).
 //
@@ -36,21 +43,23 @@
 // (tree == 0) are the special case depth(r) = r, every earlier row an ancestor.
 //
 // Bindings: 0 params (uniform Params), 1 q (read) [rows, q_stride * 4], query heads in the first
-//           n_heads * HEAD_DIM floats of each row (RoPE applied unless rope == 1; the model's fused
-//           [q | k | v] rows, which rope == 1 requires),
-//           2 k_cache and 3 v_cache (read_write; written only when rope == 1) [max_seq, n_kv_heads, HEAD_DIM],
+//           n_heads * HEAD_DIM floats of each row (RoPE applied when rope == 0; the model's fused
+//           [q | k | v] rows, which rope 1 and 2 require),
+//           2 k_cache and 3 v_cache (read_write; written only when rope is 1 or 2) [max_seq, n_kv_heads, HEAD_DIM],
 //           4 out (read_write) [rows, n_heads * HEAD_DIM],
 //           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
 //           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split,
-//           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope == 1),
+//           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope 1, 2),
 //           8 tree (read) [rows] of (depth, ancestor mask) per row (ops/tree.py; read when tree == 1).
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
 //         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
 //         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
-//         rope (1: RoPE and the cache write inside, as above; 0: q rotated and the caches written before);
+//         rope (1: RoPE and the cache write inside, as above; 2: the same before the key loop, one workgroup
+//         per kv head; 0: q rotated and the caches written before);
 //         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped);
 //         tree (1: the rows are a token tree laid out in `tree`, as above; 0: consecutive positions).
-// Overrides: HEAD_DIM (a multiple of 16, at most 256); FUSED_ROPE (compile the rope == 1 path).
+// Overrides: HEAD_DIM (a multiple of 16, at most 256); FUSED_ROPE (compile the rope == 1 path; rope == 2
+//            is always compiled).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
 // Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
@@ -118,7 +127,7 @@ fn soft_cap(s: vec4<f32>, c: f32) -> vec4<f32> {
   return c * (2.0 / (1.0 + exp(-2.0 * s / c)) - 1.0);
 }
 
-// Dims 4c..4c+3 of the head vector at q[head..], rotated for position `pos` (rope == 1).
+// Dims 4c..4c+3 of the head vector at q[head..], rotated for position `pos` (rope == 1 or 2).
 fn rotated(head: u32, c: u32, pos: u32) -> vec4<f32> {
   let half4 = HEAD_DIM / 8u;
   let first = c < half4;
@@ -145,7 +154,7 @@ fn key_position(j: u32) -> u32 {
 
 // Dims 4c..4c+3 of the query head at q[head..] of the row at position `pos`.
 fn query(head: u32, c: u32, pos: u32) -> vec4<f32> {
-  if (FUSED_ROPE && params.rope == 1u) {
+  if ((FUSED_ROPE && params.rope == 1u) || params.rope == 2u) {
     return rotated(head, c, pos);
   }
   return q[head + c];
@@ -160,12 +169,12 @@ fn query_slice(head: vec4<u32>, i: u32, pos: vec4<u32>, scale: f32) -> mat4x4<f3
 }
 
 // Vec4 index of kv head `kv_head` of key j's k section in q (v section: + n_kv_heads * HEAD_DIM / 4), for
-// a key of this call's rows (rope == 1).
+// a key of this call's rows (rope 1 and 2).
 fn new_key_head(j: u32, kv_head: u32) -> u32 {
   return (j - params.start_pos) * params.q_stride + (params.n_heads + kv_head) * (HEAD_DIM / 4u);
 }
 
-// Dims 4c..4c+3 of key j of kv head `kv_head`, RoPE applied; `new_key`: one of this call's rows (rope == 1).
+// Dims 4c..4c+3 of key j of kv head `kv_head`, RoPE applied; `new_key`: one of this call's rows (rope 1 and 2).
 // Callers pass a constant `new_key`, so the compiled loops hold no branch on it.
 fn key(j: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
   if (new_key) {
@@ -311,7 +320,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let kv_head = wid.y;
   let split = wid.z;
 
-  if (FUSED_ROPE && params.rope == 1u && wid.x == 0u && split == 0u) {
+  if (((FUSED_ROPE && params.rope == 1u) || params.rope == 2u) && wid.x == 0u && split == 0u) {
     for (var e = t; e < params.rows * hd4; e += LANES) {
       let pos = params.start_pos + e / hd4;
       let c = e % hd4;
@@ -319,6 +328,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       k_cache[at] = key(pos, kv_head, c, true);
       v_cache[at] = value(pos, kv_head, c, true);
     }
+  }
+  if (params.rope == 2u) {
+    storageBarrier();  // params is uniform: the barrier stays in uniform control flow
   }
 
   let slice = t % slices;

@@ -10,11 +10,18 @@ shader header explains the work split. Per call the op picks two numbers:
   every core busy.
 
 With `rope=` (the model's cos/sin table) the op takes the [q | k | v] projection rows as they leave the
-matmul and also applies RoPE and writes the new keys and values to the caches: on GPUs inside the attention
-dispatch for calls of up to FUSED_ROPE_MAX_ROWS rows (decode, verification: one dispatch per layer fewer),
-otherwise by a rope.wgsl dispatch first. Longer calls (prefill) would repeat the rotation of every new key
-in every workgroup; CPU adapters measured the fused kernel slower (shaders/attention.wgsl, FUSED_ROPE).
-`fuse_rope=` overrides the choice (tests run the fused path on lavapipe).
+matmul and also applies RoPE and writes the new keys and values to the caches, in one of three ways per call
+(shaders/attention.wgsl):
+
+* "local" (rope == 2, any adapter): when the call's grid has one workgroup per kv head (no key splits, one
+  workgroup of blocks: decode and verification on CPU adapters, short contexts on GPUs), that workgroup
+  writes the caches and then attends over them; no extra dispatch and no extra key pass;
+* "fused" (rope == 1, GPUs): other calls of up to FUSED_ROPE_MAX_ROWS rows rotate the new keys in a second
+  key pass of every workgroup; CPU adapters measured that pass slower than a rope dispatch;
+* otherwise a rope.wgsl dispatch goes first (prefill: every workgroup would repeat every new key's rotation).
+
+`fuse_rope=` overrides whether the fused path is compiled in (tests run it on lavapipe), `local_rope=False`
+turns the local path off (tests of the other two).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ SPLIT_MAX_ROWS = 16  # only decode/verification-sized calls split the key range;
 MIN_SPLIT_KEYS = 256  # a split scores at least this many keys (two steps of 16 key lanes)
 GPU_TARGET_WORKGROUPS = 256  # enough to fill the multiprocessors of a large GPU
 FUSED_ROPE_MAX_ROWS = 16  # longer calls rotate and write the cache by a rope.wgsl dispatch first
+# The shader's Params.rope per mode (module docstring; None: no `rope=`, q arrives rotated).
+ROPE_PARAM = {None: 0, "dispatch": 0, "fused": 1, "local": 2}
 
 
 def target_workgroups(adapter_type: str) -> int:
@@ -88,6 +97,7 @@ class Attention:
         rope: Tensor | None = None,
         softcap: float = 0.0,
         fuse_rope: bool | None = None,
+        local_rope: bool = True,
         tree: Tensor | None = None,
     ):
         width = n_heads * head_dim
@@ -126,6 +136,7 @@ class Attention:
         self.target_workgroups = target_workgroups(str(registry.gpu.info.get("adapter_type", "")))
         self.rope: RoPE | None = None  # the rope.wgsl dispatch of calls that do not fuse it
         self.fuse_rope = rope is not None and (not registry.gpu.on_cpu if fuse_rope is None else fuse_rope)
+        self.local_rope = rope is not None and local_rope
         if rope is not None:
             if rope.numel < max_seq * head_dim:
                 raise ValueError(f"rope: the cos/sin table covers {rope.numel // head_dim} positions, needs {max_seq}")
@@ -216,7 +227,9 @@ class Attention:
         if start_pos < 0 or start_pos + rows > self.max_seq:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
         key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
-        fused = self.fuse_rope and rows <= FUSED_ROPE_MAX_ROWS
+        blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
+        grid = (workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
+        rope = self.rope_mode(rows, grid)
         values: dict[str, dict] = {
             "attention": {
                 "rows": rows,
@@ -224,14 +237,24 @@ class Attention:
                 "key_lanes": key_lanes,
                 "split_len": split_len,
                 "n_splits": n_splits,
-                "rope": int(fused),
+                "rope": ROPE_PARAM[rope],
                 "tree": int(tree),
             }
         }
-        if self.rope is not None and not fused:
+        if rope == "dispatch":
             values["rope"] = {"start_pos": start_pos, "tree": int(tree)}
-        blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
-        return values, (workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
+        return values, grid
+
+    def rope_mode(self, rows: int, grid: tuple[int, int, int]) -> str | None:
+        """How a call with this grid applies RoPE and writes the caches: "local", "fused", "dispatch" (module
+        docstring), or None without `rope=`."""
+        if self.rope is None:
+            return None
+        if self.local_rope and grid[0] == 1 and grid[2] == 1:
+            return "local"
+        if self.fuse_rope and rows <= FUSED_ROPE_MAX_ROWS:
+            return "fused"
+        return "dispatch"
 
     def record(
         self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None, tree: bool = False

@@ -287,9 +287,9 @@ class RopeCase:
 
     K_FILL, V_FILL = -1.0, -2.0
 
-    def __init__(
-        self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, window=0, fuse_rope=True
-    ):
+    def __init__(self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, window=0, mode="local"):
+        """`mode`: the path the op may take besides a rope dispatch, "local", "fused" or "rope-dispatch" (none);
+        None: the adapter's default."""
         self.tree = Tensor.empty(gpu, (MAX_TREE_ROWS, 2), "u32")
         self.shape = (n_heads, n_kv_heads, head_dim)
         self.q_size, self.kv_size = n_heads * head_dim, n_kv_heads * head_dim
@@ -313,7 +313,8 @@ class RopeCase:
             max_rows=max_rows,
             window=window,
             rope=Tensor.from_numpy(gpu, self.table),
-            fuse_rope=fuse_rope,
+            fuse_rope=None if mode is None else mode == "fused",
+            local_rope=mode in (None, "local"),
             tree=self.tree,
         )
 
@@ -367,26 +368,33 @@ ROPE_SHAPES = [
     [(1, 0, None), (1, 77, None), (1, 300, 3), (5, 70, None), (5, 200, 2), (16, 90, 5), (16, 0, None)],
     ids=["first", "decode", "decode-split", "verify5", "verify5-split", "16-split", "16-prefill"],
 )
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "rope-dispatch"])
-def test_rope_inside_matches_rope_then_attention(gpu, registry, rng, shape, rows, start_pos, splits, fuse):
-    """Calls of up to 16 rows: fused (GPUs), one dispatch rotates q and the new keys, attends, and writes the
-    caches; otherwise (CPU adapters) a rope.wgsl dispatch goes first. Both give the same."""
-    case = RopeCase(gpu, registry, rng, **shape, max_seq=320, max_rows=40, fuse_rope=fuse)
+@pytest.mark.parametrize("mode", ["local", "fused", "rope-dispatch"])
+def test_rope_inside_matches_rope_then_attention(gpu, registry, rng, shape, rows, start_pos, splits, mode):
+    """Calls of up to 16 rows: with one workgroup per kv head, that workgroup writes the caches and attends
+    ("local"); fused (GPUs), every workgroup rotates q and the new keys, attends, and one writes the caches;
+    otherwise a rope.wgsl dispatch goes first. All give the same."""
+    case = RopeCase(gpu, registry, rng, **shape, max_seq=320, max_rows=40, mode=mode)
     rec = registry.recorder()
-    case.op.record(rec, rows, min(start_pos, 319 - rows), splits=splits)
-    assert rec.dispatches == (2 if splits else 1) + (0 if fuse else 1)  # (rope +) attention (+ reduce)
+    case.op.record(rec, rows, start_pos, splits=splits)
+    grid = case.op.call(rows, start_pos, splits)[1]
+    local = mode == "local" and grid[0] == 1 and grid[2] == 1
+    if mode == "local" and rows == 1 and not splits:
+        assert local, "a decode call without splits has one workgroup per kv head"
+    assert rec.dispatches == (2 if splits else 1) + (mode == "rope-dispatch" or (mode == "local" and not local))
     case.run_and_check(registry, rows, start_pos, splits)
 
 
-def test_the_rope_dispatch_stays_on_cpu_adapters_unless_forced(gpu, registry, rng):
-    """FUSED_ROPE measured slower on lavapipe (shaders/attention.wgsl): the default follows the adapter."""
-    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4, fuse_rope=None)
+def test_the_fused_path_stays_off_cpu_adapters_unless_forced(gpu, registry, rng):
+    """FUSED_ROPE measured slower on lavapipe (shaders/attention.wgsl): the default follows the adapter; the
+    local path is on everywhere, so a decode step needs no rope dispatch on any adapter."""
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4, mode=None)
     assert case.op.fuse_rope == (not gpu.on_cpu)
+    assert case.op.rope_mode(1, case.op.call(1, 20)[1]) == "local"
 
 
 @pytest.mark.parametrize("rows", [17, 40])
 def test_long_calls_take_a_rope_dispatch_first(gpu, registry, rng, rows):
-    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=128, max_rows=40)
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=128, max_rows=40, mode="fused")
     rec = registry.recorder()
     case.op.record(rec, rows, 20)
     assert rec.dispatches == 2  # rope, attention
@@ -443,12 +451,12 @@ TREES = {
 
 
 @pytest.mark.parametrize("tree", sorted(TREES))
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "rope-dispatch"])
+@pytest.mark.parametrize("mode", ["local", "fused", "rope-dispatch"])
 @pytest.mark.parametrize(("start_pos", "splits"), [(0, None), (37, None), (290, 3)], ids=["empty", "mid", "split"])
-def test_tree_rows_see_the_cache_and_their_ancestors_only(gpu, registry, rng, tree, fuse, start_pos, splits):
+def test_tree_rows_see_the_cache_and_their_ancestors_only(gpu, registry, rng, tree, mode, start_pos, splits):
     """Each tree row attends at start_pos + its depth to the cache and its own ancestors; its key is rotated for
     that position and written to slot start_pos + row (ops/tree.py's layout)."""
-    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=MAX_TREE_ROWS, fuse_rope=fuse)
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=MAX_TREE_ROWS, mode=mode)
     parents = TREES[tree]
     case.run_and_check(registry, len(parents) + 1, start_pos, splits, parents=parents)
 
@@ -456,10 +464,8 @@ def test_tree_rows_see_the_cache_and_their_ancestors_only(gpu, registry, rng, tr
 @pytest.mark.parametrize("window", [1, 3, 6])
 def test_tree_rows_keep_the_window_by_depth(gpu, registry, rng, window):
     """A sliding window counts a tree key's depth, not its row: deep rows lose the root's oldest keys."""
-    for fuse in (True, False):
-        case = RopeCase(
-            gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=MAX_TREE_ROWS, window=window, fuse_rope=fuse
-        )
+    for mode in ("local", "fused", "rope-dispatch"):
+        case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=MAX_TREE_ROWS, window=window, mode=mode)
         for start_pos in (2, 40):
             case.run_and_check(registry, 16, start_pos, parents=TREES["deep-and-wide"])
 

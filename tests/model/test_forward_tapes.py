@@ -69,7 +69,7 @@ def prompted(tiny_model, tiny_folder, registry):
 
 def test_tapes_are_kept_per_call_shape_and_played(prompted, registry):
     model, cache = prompted
-    per_layer = 6 if registry.gpu.on_cpu else 5  # RoPE: its own dispatch on CPU adapters, inside attention on GPUs
+    per_layer = 5  # qkv, attention (RoPE and the cache write inside), o, gate_up, down
     for token in range(4):
         rec = registry.recorder()
         model.ids.view((1,)).write(model.check_ids([token]))
