@@ -11,7 +11,7 @@ if [ "$#" -gt 0 ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest
+.venv/bin/python -m pytest --durations=30  # the slowest tests, for whoever next trims CI time
 # Browser lane: every kernel test's submits also run under Dawn/Tint (Chrome's WebGPU) on SwiftShader and
 # must match wgpu-py (tests/parity/dawn).
 DOPPLER_DAWN_REPLAY=1 .venv/bin/python -m pytest -q tests/kernels
