@@ -32,9 +32,9 @@
 // the only reader of its kv head's cache, so it writes the rows' rotated keys and values to the caches first,
 // and after a storageBarrier (which makes storage writes visible within the workgroup) attends over the caches
 // as with rope == 0, its queries rotated as they are loaded. No second key pass, no rope.wgsl dispatch; the
-// host picks rope == 2 only for such grids (ops/attention.py). Rotation follows rope.wgsl (HF "rotate half": dim i pairs with
-// i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4 HEAD_DIM / 8 away, and both halves use the angles
-// of dims i mod HEAD_DIM / 2).
+// host picks rope == 2 only for such grids (ops/attention.py). Rotation follows rope.wgsl (HF "rotate half":
+// dim i pairs with i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4 HEAD_DIM / 8 away, and both halves
+// use the angles of dims i mod HEAD_DIM / 2).
 //
 // Token trees (tree == 1, speculative verification of a tree proposal): row r sits at position
 // start_pos + depth(r) (its query's RoPE and window) and sees the cached keys before start_pos plus the keys of
@@ -152,9 +152,14 @@ fn key_position(j: u32) -> u32 {
   return j;
 }
 
+// Whether q holds raw projection rows that this dispatch rotates, and writes their keys and values (rope 1, 2).
+fn rope_inside() -> bool {
+  return (FUSED_ROPE && params.rope == 1u) || params.rope == 2u;
+}
+
 // Dims 4c..4c+3 of the query head at q[head..] of the row at position `pos`.
 fn query(head: u32, c: u32, pos: u32) -> vec4<f32> {
-  if ((FUSED_ROPE && params.rope == 1u) || params.rope == 2u) {
+  if (rope_inside()) {
     return rotated(head, c, pos);
   }
   return q[head + c];
@@ -320,7 +325,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let kv_head = wid.y;
   let split = wid.z;
 
-  if (((FUSED_ROPE && params.rope == 1u) || params.rope == 2u) && wid.x == 0u && split == 0u) {
+  if (rope_inside() && wid.x == 0u && split == 0u) {
     for (var e = t; e < params.rows * hd4; e += LANES) {
       let pos = params.start_pos + e / hd4;
       let c = e % hd4;

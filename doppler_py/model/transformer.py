@@ -19,7 +19,7 @@ Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·
 
 The RMSNorms before the projections run inside them (Linear's `norm`, the final norm too; xn and xn_head are
 only written when a long prefill takes the tiled GEMM on a GPU), and the down projection computes silu(g)·u
-as it loads gate_up (Linear's `glu`; act is only written by prefills of more than 16 rows), and on GPUs
+as it loads gate_up (Linear's `glu`; act is only written by prefills of more than 16 rows), and
 attention applies RoPE and writes the cache itself for decode and verification calls (ops/attention.py; a
 prefill's rope dispatch goes first): a decode step is 5 dispatches per layer plus 2. All buffers and bind
 groups are created once here; a forward only sets uniforms (rows, positions) and records dispatches. Ops bound
