@@ -8,16 +8,20 @@ awaited after each step, outside the timed span, so the figures exclude GPU time
 overlaps the next step's recording. The verifier's own dispatches and the readback come on top of these.
 Tapes play through the compiled dispatch loop where it could be built (`DOPPLER_COMPILED_LOOP=0`: the Python
 loop); the report says which. Cold (--cold): fresh `doppler-py generate` processes, time to the first streamed
-byte and to the end, with speculation auto (the default command) and none. The last line is `host_ms_per_decode_step=X`.
+byte and to the end: speculation auto (the default command) with no verification costs cached on disk, auto
+again with costs cached (stored by a `--warmup now` process in between), and none. The last line is
+`host_ms_per_decode_step=X`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,20 +65,44 @@ def host_step(model, cache, rows: int, repeats: int) -> dict:
     }
 
 
-def cold_start(speculative: str, weights: str) -> dict:
-    """A fresh process: seconds to its first streamed byte and to its exit."""
+def cold_start(speculative: str, weights: str, cache: Path, *extra: str) -> dict:
+    """A fresh process using the cache folder `cache`: seconds to its first streamed byte and to its exit."""
     doppler = Path(sys.executable).with_name("doppler-py")
-    args = [str(doppler), "generate", COLD_PROMPT, "--max-tokens", "32", "--weights", weights]
+    args = [str(doppler), "generate", COLD_PROMPT, "--max-tokens", "32", "--weights", weights, *extra]
+    costs = cache / "verify-costs"
+    cached = costs.is_dir() and any(costs.iterdir())
+    env = {**os.environ, "DOPPLER_CACHE": str(cache)}
     start = time.perf_counter()
-    proc = subprocess.Popen([*args, "--speculative", speculative], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*args, "--speculative", speculative], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     proc.stdout.read(1)
     first = time.perf_counter() - start
     proc.communicate()
     return {
         "speculative": speculative,
+        "options": list(extra),
+        "costs_cached": cached,
         "first_token_s": round(first, 2),
         "total_s": round(time.perf_counter() - start, 2),
     }
+
+
+def cold_starts(weights: str) -> list[dict]:
+    """Fresh processes: speculation auto with no measured costs on disk; one with `--warmup now`, which
+    compiles and calibrates before its first token and stores the costs (a 32-token answer with the default
+    background warmup ends before the compiling does, so it stores none); auto again, now with the costs
+    cached; and none. They share every other cached thing (the models, the compiled dispatch loop)."""
+    from doppler_py.paths import cache_dir
+
+    shared = cache_dir()
+    with tempfile.TemporaryDirectory(prefix="doppler-cold-") as folder:
+        cache = Path(folder)
+        for entry in shared.iterdir():
+            if entry.name != "verify-costs":
+                (cache / entry.name).symlink_to(entry)
+        runs = [("auto",), ("auto", "--warmup", "now"), ("auto",), ("none",)]
+        return [cold_start(mode, weights, cache, *extra) for mode, *extra in runs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         report["steps"] = [host_step(model, cache, rows, args.repeats) for rows in (1, 5)]
         model.release_cache(cache)
     if args.cold:
-        report["cold"] = [cold_start(mode, args.weights) for mode in ("auto", "none")]
+        report["cold"] = cold_starts(args.weights)
 
     print(f"{'rows':>4s} {'host ms':>8s} {'p90':>7s} {'dispatches':>10s} {'µs/dispatch':>11s}", end="")
     print("".join(f" {part + ' ms':>10s}" for part in STEP_PARTS))
@@ -109,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['host_us_per_dispatch']:11.1f}" + "".join(f" {row['parts_ms'][part]:10.3f}" for part in STEP_PARTS)
         )
     for row in report.get("cold", []):
-        print(f"cold, speculative {row['speculative']}: first token {row['first_token_s']} s, end {row['total_s']} s")
+        costs = "costs cached" if row["costs_cached"] else "no costs cached"
+        print(
+            f"new process, speculative {' '.join([row['speculative'], *row['options']])} ({costs}): "
+            f"first token {row['first_token_s']} s, "
+            f"end {row['total_s']} s"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print(f"host_ms_per_decode_step={report['steps'][0]['host_ms']}")
