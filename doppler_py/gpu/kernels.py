@@ -373,6 +373,9 @@ class KernelRegistry:
         self._pipeline_locks: dict[tuple, threading.Lock] = shared._pipeline_locks if shared else {}
         self._is_fork = shared is not None
         self._bind_groups: dict[tuple, object] = {}
+        # id of a bound buffer -> the keys of the cached groups binding it, so forgetting a buffer (every KV cache
+        # released at a generation's end) costs its own groups, not a scan of all of them.
+        self._groups_by_buffer: dict[int, set[tuple]] = {}
         self._arenas: list[_UniformArena] = []
         self._free_slots: list[UniformSlot] = []  # slots of released ops, reused before the arenas grow
         self._placeholders: dict[int, Tensor] = {}
@@ -519,6 +522,8 @@ class KernelRegistry:
             # Keeping the buffers referenced stops their ids (our cache key) being reused by new buffers.
             cached = (group, [t.buffer for t in resources.values()])
             self._bind_groups[key] = cached
+            for buffer in cached[1]:
+                self._groups_by_buffer.setdefault(id(buffer), set()).add(key)
         return Bound(kernel, cached[0], slot, dict(resources))
 
     def _check_binding(self, kernel: Kernel, name: str, tensor: Tensor) -> None:
@@ -581,12 +586,19 @@ class KernelRegistry:
         self._arenas.clear()
         self._free_slots.clear()
         self._bind_groups.clear()
+        self._groups_by_buffer.clear()
 
     def forget_buffer(self, buffer) -> None:
         """Drop cached bind groups that reference `buffer` (call before destroying it)."""
-        target = id(buffer)
-        for key in [k for k in self._bind_groups if any(isinstance(x, tuple) and x[1] == target for x in k[3:])]:
-            del self._bind_groups[key]
+        for key in self._groups_by_buffer.pop(id(buffer), ()):
+            group = self._bind_groups.pop(key, None)
+            if group is not None:
+                for other in group[1]:
+                    keys = self._groups_by_buffer.get(id(other))
+                    if keys is not None:
+                        keys.discard(key)
+                        if not keys:
+                            del self._groups_by_buffer[id(other)]
 
     def flush_uniforms(self) -> None:
         for arena in self._arenas:

@@ -63,6 +63,28 @@ def test_pipelines_and_bind_groups_are_cached(gpu, registry):
     assert again.bind_group is first.bind_group
 
 
+def test_forgetting_a_buffer_drops_exactly_the_groups_that_bind_it(gpu):
+    registry = KernelRegistry(gpu)  # its own: the session registry's groups would hide the counts
+    kernel = registry.kernel("residual")
+    shared, kept, forgotten = (Tensor.empty(gpu, 8) for _ in range(3))
+    slot = registry.bind(kernel, params={"n": 8}, delta=shared, acc=kept).params
+    with_kept = registry.bind(kernel, params=slot, delta=shared, acc=kept)
+    with_forgotten = registry.bind(kernel, params=slot, delta=shared, acc=forgotten)
+    both = registry.bind(kernel, params=slot, delta=kept, acc=forgotten)
+    assert registry.cache_sizes["bind_groups"] == 3
+
+    registry.forget_buffer(forgotten.buffer)
+    assert registry.cache_sizes["bind_groups"] == 1
+    assert registry.bind(kernel, params=slot, delta=shared, acc=kept).bind_group is with_kept.bind_group
+    assert registry.bind(kernel, params=slot, delta=shared, acc=forgotten).bind_group is not with_forgotten.bind_group
+    assert registry.bind(kernel, params=slot, delta=kept, acc=forgotten).bind_group is not both.bind_group
+    registry.forget_buffer(forgotten.buffer)
+    registry.forget_buffer(kept.buffer)
+    assert registry.cache_sizes["bind_groups"] == 0
+    assert registry._groups_by_buffer == {}  # no key of a dropped group is left behind
+    registry.close()
+
+
 def test_wrong_binding_names_raise(registry, gpu):
     t = Tensor.empty(gpu, 4)
     with pytest.raises(ShaderError, match="missing bindings"):

@@ -1,0 +1,157 @@
+"""Plain decoding of this checkout against another one, side by side in one run: did a change make it slower?
+
+    git worktree add /tmp/before <commit>
+    python tools/bench_ab.py --before /tmp/before --weights q4_1,f16 --rounds 14 --json ab.json
+
+Each checkout's SmolLM2 loads once, in a process of its own (its tree first on the import path), and the two
+take turns: one measurement each per round, the order alternating between rounds. Both then see the same phase
+of a noisy shared machine, which separate runs minutes apart do not (this machine's speed drifts by ±30% within
+an hour), so what counts is the ratio after / before within each round: its median, geometric mean and how many
+rounds read worse.
+
+Per measurement: plain greedy decode tokens/s of one generation of --new-tokens tokens (its end included, as a
+user waits for it), and the median wall ms of 8 bare T = 1 forwards with the last row's logits read back (the
+model's kernels with little of the engine around them). Both checkouts load without draft heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FORWARDS = 8  # bare forwards per measurement
+MEASURES = {"decode_tok_s": True, "forward_ms": False}  # name -> whether higher is better
+
+
+def worker(weights: str, new_tokens: int) -> None:
+    """Load this tree's model, then answer each line on stdin with one measurement (a JSON line)."""
+    import numpy as np
+
+    import doppler_py
+    from doppler_py.sampling import SamplingParams
+
+    options = {"draft_head": False} if "draft_head" in inspect.signature(doppler_py.load).parameters else {}
+    engine = doppler_py.load(weights=weights, progress=False, max_seq=256, **options)
+    model = engine.model
+    ids = np.random.default_rng(0).integers(100, 30000, size=16 + FORWARDS).tolist()
+    plain = engine.speculative_engine("none")
+    cache = model.new_cache(256)
+    model.forward(ids[:8], cache, 0, logits="none")  # compile the pipelines outside the timings
+    plain.generate(ids[:8], 4, SamplingParams())
+    print(json.dumps({"ready": doppler_py.__file__}), flush=True)
+    for _ in sys.stdin:
+        stats = plain.generate(ids[:16], new_tokens, SamplingParams()).stats
+        cache.truncate(0)
+        model.forward(ids[:16], cache, 0, logits="none")
+        forward_s = []
+        for i in range(FORWARDS):
+            start = time.perf_counter()
+            model.forward([ids[16 + i]], cache, 16 + i, logits="last")
+            forward_s.append(time.perf_counter() - start)
+        row = {"decode_tok_s": stats.generated / stats.decode_s, "forward_ms": 1e3 * statistics.median(forward_s)}
+        print(json.dumps(row), flush=True)
+    model.release_cache(cache)
+    engine.close()
+
+
+class Side:
+    """One checkout's worker process."""
+
+    def __init__(self, tree: Path, weights: str, new_tokens: int):
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", weights, "--new-tokens", str(new_tokens)]
+        self.proc = subprocess.Popen(
+            command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the worker for {tree} ended before loading its model (exit {self.proc.wait()})")
+        self.module = json.loads(ready)["ready"]
+        if not Path(self.module).resolve().is_relative_to(tree.resolve()):
+            raise RuntimeError(f"the worker for {tree} imported {self.module}: is the package installed elsewhere?")
+
+    def measure(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def paired_summary(before: list[float], after: list[float], higher_is_better: bool) -> dict:
+    """Per-round ratios after / before and how often `after` read worse."""
+    ratios = [a / b for a, b in zip(after, before, strict=True)]
+    worse = sum(r < 1 if higher_is_better else r > 1 for r in ratios)
+    return {
+        "before_median": statistics.median(before),
+        "after_median": statistics.median(after),
+        "ratio_median": statistics.median(ratios),
+        "ratio_geomean": statistics.geometric_mean(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds_worse": worse,
+        "rounds": len(ratios),
+    }
+
+
+def compare(before_tree: Path, weights: str, rounds: int, new_tokens: int) -> dict:
+    sides = {"before": Side(before_tree, weights, new_tokens), "after": Side(ROOT, weights, new_tokens)}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    try:
+        for r in range(rounds):
+            for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
+                runs[name].append(sides[name].measure())
+            print(f"{weights} round {r}: {json.dumps({n: rows[-1] for n, rows in runs.items()})}", file=sys.stderr)
+    finally:
+        for side in sides.values():
+            side.close()
+    summary = {
+        measure: paired_summary([r[measure] for r in runs["before"]], [r[measure] for r in runs["after"]], higher)
+        for measure, higher in MEASURES.items()
+    }
+    return {"weights": weights, "summary": summary, "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, help="the other checkout (e.g. a git worktree of the old commit)")
+    parser.add_argument("--weights", default="q4_1,f16")
+    parser.add_argument("--rounds", type=int, default=14)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.new_tokens)
+        return 0
+    if args.before is None or not (args.before / "doppler_py").is_dir():
+        parser.error("--before must name another checkout of this repository (a folder holding doppler_py/)")
+    results = [compare(args.before, w, args.rounds, args.new_tokens) for w in args.weights.split(",")]
+    print(
+        f"{'weights':8s} {'measure':13s} {'before':>8s} {'after':>8s} {'after/before: median':>21s} {'geo-mean':>9s} "
+        f"{'range':>12s} {'rounds worse':>13s}"
+    )
+    for result in results:
+        for measure, s in result["summary"].items():
+            print(
+                f"{result['weights']:8s} {measure:13s} {s['before_median']:8.2f} {s['after_median']:8.2f} "
+                f"{s['ratio_median']:21.3f} {s['ratio_geomean']:9.3f} {s['ratio_min']:5.2f}-{s['ratio_max']:<6.2f} "
+                f"{s['rounds_worse']:>9d}/{s['rounds']}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"before": str(args.before), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
