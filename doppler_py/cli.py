@@ -435,6 +435,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     options = TrainOptions(
         magpie_prompts=args.magpie_prompts,
         max_new_tokens=args.max_new_tokens,
+        answer_batch=args.batch,
+        use_prompts=args.use_prompts,
         draft_vocab=args.draft_vocab,
         steps=args.steps,
         seed=args.seed,
@@ -505,6 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trainer.add_argument("--magpie-prompts", type=int, default=600, help="questions the model writes (default 600)")
     trainer.add_argument("--max-new-tokens", type=int, default=160, help="answer length at most (default 160)")
+    trainer.add_argument(
+        "--use-prompts",
+        type=int,
+        help="answer and train on the first N prompts only; the rest wait for a later run (default: all)",
+    )
+    trainer.add_argument(
+        "--batch", type=int, default=32, help="prompts the target answers at once (default 32; more is faster, to ~64)"
+    )
     trainer.add_argument("--draft-vocab", type=int, default=6144, help="draft vocabulary size (default 6144)")
     trainer.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     trainer.add_argument("--seed", type=int, default=0, help="seed of data generation and training (default 0)")

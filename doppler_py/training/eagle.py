@@ -145,6 +145,21 @@ def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
     return hits / max(1, total)
 
 
+def torch_drafts(head, mean, std, draft_ids, embed, features, tokens: list[int], committed: int, n: int) -> list[int]:
+    """The n tokens the torch head drafts after tokens[:committed] (greedy), as the GPU drafter does: the pairs
+    (f_p, t_{p+1}) for p < committed - 1 from the target's `features` (raw, [T, H]), then its own predicted
+    features for the tokens it drafted."""
+    import torch
+
+    feats, ids, out = ((features[: committed - 1] - mean) / std), list(tokens[1:committed]), []
+    with torch.no_grad():
+        for _ in range(n):
+            pred, logits = head(embed[torch.tensor(ids)][None], feats[None])
+            out.append(int(draft_ids[int(logits[0, -1].argmax())]))
+            feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, out[-1]]
+    return out
+
+
 def export(
     head, target_config, draft_ids: list[int], mean, std, out: Path, card: dict, tokenizer=None, dtype=np.float32
 ) -> None:

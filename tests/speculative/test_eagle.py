@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, proposal_paths, replay_accepted
@@ -23,7 +24,7 @@ from doppler_py.testing.decode import reference_decode
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 
 from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
-from doppler_py.training.eagle import import_head, train  # noqa: E402
+from doppler_py.training.eagle import import_head, torch_drafts, train  # noqa: E402
 
 GREEDY = SamplingParams()
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 11, 4]
@@ -50,6 +51,37 @@ def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
     assert card["validation_sequences"] == 1 and 0 <= card["validation_top1"] <= 1
 
 
+def test_use_prompts_trains_on_the_first_prompts_and_answers_no_more(head_dir, tiny_folder, tmp_path):
+    """`use_prompts` (a long answers stage spread over sessions): only the first N prompts are answered and
+    trained on; the answers already made for later prompts stay in the file for later runs."""
+    work = tmp_path / "work"
+    shutil.copytree(head_dir.parent / "work", work)
+    (work / "eagle.pt").unlink()
+    answers = (work / "answers.jsonl").read_text()
+    options = TrainOptions(**{**OPTIONS.__dict__, "use_prompts": 10, "steps": 2})
+    card = train(tiny_folder(TARGET), tmp_path / "head", work, options, say=lambda _: None)
+    assert card["prompts"] == card["sequences"] == 10 and card["validation_sequences"] == 1
+    assert (work / "answers.jsonl").read_text() == answers
+
+
+def test_features_in_padded_batches_equal_one_sequence_at_a_time(tiny_folder):
+    """The features stage batches sequences of similar length (right-padded); each sequence's features and
+    argmax must be those of running it alone (to float rounding: a batched matmul sums in another order),
+    whatever the lengths and batch budget."""
+    hf, _ = load_target(tiny_folder(TARGET))
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 2, 7, 7, 13, 31, 40, 5, 29]
+    sequences = [torch.randint(hf.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    alone = target_features(hf, sequences, batch_tokens=1)
+    for budget in (41, 100, 10_000):
+        batched = target_features(hf, sequences, batch_tokens=budget)
+        for (f, a), (f1, _), n in zip(batched, alone, lengths, strict=True):
+            assert f.shape[0] == a.shape[0] == n
+            torch.testing.assert_close(f, f1, atol=1e-4, rtol=1e-4)
+        same = torch.cat([a == a1 for (_, a), (_, a1) in zip(batched, alone, strict=True)])
+        assert int((~same).sum()) <= 1  # a near-tie may flip under rounding; a padding leak would flip many
+
+
 @pytest.fixture(scope="module")
 def head(head_dir, models):
     loaded = load_head(head_dir, models["target"])
@@ -61,19 +93,10 @@ def torch_accepted(head_dir, tiny_folder, tokens: list[int], prompt_len: int, k:
     """Drafts accepted when the trainer's torch head drafts (greedy, k pinned) over a known greedy output."""
     hf, _ = load_target(tiny_folder(TARGET))
     ref, mean, std, draft_ids = import_head(head_dir, hf.config)
-    features = (target_features(hf, [tokens])[0][0] - mean) / std
+    features = target_features(hf, [tokens])[0][0]
     embed = hf.get_input_embeddings().weight.detach()
-
-    def drafts(m: int, n: int) -> list[int]:  # the pairs (f_p, t_{p+1}) for p < m, then the head's own
-        feats, ids, out = features[:m], list(tokens[1 : m + 1]), []
-        with torch.no_grad():
-            for _ in range(n):
-                pred, logits = ref(embed[torch.tensor(ids)][None], feats[None])
-                out.append(int(draft_ids[int(logits[0, -1].argmax())]))
-                feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, out[-1]]
-        return out
-
-    return replay_accepted(lambda committed, n: drafts(committed - 1, n), tokens, prompt_len, k)
+    drafts = partial(torch_drafts, ref, mean, std, draft_ids, embed, features, tokens)
+    return replay_accepted(drafts, tokens, prompt_len, k)
 
 
 @pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 3), ("2", 8), ("long", 2)])
@@ -233,3 +256,22 @@ def test_a_head_made_with_another_tokenizer_is_refused_at_load(head_dir, tiny_fo
     (wrong / "eagle.json").write_text(json.dumps(meta))
     with pytest.raises(VocabularyMismatchError, match="another tokenizer"):
         load(tiny_folder(TARGET), weights="f32", draft_head=wrong, progress=False)
+
+
+def test_eval_head_counts_every_answer_token_once_and_matches_the_trainers_drafts(head_dir, tiny_folder):
+    """tools/eval_head.py's simulation: each verifying forward adds its accepted drafts + 1 token, chains of at
+    most k, and over a held-in answer the head is right sometimes (so the tool measures something)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+    from eval_head import simulate
+
+    hf, _ = load_target(tiny_folder(TARGET))
+    head, mean, std, draft_ids = import_head(head_dir, hf.config)
+    record = json.loads((head_dir.parent / "work" / "answers.jsonl").read_text().splitlines()[1])
+    tokens, start = record["prompt_ids"] + record["answer_ids"], len(record["prompt_ids"])
+    features = target_features(hf, [tokens])[0][0]
+    embed = hf.get_input_embeddings().weight.detach()
+    accepted = simulate(head, mean, std, draft_ids, embed, features, tokens, start, 3)
+    assert sum(a + 1 for a in accepted) == len(tokens) - start and max(accepted) <= 3 and sum(accepted) > 0
