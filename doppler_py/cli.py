@@ -429,17 +429,22 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     from doppler_py.training import eagle, medusa, spark
     from doppler_py.training.data import TrainOptions
 
+    if args.unroll_steps < 1:
+        raise GenerationOptionError(f"--unroll-steps must be at least 1, got {args.unroll_steps}")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty; choose a new --out folder")
     options = TrainOptions(
         magpie_prompts=args.magpie_prompts,
+        seed_prompts=args.seed_prompts,
         max_new_tokens=args.max_new_tokens,
         answer_batch=args.batch,
         use_prompts=args.use_prompts,
         draft_vocab=args.draft_vocab,
         steps=args.steps,
         seed=args.seed,
+        unroll_steps=args.unroll_steps,
+        soft_targets=not args.hard_targets,
     )
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     train = {"eagle": eagle.train, "medusa": medusa.train, "spark": spark.train}[args.kind]
@@ -506,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--work", help="data and checkpoints, kept for resuming; heads of both kinds can share it (default: OUT.work)"
     )
     trainer.add_argument("--magpie-prompts", type=int, default=600, help="questions the model writes (default 600)")
+    trainer.add_argument(
+        "--seed-prompts", type=int, help="use the first N instructions of the kept seed list (default: all)"
+    )
     trainer.add_argument("--max-new-tokens", type=int, default=160, help="answer length at most (default 160)")
     trainer.add_argument(
         "--use-prompts",
@@ -518,6 +526,15 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--draft-vocab", type=int, default=6144, help="draft vocabulary size (default 6144)")
     trainer.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     trainer.add_argument("--seed", type=int, default=0, help="seed of data generation and training (default 0)")
+    trainer.add_argument(
+        "--unroll-steps",
+        type=int,
+        default=3,
+        help="EAGLE: draft steps trained per position, training-time test (default 3; 1: teacher forcing only)",
+    )
+    trainer.add_argument(
+        "--hard-targets", action="store_true", help="EAGLE: learn the target's argmax, not its distribution"
+    )
     trainer.set_defaults(func=_cmd_train_draft)
 
     models = sub.add_parser("models", help="known and converted models with their sizes")

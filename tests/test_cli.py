@@ -293,7 +293,18 @@ def test_bench_says_clearly_when_a_benchmark_is_missing(tmp_path, monkeypatch, c
 def test_train_draft_writes_heads_that_generate_drafts_with(runs, env, tmp_path):
     pytest.importorskip("torch")
     heads = {"eagle": tmp_path / "eagle", "medusa": tmp_path / "medusa"}
-    small = ["--magpie-prompts", "2", "--max-new-tokens", "6", "--draft-vocab", "24", "--steps", "4"]
+    small = [
+        "--seed-prompts",
+        "40",
+        "--magpie-prompts",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--draft-vocab",
+        "24",
+        "--steps",
+        "4",
+    ]
     for kind, out in heads.items():  # the second run reuses the first one's data (same --work)
         args = ["train-draft", runs["model"], "--kind", kind, "--out", str(out), "--work", str(tmp_path / "work")]
         train = ok(run_cli([*args, *small], env, timeout=600))

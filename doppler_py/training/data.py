@@ -4,11 +4,12 @@
                          the chat template's user prefix, sampled until the end of the turn)
     work/answers.jsonl   the target's answers (greedy; every `sampled_every`th batch sampled at T = 0.7), appended a
                          batch at a time (a restart skips what is there)
-    work/features.pt     the target's features and choices for those sequences (reused while they are the same)
+    work/features.pt     the target's features and choices per sequence (reused; new sequences computed alone)
     work/KIND.pt         a head's checkpoint every `save_every` steps (a restart resumes from it)
 
-Nothing is downloaded: the prompts and answers come from the target itself. The last `holdout` sequences are
-kept out of training, to report how the head does on text it never saw.
+Nothing is downloaded: the prompts and answers come from the target itself. Every (1 / `holdout`)th sequence
+is kept out of training, to report how the head does on text it never saw; prompts appended later never move
+a sequence from one set to the other.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class TrainOptions:
     lr: float = 1e-3
     sequences_per_step: int = 4
     unroll_weight: float = 0.8
+    unroll_steps: int = 3  # EAGLE: draft steps per anchor in training-time test (1: teacher forcing only)
+    soft_targets: bool = True  # EAGLE: cross-entropy against the target's distribution, not its argmax
+    feature_weight: float = 1.0  # EAGLE: weight of the feature regression (0: none, as EAGLE-3)
     save_every: int = 200
     head_dtype: str = "float16"  # the exported weights (feature statistics stay float32)
     seed: int = 0
@@ -89,13 +93,13 @@ def make_prompts(hf, tokenizer, work: Path, options: TrainOptions, say: Callable
 
     path = work / "prompts.jsonl"
     have = _read_jsonl(path)
-    if not have:
-        seeds = [line.strip() for line in SEED_PROMPTS.read_text().splitlines() if line.strip()]
-        for text in seeds[: options.seed_prompts]:
-            _append_jsonl(path, {"source": "seed", "prompt": text})
-        have = _read_jsonl(path)
-    written = sum(1 for r in have if r["source"] == "magpie")
     seen = {r["prompt"] for r in have}  # the target repeats itself; a repeated question adds no data
+    seeds = [line.strip() for line in SEED_PROMPTS.read_text().splitlines() if line.strip()]
+    for text in seeds[: options.seed_prompts]:  # seeds added to the list since an earlier run go at the end
+        if text not in seen:
+            _append_jsonl(path, {"source": "seed", "prompt": text})
+            seen.add(text)
+    written = sum(1 for r in _read_jsonl(path) if r["source"] == "magpie")
     prefix = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], add_generation_prompt=False)
     prefix = prefix[: prefix.index("\x00")]  # the template up to where the user's words go
     prefix_ids = torch.tensor([tokenizer.encode(prefix, add_special_tokens=False)])
@@ -222,27 +226,32 @@ class Corpus:
         return torch.arange(length) >= self.answer_starts[i] - 1
 
 
-def _features_key(sequences: list[list[int]], model: str) -> str:
-    return hashlib.sha256(json.dumps([model, sequences]).encode()).hexdigest()
+def _sequence_key(sequence: list[int], model: str) -> str:
+    return hashlib.sha256(json.dumps([model, sequence]).encode()).hexdigest()
 
 
-def cached_features(sequences: list[list[int]], path: Path, model: str, say) -> list | None:
-    """Stage 3's result from an earlier run on the same model and sequences, else None."""
+def cached_features(sequences: list[list[int]], path: Path, model: str) -> list:
+    """Stage 3's results from earlier runs on the same model, per sequence (None where a sequence has none yet:
+    prompts added since are computed alone)."""
     import torch
 
+    found: list = [None] * len(sequences)
     if not path.is_file():
-        return None
+        return found
     cached = torch.load(path)
-    if cached.get("key") != _features_key(sequences, model):
-        return None
-    say(f"features: reused from {path.name}")
-    return list(zip(cached["features"], cached["argmax"], strict=True))
+    index = {key: j for j, key in enumerate(cached.get("keys", []))}
+    for i, sequence in enumerate(sequences):
+        j = index.get(_sequence_key(sequence, model))
+        if j is not None:
+            found[i] = (cached["features"][j], cached["argmax"][j])
+    return found
 
 
 def save_features(data: list, sequences: list[list[int]], path: Path, model: str) -> None:
     import torch
 
-    record = {"key": _features_key(sequences, model), "features": [f for f, _ in data], "argmax": [a for _, a in data]}
+    record = {"keys": [_sequence_key(s, model) for s in sequences], "features": [f for f, _ in data],
+              "argmax": [a for _, a in data]}  # fmt: skip
     torch.save(record, path)
 
 
@@ -268,15 +277,20 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     sequences, starts = make_answers(hf, tokenizer, prompts, work, options, say)
     timed("answers_s", t0)
     t0 = time.perf_counter()
-    data = cached_features(sequences, work / "features.pt", str(model), say)
-    if data is None:
-        data = target_features(hf, sequences, say=say)
+    data = cached_features(sequences, work / "features.pt", str(model))
+    missing = [i for i, d in enumerate(data) if d is None]
+    if not missing:
+        say("features: reused from features.pt")
+    else:
+        if len(missing) < len(sequences):
+            say(f"features: {len(sequences) - len(missing)} sequences reused from features.pt")
+        for i, d in zip(missing, target_features(hf, [sequences[i] for i in missing], say=say), strict=True):
+            data[i] = d
         save_features(data, sequences, work / "features.pt", str(model))
         timed("features_s", t0)
-        tokens, seconds = sum(map(len, sequences)), time.perf_counter() - t0
-        say(f"features: {len(sequences)} sequences, {tokens} tokens ({seconds:.0f} s)")
-    held = min(len(sequences) - 1, max(1 if len(sequences) > 1 else 0, round(options.holdout * len(sequences))))
-    train, valid = list(range(len(sequences) - held)), list(range(len(sequences) - held, len(sequences)))
+        tokens, seconds = sum(len(sequences[i]) for i in missing), time.perf_counter() - t0
+        say(f"features: {len(missing)} sequences, {tokens} tokens ({seconds:.0f} s)")
+    train, valid = split(len(sequences), options.holdout)
     counts = Counter(int(t) for i in train for t in data[i][1].tolist())
     draft_ids = [t for t, _ in counts.most_common(min(options.draft_vocab, hf.config.vocab_size))]
     to_draft = torch.full((hf.config.vocab_size,), -100, dtype=torch.long)
@@ -285,6 +299,15 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     return Corpus(
         hf, tokenizer, len(prompts), sequences, starts, data, train, valid, draft_ids, to_draft, coverage, times
     )
+
+
+def split(n: int, holdout: float) -> tuple[list[int], list[int]]:
+    """(training, validation) indices of n sequences: every round(1 / holdout)th held out, at least one when
+    there are two."""
+    period = max(2, round(1 / holdout)) if holdout > 0 else n + 1
+    valid = [i for i in range(n) if i % period == period - 1] or ([n - 1] if n > 1 else [])
+    held = set(valid)
+    return [i for i in range(n) if i not in held], valid
 
 
 def train_loop(

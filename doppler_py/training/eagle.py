@@ -3,10 +3,15 @@
 
 Training pairs, for every position p of prompt + answer (teacher forcing through the target):
     input  (f_p standardised, t_{p+1})       f = the target's last-layer output before its final norm
-    labels s_{p+1} (the next feature, standardised; smooth L1) and the target's own argmax at p+1 mapped to
-           the draft vocabulary (cross-entropy; tokens outside it are ignored)
-plus one unrolled step ("training-time test"): the head's own outputs replace the features, as in drafting,
-with its losses weighted 0.8. The draft vocabulary is the `draft_vocab` most frequent argmax tokens.
+    labels s_{p+1} (the next feature, standardised; smooth L1, weighted `feature_weight`) and the target's
+           distribution after t_{p+1} over the draft vocabulary (`soft_targets`: its softmax, renormalised;
+           else its argmax, tokens outside the draft vocabulary ignored)
+plus `unroll_steps` - 1 unrolled steps ("training-time test", EAGLE-3): from every position a (the anchor) the
+head drafts on as it does after a verification. Step j's query sits at position a + j; it reads the pair (the
+head's own output of step j - 1 at that anchor, t_{a+j+1}) and attends to the TRUE context's keys at positions
+<= a plus its own chain's keys of steps 1..j — exactly what the GPU drafter's KV cache holds at its j-th draft
+(`unrolled`). Step j's losses are weighted unroll_weight ** j. The draft vocabulary is the `draft_vocab` most
+frequent argmax tokens.
 """
 
 from __future__ import annotations
@@ -87,45 +92,120 @@ def train(
     say: Callable[[str], None] = print,
 ) -> dict:
     """All stages; returns the training card (also written to out/training_card.json)."""
-    import torch
 
     options = options or TrainOptions()
     corpus = prepare(model, Path(work), options, say)
-    hf, data, sequences, to_draft = corpus.hf, corpus.data, corpus.sequences, corpus.to_draft
-    feats = torch.cat([data[i][0] for i in corpus.train])
-    mean, std = feats.mean(0), feats.std(0).clamp_min(1e-3)
+    hf = corpus.hf
+    head, mean, std, sequence_loss = new_head(corpus, options)
     embed = hf.get_input_embeddings().weight.detach()
-    head = EagleHeadModule(hf.config, len(corpus.draft_ids))
-    with torch.no_grad():  # start the draft LM head from the target's own output rows
-        head.lm_head.weight.copy_(hf.get_output_embeddings().weight.detach()[torch.tensor(corpus.draft_ids)])
-
-    def sequence_loss(i: int):
-        ids = torch.tensor(sequences[i])
-        f, argmax = data[i]
-        s = (f - mean) / std
-        emb = embed[ids[1:]][None]  # t_{p+1} for p = 0..T-2
-        labels = to_draft[argmax[1:]]  # the target's choice after t_{p+1}
-        pred, logits = head(emb, s[:-1][None])
-        loss = nn_loss(pred[0], s[1:], logits[0], labels)
-        # Training-time test: the head's own predictions as the next pairs' features (one unrolled step).
-        pred2, logits2 = head(emb[:, 1:], pred[:, :-1])
-        return loss + options.unroll_weight * nn_loss(pred2[0], s[2:], logits2[0], labels[1:])
-
     steps, losses, seconds = train_loop(head, sequence_loss, corpus, Path(work) / "eagle.pt", options, say)
     corpus.times["train_s"] = seconds
     top1 = {name: top1_agreement(head, corpus, which, embed, mean, std) for name, which in
             (("held_in_top1", corpus.train), ("validation_top1", corpus.valid))}  # fmt: skip
-    record = card("eagle", model, options, corpus, steps, losses, **top1)
+    chains = chain_acceptance(head, corpus, corpus.valid, embed, mean, std, CHAIN_K)
+    record = card("eagle", model, options, corpus, steps, losses, **top1, validation_chains=chains)
     dtype = np.dtype(options.head_dtype)
     export(head, hf.config, corpus.draft_ids, mean, std, Path(out), record, corpus.tokenizer, dtype)
     say(f"head written to {out} (top-1 held-in {top1['held_in_top1']:.3f}, validation {top1['validation_top1']:.3f})")
     return record
 
 
-def nn_loss(out, s_next, logits, labels):
+def new_head(corpus, options: TrainOptions):
+    """A fresh head for the corpus's target, the feature statistics of the training sequences (mean, std) and
+    the loss of training sequence i (see the module docstring)."""
+    import torch
+
+    hf, data, sequences, to_draft = corpus.hf, corpus.data, corpus.sequences, corpus.to_draft
+    feats = torch.cat([data[i][0] for i in corpus.train])
+    mean, std = feats.mean(0), feats.std(0).clamp_min(1e-3)
+    embed = hf.get_input_embeddings().weight.detach()
+    draft_rows = hf.get_output_embeddings().weight.detach()[torch.tensor(corpus.draft_ids)]
+    head = EagleHeadModule(hf.config, len(corpus.draft_ids))
+    with torch.no_grad():  # start the draft LM head from the target's own output rows
+        head.lm_head.weight.copy_(draft_rows)
+
+    def sequence_loss(i: int):
+        ids = torch.tensor(sequences[i])
+        f, argmax = data[i]
+        s = (f - mean) / std
+        emb = embed[ids[1:]]  # t_{p+1} for p = 0..T-2
+        if options.soft_targets:  # the target's own distribution after t_{p+1}, from its stored features
+            with torch.no_grad():
+                targets = torch.softmax(hf.model.norm(f[1:]) @ draft_rows.T, -1)
+        else:
+            targets = to_draft[argmax[1:]]  # the target's choice after t_{p+1}
+        loss = 0.0
+        for j, (out, logits) in enumerate(unrolled(head, emb, s[:-1], options.unroll_steps)):
+            step = nn_loss(out, s[1 + j :], logits, targets[j:], options.feature_weight)
+            loss = loss + options.unroll_weight**j * step
+        return loss
+
+    return head, mean, std, sequence_loss
+
+
+def nn_loss(out, s_next, logits, targets, feature_weight: float = 1.0):
+    """Feature regression + cross-entropy against hard labels (long, -100 ignored) or soft targets (rows of
+    probabilities)."""
+    import torch
     import torch.nn.functional as F
 
-    return F.smooth_l1_loss(out, s_next) + F.cross_entropy(logits, labels, ignore_index=-100)
+    if targets.dtype == torch.long:
+        loss = F.cross_entropy(logits, targets, ignore_index=-100)
+    else:
+        loss = -(targets * F.log_softmax(logits, -1)).sum(-1).mean()
+    return loss + feature_weight * F.smooth_l1_loss(out, s_next) if feature_weight else loss
+
+
+def unrolled(head, emb, s, steps: int) -> list:
+    """Training-time test over one sequence: [(out_j, logits_j)] for j < steps, row a of step j being the head's
+    j-th draft from anchor a (the head has read the true pairs up to a; rows a = 0 .. n-1-j).
+
+    emb [n, H]: the embedding of t_{p+1} for p < n; s [n, H]: the standardised features f_p. Step 0 is the
+    head's ordinary forward. Step j's query at position a + j reads (out_{j-1}[a], t_{a+j+1}) and attends to
+    step 0's keys at positions <= a and to its own anchor's keys of steps 1..j, as the drafter's KV cache does."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layer, attn = head.layer, head.layer.self_attn
+    n, d = emb.shape[0], attn.head_dim
+    heads, kv_heads = head.config.num_attention_heads, head.config.num_key_value_heads
+
+    def project(x, first: int):
+        """q, k, v of rows x at positions first, first + 1, ... ([heads, rows, d]; k, v repeated per head)."""
+        rows, normed = x.shape[0], layer.input_layernorm(x)
+        q = attn.q_proj(normed).view(rows, heads, d).transpose(0, 1)[None]
+        k = attn.k_proj(normed).view(rows, kv_heads, d).transpose(0, 1)[None]
+        v = attn.v_proj(normed).view(rows, kv_heads, d).transpose(0, 1)
+        positions = torch.arange(first, first + rows)[None]
+        q, k = apply_rotary_pos_emb(q, k, *head.rotary(x[None], positions))
+        repeat = heads // kv_heads
+        return q[0], k[0].repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)
+
+    def finish(x, mixed):
+        h = x + attn.o_proj(mixed.transpose(0, 1).reshape(x.shape[0], heads * d))
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        return out, head.lm_head(head.norm(out))
+
+    x = head.fc_embed(emb) + head.fc_feature(s)
+    q, k0, v0 = project(x, 0)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    scores = (q @ k0.transpose(1, 2)) * attn.scaling
+    out, logits = finish(x, torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v0)
+    results, chain = [(out, logits)], []  # chain: (k, v) of steps 1..j per anchor
+    for j in range(1, steps):
+        m = n - j  # anchors with a token t_{a+j+1} to read
+        if m <= 0:
+            break
+        x = head.fc_embed(emb[j:]) + head.fc_feature(out[:m])
+        q, k, v = project(x, j)  # anchor a's step-j row sits at position a + j
+        chain = [(ck[:, :m], cv[:, :m]) for ck, cv in chain] + [(k, v)]
+        context = ((q @ k0.transpose(1, 2)) * attn.scaling).masked_fill(~causal[:m], float("-inf"))
+        own = torch.stack([(q * ck).sum(-1) for ck, _ in chain], -1) * attn.scaling  # [heads, m, j]
+        weights = torch.softmax(torch.cat([context, own], -1), -1)
+        mixed = weights[..., :n] @ v0 + (weights[..., n:, None] * torch.stack([cv for _, cv in chain], 2)).sum(2)
+        out, logits = finish(x, mixed)
+        results.append((out, logits))
+    return results
 
 
 def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
@@ -143,6 +223,43 @@ def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
             hits += int((logits[0].argmax(-1)[kept] == labels[kept]).sum())
             total += int(kept.sum())
     return hits / max(1, total)
+
+
+CHAIN_K = 4  # the chain length of the training card's validation figures
+
+
+def chain_acceptance(head, corpus, which: list[int], embed, mean, std, k: int) -> dict:
+    """Greedy chains of k drafts from every answer position of the sequences `which` whose next k + 1 tokens are
+    the target's own choices (a greedy answer's): the share of chains still accepted at each depth, and the
+    tokens per target forward if every verification ended at such a position (accepted + 1)."""
+    import torch
+
+    reached, accepted_total, anchors = [0] * k, 0, 0
+    with torch.no_grad():
+        for i in which:
+            (f, argmax), ids = corpus.data[i], torch.tensor(corpus.sequences[i])
+            rows = unrolled(head, embed[ids[1:]], ((f - mean) / std)[:-1], k)
+            n = len(rows[-1][1])  # anchors with all k steps
+            if n <= 0:
+                continue
+            labels = corpus.to_draft[argmax[1:]]
+            greedy = ids[2:] == argmax[1:-1]  # greedy[p]: t_{p+2} is the target's choice after t_{p+1}
+            hits = torch.stack([rows[j][1][:n].argmax(-1) == labels[j : j + n] for j in range(k)], 1)
+            fed = torch.ones(n, dtype=torch.bool)  # step j reads t_{a+j+1}: was it the target's own choice?
+            for j in range(1, k):
+                fed &= greedy[j - 1 : j - 1 + n]
+            keep = corpus.answer_positions(i, n) & fed
+            depth = hits[keep].int().cumprod(1)  # depth[a, j]: drafts 0..j all accepted
+            for j in range(k):
+                reached[j] += int(depth[:, j].sum())
+            accepted_total += int(depth.sum())
+            anchors += int(keep.sum())
+    return {
+        "k": k,
+        "anchors": anchors,
+        "accepted_by_depth": [round(r / max(1, anchors), 4) for r in reached],
+        "tokens_per_forward": round(1 + accepted_total / max(1, anchors), 4),
+    }
 
 
 def torch_drafts(head, mean, std, draft_ids, embed, features, tokens: list[int], committed: int, n: int) -> list[int]:

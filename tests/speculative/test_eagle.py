@@ -24,11 +24,18 @@ from doppler_py.testing.decode import reference_decode
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 
 from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
-from doppler_py.training.eagle import import_head, torch_drafts, train  # noqa: E402
+from doppler_py.training.eagle import import_head, torch_drafts, train, unrolled  # noqa: E402
 
 GREEDY = SamplingParams()
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 11, 4]
-OPTIONS = TrainOptions(seed_prompts=16, magpie_prompts=2, max_new_tokens=24, draft_vocab=40, steps=80, save_every=40)
+OPTIONS = TrainOptions(
+    seed_prompts=16,
+    magpie_prompts=2,
+    max_new_tokens=24,
+    draft_vocab=40,
+    steps=160,
+    save_every=80,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +56,34 @@ def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
     assert f"train: resumed at step {OPTIONS.steps}" in said and "features: reused from features.pt" in said
     assert card["held_in_top1"] > 0.15  # chance is 1/40
     assert card["validation_sequences"] == 1 and 0 <= card["validation_top1"] <= 1
+    chains = card["validation_chains"]  # chains of k from every greedy answer position held out
+    depth = chains["accepted_by_depth"]
+    assert chains["k"] == len(depth) and chains["anchors"] > 0 and all(a >= b for a, b in zip(depth, depth[1:]))
+    assert chains["tokens_per_forward"] == pytest.approx(1 + sum(depth), abs=1e-3)
+
+
+def test_training_time_test_drafts_as_the_head_does_after_a_verification(head_dir, tiny_folder):
+    """The trainer's unrolled steps: row a of step j is exactly the head's j-th draft from anchor a, run one
+    draft at a time over the true pairs up to a and its own outputs after (the GPU drafter's KV cache)."""
+    hf, _ = load_target(tiny_folder(TARGET))
+    head, mean, std, _ = import_head(head_dir, hf.config)
+    record = json.loads((head_dir.parent / "work" / "answers.jsonl").read_text().splitlines()[0])
+    ids = torch.tensor(record["prompt_ids"] + record["answer_ids"])
+    features = target_features(hf, [ids.tolist()])[0][0]
+    emb, s = hf.get_input_embeddings().weight.detach()[ids[1:]], (features[:-1] - mean) / std
+    n, steps = emb.shape[0], 4
+    with torch.no_grad():
+        rows = unrolled(head, emb, s, steps)
+        assert [out.shape[0] for out, _ in rows] == [n - j for j in range(steps)]
+        for a in (0, 3, n // 2, n - steps):
+            feats, tokens = s[: a + 1], emb[: a + 1]
+            out, logits = head(tokens[None], feats[None])
+            for j in range(steps):
+                assert torch.allclose(rows[j][0][a], out[0, -1], atol=1e-4, rtol=1e-4)
+                assert torch.allclose(rows[j][1][a], logits[0, -1], atol=1e-4, rtol=1e-4)
+                if j + 1 < steps:
+                    feats, tokens = torch.cat([feats, out[0, -1:]]), torch.cat([tokens, emb[a + j + 1 : a + j + 2]])
+                    out, logits = head(tokens[None], feats[None])
 
 
 def test_use_prompts_trains_on_the_first_prompts_and_answers_no_more(head_dir, tiny_folder, tmp_path):
