@@ -23,7 +23,14 @@ from doppler_py.testing.decode import reference_decode
 
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 
-from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
+from doppler_py.training.data import (  # noqa: E402
+    TrainOptions,
+    cached_features,
+    load_target,
+    save_features,
+    split,
+    target_features,
+)
 from doppler_py.training.eagle import import_head, torch_drafts, train, unrolled  # noqa: E402
 
 GREEDY = SamplingParams()
@@ -97,6 +104,23 @@ def test_use_prompts_trains_on_the_first_prompts_and_answers_no_more(head_dir, t
     card = train(tiny_folder(TARGET), tmp_path / "head", work, options, say=lambda _: None)
     assert card["prompts"] == card["sequences"] == 10 and card["validation_sequences"] == 1
     assert (work / "answers.jsonl").read_text() == answers
+
+
+def test_features_are_cached_per_sequence_so_appended_prompts_are_computed_alone(tmp_path):
+    sequences = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    data = [(torch.full((len(s), 2), float(i)), torch.tensor(s)) for i, s in enumerate(sequences)]
+    save_features(data, sequences, tmp_path / "features.pt", "m")
+    found = cached_features([[4, 5], [10, 11], *sequences], tmp_path / "features.pt", "m")
+    assert found[1] is None and [f[0, 0].item() for f, _ in (found[0], *found[2:])] == [1.0, 0.0, 1.0, 2.0]
+    assert all(f is None for f in cached_features(sequences, tmp_path / "features.pt", "another model"))
+    assert all(f is None for f in cached_features(sequences, tmp_path / "missing.pt", "m"))
+
+
+def test_held_out_sequences_stay_held_out_as_prompts_are_appended():
+    train, valid = split(100, 0.05)
+    assert valid == [19, 39, 59, 79, 99] and sorted(train + valid) == list(range(100))
+    assert set(valid) <= set(split(180, 0.05)[1]) and split(10, 0.05) == (list(range(9)), [9])
+    assert split(1, 0.05) == ([0], [])
 
 
 def test_features_in_padded_batches_equal_one_sequence_at_a_time(tiny_folder):
