@@ -234,7 +234,7 @@ def chain_acceptance(head, corpus, which: list[int], embed, mean, std, k: int) -
     tokens per target forward if every verification ended at such a position (accepted + 1)."""
     import torch
 
-    reached, accepted_total, anchors = [0] * k, 0, 0
+    reached, anchors = [0] * k, 0  # reached[j]: chains with drafts 0..j all accepted
     with torch.no_grad():
         for i in which:
             (f, argmax), ids = corpus.data[i], torch.tensor(corpus.sequences[i])
@@ -250,15 +250,13 @@ def chain_acceptance(head, corpus, which: list[int], embed, mean, std, k: int) -
                 fed &= greedy[j - 1 : j - 1 + n]
             keep = corpus.answer_positions(i, n) & fed
             depth = hits[keep].int().cumprod(1)  # depth[a, j]: drafts 0..j all accepted
-            for j in range(k):
-                reached[j] += int(depth[:, j].sum())
-            accepted_total += int(depth.sum())
+            reached = [r + int(c) for r, c in zip(reached, depth.sum(0).tolist(), strict=True)]
             anchors += int(keep.sum())
     return {
         "k": k,
         "anchors": anchors,
         "accepted_by_depth": [round(r / max(1, anchors), 4) for r in reached],
-        "tokens_per_forward": round(1 + accepted_total / max(1, anchors), 4),
+        "tokens_per_forward": round(1 + sum(reached) / max(1, anchors), 4),
     }
 
 
