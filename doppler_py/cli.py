@@ -445,12 +445,30 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         seed=args.seed,
         unroll_steps=args.unroll_steps,
         soft_targets=not args.hard_targets,
+        feature_taps=feature_taps(args.feature_taps, args.kind),
     )
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     train = {"eagle": eagle.train, "medusa": medusa.train, "spark": spark.train}[args.kind]
     card = train(args.model, out, work, options, say=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(card, indent=2))
     return 0
+
+
+def feature_taps(text: str | None, kind: str) -> tuple[int, ...]:
+    """--feature-taps "2,15" → (2, 15); refused for heads that fuse no layers."""
+    from doppler_py.errors import GenerationOptionError
+
+    if not text:
+        return ()
+    if kind != "eagle":
+        raise GenerationOptionError(f"--feature-taps is for EAGLE heads, not {kind}")
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError as exc:
+        raise GenerationOptionError(f"--feature-taps takes layer indices like 2,15; got {text!r}") from exc
+    if any(layer < 0 for layer in layers) or len(set(layers)) != len(layers):
+        raise GenerationOptionError(f"--feature-taps takes distinct layer indices from 0; got {text!r}")
+    return layers
 
 
 # --- parser ----------------------------------------------------------------------------------------------------
@@ -534,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trainer.add_argument(
         "--hard-targets", action="store_true", help="EAGLE: learn the target's argmax, not its distribution"
+    )
+    trainer.add_argument(
+        "--feature-taps",
+        metavar="L1,L2",
+        help="EAGLE-3 fusion: also feed the head the outputs of these target layers (0-based), e.g. 2,15",
     )
     trainer.set_defaults(func=_cmd_train_draft)
 

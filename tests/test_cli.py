@@ -305,11 +305,13 @@ def test_train_draft_writes_heads_that_generate_drafts_with(runs, env, tmp_path)
         "--steps",
         "4",
     ]
+    fused = {"eagle": ["--feature-taps", "0"], "medusa": []}  # the EAGLE head fuses layer 0 (EAGLE-3)
     for kind, out in heads.items():  # the second run reuses the first one's data (same --work)
         args = ["train-draft", runs["model"], "--kind", kind, "--out", str(out), "--work", str(tmp_path / "work")]
-        train = ok(run_cli([*args, *small], env, timeout=600))
+        train = ok(run_cli([*args, *small, *fused[kind]], env, timeout=600))
         card = json.loads(train.stdout)
         assert card["kind"] == kind and card["steps"] == 4 and card["sequences"] == 42
+        assert card["options"]["feature_taps"] == [0] * (kind == "eagle")
         assert "answers_s" in card["wall_time_s"] and "train: step 4/4" in train.stderr
     common = ["--model", runs["model"], "--max-tokens", "12", "--no-progress", "--warmup", "now"]
     common += ["--draft-head", str(heads["eagle"]), "--draft-head", str(heads["medusa"])]
@@ -321,6 +323,19 @@ def test_train_draft_writes_heads_that_generate_drafts_with(runs, env, tmp_path)
         assert record["speculative"] == kind and record["drafted"] > 0 and record["text"] == plain["text"]
     again = run_cli(["train-draft", runs["model"], "--out", str(heads["eagle"]), *small], env)
     assert again.returncode == 2 and "not empty" in again.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "error"),
+    [("2,x", "eagle", "layer indices like"), ("3,3", "eagle", "distinct"), ("-1", "eagle", "distinct"),
+     ("2", "medusa", "for EAGLE heads")],
+)  # fmt: skip
+def test_feature_taps_are_checked_before_any_work(text, kind, error):
+    from doppler_py.errors import GenerationOptionError
+
+    with pytest.raises(GenerationOptionError, match=error):
+        cli.feature_taps(text, kind)
+    assert cli.feature_taps("2,15", "eagle") == (2, 15) and cli.feature_taps(None, "medusa") == ()
 
 
 # --- serve -----------------------------------------------------------------------------------------------------------

@@ -23,13 +23,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_speculative import OPEN_ENDED, PROMPTS
 
 
-def simulate(head, mean, std, draft_ids, embed, features, tokens: list[int], start: int, k: int) -> list[int]:
+def simulate(head, stats, draft_ids, embed, features, tokens: list[int], start: int, k: int, taps=None) -> list[int]:
     """Accepted drafts per verifying forward while producing tokens[start:] (chains of k, greedy)."""
     from doppler_py.training.eagle import torch_drafts
 
     accepted, pos = [], start
     while pos < len(tokens):
-        drafts = torch_drafts(head, mean, std, draft_ids, embed, features, tokens, pos, min(k, len(tokens) - pos))
+        n = min(k, len(tokens) - pos)
+        drafts = torch_drafts(head, stats, draft_ids, embed, features, tokens, pos, n, taps)
         a = next((i for i, t in enumerate(drafts) if t != tokens[pos + i]), len(drafts))
         accepted.append(a)
         pos += a + 1
@@ -65,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=args.tokens, do_sample=False,
                               eos_token_id=stop, pad_token_id=stop[0])[0].tolist()  # fmt: skip
-        features = target_features(hf, [out])[0][0]
+        layers = sorted({layer for _, stats, _ in heads.values() for layer in stats.tap_layers})
+        features, _, tapped = target_features(hf, [out], taps=tuple(layers))[0]
         row = {"prompt": name, "new_tokens": len(out) - len(prompt)}
-        for h, (head, mean, std, draft_ids) in heads.items():
-            accepted = simulate(head, mean, std, draft_ids, embed, features, out, len(prompt), args.k)
+        for h, (head, stats, draft_ids) in heads.items():
+            taps = tapped[:, [layers.index(t) for t in stats.tap_layers]] if stats.tap_layers else None
+            accepted = simulate(head, stats, draft_ids, embed, features, out, len(prompt), args.k, taps)
             depth = [sum(a > i for a in accepted) / max(1, sum(a >= i for a in accepted)) for i in range(args.k)]
             row[h] = {"tok_per_fwd": round(row["new_tokens"] / len(accepted), 3),
                       "per_position_acceptance": [round(d, 3) for d in depth]}  # fmt: skip

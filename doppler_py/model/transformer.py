@@ -153,7 +153,28 @@ class Transformer:
         for i in range(len(self.layers)):
             self._window_layers.setdefault(cfg.layer_window(i), i)
         self._tapes: dict[tuple, _ForwardTape] = {}
+        # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
+        # latest forward that ran it (`tap_layers`).
+        self.taps: dict[int, Tensor] = {}
         self.closed = False
+
+    def tap_layers(self, layers: Sequence[int]) -> None:
+        """From now on keep the outputs of `layers` (0-based) for every forward's rows in `self.taps`: an EAGLE-3
+        head reads them beside the final residual stream. Taps asked for earlier stay (a target may serve
+        several drafters)."""
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layers):
+                raise GenerationOptionError(f"no layer {layer!r} to tap: the model has {len(self.layers)} layers")
+            if layer not in self.taps:
+                h = self.config.hidden_size
+                self.taps[layer] = Tensor.empty(self.gpu, (self.max_rows, h), "f32", f"tap {layer}")
+                self._tapes.clear()  # recorded without the new copy
+
+    @property
+    def feature_buffers(self) -> list[Tensor]:
+        """The per-row features a drafter may read after a forward: x (the final residual stream), then the
+        taps in layer order. Rows of all of them move together (tree compaction, plain batches)."""
+        return [self.x, *(self.taps[layer] for layer in sorted(self.taps))]
 
     def _layer_ops(self, lw: LayerWeights) -> _LayerOps:
         cfg, reg, rows, eps = self.config, self.registry, self.max_rows, self.config.rms_norm_eps
@@ -381,6 +402,8 @@ class Transformer:
             layer.down.record(rec, rows=rows)  # matmul: x += (silu(gate)·up)·Wd (Gemma: gelu_tanh; into y)
             if layer.post_mlp:
                 layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
+            if i in self.taps:
+                rec.copy(self.x, self.taps[i], rows * self.config.hidden_size * 4)  # copy: tap_i = x
         if logits == "all" or (logits == "last" and rows == 1):
             self.lm_head.record(rec, rows=rows)  # matmul: logits = rmsnorm(x)·Wlm
         elif logits == "last":
@@ -444,6 +467,6 @@ class Transformer:
             return
         self.registry.release_tensors(
             self.ids, self.tree, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
-            self.xn_head, self.logits, *self.rope_tables.values(),
+            self.xn_head, self.logits, *self.rope_tables.values(), *self.taps.values(),
         )  # fmt: skip
         self.closed = True

@@ -9,7 +9,10 @@ token after that over a reduced draft vocabulary (the N most frequent target tok
     q   = lm_head(rmsnorm(out)) → spread over the target vocabulary (-inf elsewhere) → sampled
 
 The first draft comes from the pairs of the rows the target just verified; each further draft feeds back the
-head's own `out` as the next feature with the token it just sampled. Nothing returns to the host while drafting.
+head's own `out` as the next feature with the token it just sampled. An EAGLE-3-style head (`feature_taps`) also
+fuses, for the target's rows, the outputs of a few lower layers g_t,p (kept by the target forward, `tap_layers`):
+x += Σ_t W_t·(g_t,p − μ_t)/σ_t; a drafted row has no such layers, and its own `out` stands for all of them.
+Nothing returns to the host while drafting.
 With `branches` > 1 it proposes EAGLE-2's dynamic token tree (`dynamic_tree`): depth by depth the head runs
 over the `branches` likeliest candidates of the newest depth (by cumulative draft log-probability, one small
 readback of their rows per depth), and the proposal keeps the likeliest nodes of all; after a tree step the
@@ -20,9 +23,10 @@ A head folder (written by `doppler_py.training.eagle`):
     config.json, model.safetensors   the decoder layer, its norm and the LM head as a one-layer LLaMA whose
                                      tied embedding is the draft LM head (loads with our loader and with HF)
     eagle.safetensors                fc_embed.weight [H, H], fc_embed.bias [H], fc_feature.weight [H, H],
-                                     feature_mean [H], feature_std [H], draft_to_target [N] (target ids)
+                                     feature_mean [H], feature_std [H], draft_to_target [N] (target ids);
+                                     with taps also fc_taps.weight [H, taps·H], tap_mean, tap_std [taps, H]
     eagle.json                       kind, the target it was made for (hidden size, vocabulary, layers, model
-                                     type), the draft vocabulary size
+                                     type), the draft vocabulary size, feature_taps (the fused layers, 0-based)
     training_card.json               how it was trained (data, steps, losses, acceptance)
 """
 
@@ -63,11 +67,15 @@ class EagleHead:
     fc_feature_raw_bias: Tensor  # −W_f·μ/σ
     fc_feature: Weight  # W_f: for the head's own (standardised) predictions
     draft_to_target: np.ndarray
+    # EAGLE-3 fusion: the target layers whose outputs the first draft also reads, and per layer W_t/σ_t (their
+    # −W_t·μ_t/σ_t terms are folded into fc_feature_raw_bias)
+    tap_layers: tuple[int, ...] = ()
+    fc_taps_raw: tuple[Weight, ...] = ()
 
     def close(self) -> None:
         self.model.close()
         self.model.weights.destroy()
-        for w in (self.fc_embed, self.fc_feature_raw, self.fc_feature):
+        for w in (self.fc_embed, self.fc_feature_raw, self.fc_feature, *self.fc_taps_raw):
             w.destroy()
         for t in (self.fc_bias, self.fc_feature_raw_bias):
             t.destroy()
@@ -79,14 +87,18 @@ def load_head(
     """Load an EAGLE head for `target` (and its `tokenizer`, when given), refusing one made for another model;
     typed errors name the file. precision: the target's weight format ("keep": as the head stores them)."""
     folder = Path(folder)
-    read_meta(folder, "eagle", target, tokenizer)
+    meta = read_meta(folder, "eagle", target, tokenizer)
     cfg = target.config
     h = cfg.hidden_size
+    taps = tap_layers(meta, folder, len(target.layers))
     shapes = {"fc_embed.weight": (h, h), "fc_embed.bias": (h,), "fc_feature.weight": (h, h)}
     shapes |= {"feature_mean": (h,), "feature_std": (h,)}
+    if taps:
+        shapes |= {"fc_taps.weight": (h, len(taps) * h), "tap_mean": (len(taps), h), "tap_std": (len(taps), h)}
     tensors = read_tensors(folder / "eagle.safetensors", shapes, cfg.vocab_size)
-    if not (tensors["feature_std"] > 0).all():
-        raise ModelFormatError(f"{folder / 'eagle.safetensors'}: feature_std must be positive")
+    for name in ("feature_std", "tap_std") if taps else ("feature_std",):
+        if not (tensors[name] > 0).all():
+            raise ModelFormatError(f"{folder / 'eagle.safetensors'}: {name} must be positive")
     gpu = target.gpu
     fmt = dense_format(precision, tensors["fc_embed.weight"].dtype)
     weights = load_weights(folder, gpu, fmt if precision == "keep" else precision)
@@ -104,6 +116,13 @@ def load_head(
         )
     w_f = tensors["fc_feature.weight"].astype(np.float64)
     mean, std = tensors["feature_mean"].astype(np.float64), tensors["feature_std"].astype(np.float64)
+    raw_bias = -(w_f @ (mean / std))
+    w_taps = []  # per tapped layer: W_t/σ_t, its bias −W_t·μ_t/σ_t added to raw_bias
+    for t in range(len(taps)):
+        w_t = tensors["fc_taps.weight"][:, t * h : (t + 1) * h].astype(np.float64)
+        mean_t, std_t = tensors["tap_mean"][t].astype(np.float64), tensors["tap_std"][t].astype(np.float64)
+        w_taps.append(w_t / std_t[None, :])
+        raw_bias -= w_t @ (mean_t / std_t)
 
     def upload(name: str, w: np.ndarray) -> Weight:
         return Weight.from_numpy(gpu, np.ascontiguousarray(w, np.float32), fmt, name=name)
@@ -116,10 +135,28 @@ def load_head(
         # f32 whatever the precision: x·(W_f/σ) − W_f·μ/σ cancels two large terms on SmolLM2's massive-activation
         # dimensions (|x|, |μ| in the thousands), where f16's 3 digits would leave an error of order one.
         fc_feature_raw=Weight.from_numpy(gpu, (w_f / std[None, :]).astype(np.float32), "f32", name="fc_feature_raw"),
-        fc_feature_raw_bias=Tensor.from_numpy(gpu, (-(w_f @ (mean / std))).astype(np.float32), "f32", "fc_raw_bias"),
+        fc_feature_raw_bias=Tensor.from_numpy(gpu, raw_bias.astype(np.float32), "f32", "fc_raw_bias"),
         fc_feature=upload("fc_feature", w_f),
         draft_to_target=tensors["draft_to_target"].astype(np.int64),
+        tap_layers=taps,
+        fc_taps_raw=tuple(
+            Weight.from_numpy(gpu, w.astype(np.float32), "f32", name=f"fc_tap {layer}")
+            for w, layer in zip(w_taps, taps, strict=True)
+        ),
     )
+
+
+def tap_layers(meta: dict, folder: Path, layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head fuses (eagle.json's feature_taps; none for an EAGLE-1 head), checked
+    against the target's layer count."""
+    taps = meta.get("feature_taps") or []
+    if not isinstance(taps, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in taps):
+        raise ModelFormatError(f"{folder / 'eagle.json'}: feature_taps must be a list of layer indices, got {taps!r}")
+    if any(not 0 <= t < layers for t in taps) or len(set(taps)) != len(taps):
+        raise ModelFormatError(
+            f"{folder / 'eagle.json'}: feature_taps {taps} are not distinct layers of the target's {layers}"
+        )
+    return tuple(taps)
 
 
 class EagleDrafter:
@@ -148,6 +185,12 @@ class EagleDrafter:
         self.fc_own = Linear(
             registry, head.fc_feature, self.features, model.x, max_rows=min(rows, MAX_TREE_ROWS), accumulate=True
         )
+        target.tap_layers(head.tap_layers)
+        self.tapped = [Tensor.empty(gpu, (rows, hidden), "f32", f"eagle tap {layer}") for layer in head.tap_layers]
+        self.fc_taps = [
+            Linear(registry, w, tapped, model.x, max_rows=rows, accumulate=True)
+            for w, tapped in zip(head.fc_taps_raw, self.tapped, strict=True)
+        ]
         self.sampling = DraftSampler(model, target.config.vocab_size)
         self.branches = 1
         self.scatter = VocabScatter(registry, model.logits, head.draft_to_target, self.sampling.row)
@@ -186,10 +229,15 @@ class EagleDrafter:
         model.ids.view((rows,)).write(self.target.check_ids(ctx.tokens[self.consumed + 1 : m + 1]))
         rec = model.registry.recorder()
         row_bytes = hidden * 4
-        rec.copy(ctx.hidden, self.features, rows * row_bytes, src_offset=(ctx.hidden_rows - rows) * row_bytes)
+        first = (ctx.hidden_rows - rows) * row_bytes
+        rec.copy(ctx.hidden, self.features, rows * row_bytes, src_offset=first)
+        for layer, tapped in zip(self.head.tap_layers, self.tapped, strict=True):
+            rec.copy(self.target.taps[layer], tapped, rows * row_bytes, src_offset=first)
         self.embed.record(rec, rows=rows)  # gather: emb = E[t_{p+1}]
         self.fc_embed.record(rec, rows=rows)  # matmul: x = emb·W_eᵀ + b
-        self.fc_raw.record(rec, rows=rows)  # matmul: x += f·(W_f/σ)ᵀ − W_f·μ/σ
+        self.fc_raw.record(rec, rows=rows)  # matmul: x += f·(W_f/σ)ᵀ − (W_f·μ/σ + Σ W_t·μ_t/σ_t)
+        for fc_tap in self.fc_taps:
+            fc_tap.record(rec, rows=rows)  # matmul: x += f_t·(W_t/σ_t)ᵀ
         model.record_forward(rec, rows, self.cache, self.consumed, logits="last", embedded=True)
         rec.submit()
         self.consumed, self.out_row = m, rows - 1
@@ -265,4 +313,4 @@ class EagleDrafter:
         self.finish()
         self.scatter.release(self.target.registry)
         self.sampling.close()
-        self.target.registry.release_tensors(self.emb, self.features)
+        self.target.registry.release_tensors(self.emb, self.features, *self.tapped)

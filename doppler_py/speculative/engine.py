@@ -109,9 +109,12 @@ class SpeculativeEngine:
         # Made now, not at the first token tree: the tree policy may switch trees on mid-session, and a steady
         # engine allocates nothing per generation (tests/reliability/test_resources.py).
         self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
-        # Feature rows on their way into target.x (a copy may not read and write one buffer): a tree's accepted
-        # path's, to rows 1, 2, ...; a plain batch's, one per step, to rows 0..n-1.
-        self.feature_scratch = Tensor.empty(gpu, (MAX_TREE_ROWS, target.config.hidden_size), "f32", "feature rows")
+        # Feature rows on their way into target.x and its taps (a copy may not read and write one buffer): a
+        # tree's accepted path's, to rows 1, 2, ...; a plain batch's, one per step, to rows 0..n-1. MAX_TREE_ROWS
+        # rows per feature buffer (`_scratch`).
+        self.feature_scratch = Tensor.empty(
+            gpu, (MAX_TREE_ROWS * len(target.feature_buffers), target.config.hidden_size), "f32", "feature rows"
+        )
         self._tree_verify = TreeVerify(
             self.registry,
             target.logits,
@@ -325,18 +328,25 @@ class SpeculativeEngine:
         self.drafter.commit(ctx, accepted)
         return StepOutcome(new, n, accepted, False, tree=True)
 
+    def _scratch(self) -> Tensor:
+        """`feature_scratch`, grown once if a drafter made since tapped more of the target's layers."""
+        rows = MAX_TREE_ROWS * len(self.target.feature_buffers)
+        if self.feature_scratch.shape[0] < rows:
+            self.registry.release_tensors(self.feature_scratch)
+            h = self.target.config.hidden_size
+            self.feature_scratch = Tensor.empty(self.target.gpu, (rows, h), "f32", "feature rows")
+        return self.feature_scratch
+
     def _compact_features(self, rec: Recorder, moves: list[tuple[int, int]]) -> None:
-        """Move the accepted path's rows of target.x (the final residual stream a head drafts from) into place,
-        through `feature_scratch`, as the K/V rows are moved."""
-        row_bytes = 4 * self.target.config.hidden_size
-        for src, dst in moves:
-            rec.copy(
-                self.target.x, self.feature_scratch, row_bytes, src_offset=src * row_bytes, dst_offset=dst * row_bytes
-            )
-        for _, dst in moves:
-            rec.copy(
-                self.feature_scratch, self.target.x, row_bytes, src_offset=dst * row_bytes, dst_offset=dst * row_bytes
-            )
+        """Move the accepted path's rows of target.x (the final residual stream a head drafts from) and of its
+        taps into place, through `feature_scratch`, as the K/V rows are moved."""
+        row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
+        for b, features in enumerate(self.target.feature_buffers):
+            base = b * MAX_TREE_ROWS * row_bytes
+            for src, dst in moves:
+                rec.copy(features, scratch, row_bytes, src_offset=src * row_bytes, dst_offset=base + dst * row_bytes)
+            for _, dst in moves:
+                rec.copy(scratch, features, row_bytes, src_offset=base + dst * row_bytes, dst_offset=dst * row_bytes)
 
     def _verifier(self, draft_logits: Tensor | None) -> _Verifier:
         key = None if draft_logits is None else id(draft_logits.buffer)
@@ -507,7 +517,8 @@ class SpeculativeEngine:
         is copied into the next step's input id, and the n tokens come back in one readback. The same random
         numbers are drawn in the same order as n single steps, so the tokens are the same. Tokens after a stop
         token are the caller's to drop (the generation ends there). Each step's row of target.x (the final
-        residual stream) is kept, so ctx.hidden then holds all n rows for a drafter, as after a chain step."""
+        residual stream) and of its taps is kept, so ctx.hidden then holds all n rows for a drafter, as after a chain
+        step."""
         if not 1 <= n <= MAX_PLAIN_BATCH:
             raise InternalError(f"a plain batch holds 1..{MAX_PLAIN_BATCH} steps, got {n}")
         target, cache = self.target, ctx.target_cache
@@ -516,6 +527,7 @@ class SpeculativeEngine:
         self.batch_randoms.view((n,)).write(np.array([ctx.rng.random() for _ in range(n)], np.float32))
         self.spec_tokens.view((1,)).write(np.array([ctx.tokens[-1]], np.uint32))
         verifier = self._verifier(None)
+        features, scratch = target.feature_buffers, self._scratch()
         rec = self.registry.recorder()
         rec.copy(self.spec_tokens, target.ids, 4)
         for j in range(n):
@@ -528,8 +540,10 @@ class SpeculativeEngine:
             target.record_forward(rec, 1, cache, pos + j, logits="last")
             verifier.record(rec, 0, ctx.params)
             rec.copy(self.result, self.batch_out, 8, src_offset=4, dst_offset=8 * j)  # (token, status)
-            rec.copy(target.x, self.feature_scratch, row_bytes, dst_offset=j * row_bytes)
-        rec.copy(self.feature_scratch, target.x, n * row_bytes)  # a copy may not read and write one buffer
+            for b, buffer in enumerate(features):
+                rec.copy(buffer, scratch, row_bytes, dst_offset=(b * MAX_TREE_ROWS + j) * row_bytes)
+        for b, buffer in enumerate(features):  # a copy may not read and write one buffer
+            rec.copy(scratch, buffer, n * row_bytes, src_offset=b * MAX_TREE_ROWS * row_bytes)
         rec.submit()
         out = np.frombuffer(self.registry.gpu.queue.read_buffer(self.batch_out.buffer, 0, 8 * n), np.uint32)
         tokens, statuses = out[0::2].tolist(), out[1::2].tolist()

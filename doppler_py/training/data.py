@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from doppler_py.errors import GenerationOptionError
+
 SEED_PROMPTS = Path(__file__).with_name("seed_prompts.txt")
 
 
@@ -46,6 +48,8 @@ class TrainOptions:
     unroll_steps: int = 3  # EAGLE: draft steps per anchor in training-time test (1: teacher forcing only)
     soft_targets: bool = True  # EAGLE: cross-entropy against the target's distribution, not its argmax
     feature_weight: float = 1.0  # EAGLE: weight of the feature regression (0: none, as EAGLE-3)
+    feature_taps: tuple[int, ...] = ()  # EAGLE-3 fusion: target layers whose outputs join the last layer's
+    # feature in the head's first draft (0-based layer indices)
     save_every: int = 200
     head_dtype: str = "float16"  # the exported weights (feature statistics stay float32)
     seed: int = 0
@@ -159,17 +163,28 @@ def make_answers(
     return [r["prompt_ids"] + r["answer_ids"] for r in records], [len(r["prompt_ids"]) for r in records]
 
 
-def target_features(hf, sequences: list[list[int]], batch_tokens: int = 4096, say: Callable[[str], None] | None = None):
-    """Per sequence: (features [T, H] before the final norm, the target's argmax [T]).
+def target_features(
+    hf,
+    sequences: list[list[int]],
+    batch_tokens: int = 4096,
+    say: Callable[[str], None] | None = None,
+    taps: tuple[int, ...] = (),
+):
+    """Per sequence: (features [T, H] before the final norm, the target's argmax [T], the outputs of the layers
+    `taps` [T, len(taps), H] in float16, or None without taps).
 
     Sequences of similar length go through the target together (right-padded, so a causal model's real positions
     never see the padding), `batch_tokens` tokens at most; `say` hears the progress every ~30 s."""
     import torch
 
-    captured = {}
-    hook = hf.model.layers[-1].register_forward_hook(
-        lambda _m, _i, out: captured.update(x=out[0] if isinstance(out, tuple) else out)
-    )
+    captured: dict = {}
+
+    def keep(name):
+        return lambda _m, _i, out: captured.update({name: out[0] if isinstance(out, tuple) else out})
+
+    layers = hf.model.layers
+    hooks = [layers[-1].register_forward_hook(keep("x"))]
+    hooks += [layers[layer].register_forward_hook(keep(n)) for n, layer in enumerate(taps)]
     data: list = [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     total, done, start, told = sum(map(len, sequences)), 0, time.perf_counter(), time.perf_counter()
@@ -187,13 +202,15 @@ def target_features(hf, sequences: list[list[int]], batch_tokens: int = 4096, sa
                 argmax = hf(ids, attention_mask=mask).logits.argmax(-1)
                 for row, i in enumerate(group):
                     n = len(sequences[i])
-                    data[i] = (captured["x"][row, :n].float().clone(), argmax[row, :n].clone())
+                    tapped = torch.stack([captured[t][row, :n] for t in range(len(taps))], 1).half() if taps else None
+                    data[i] = (captured["x"][row, :n].float().clone(), argmax[row, :n].clone(), tapped)
                     done += n
                 if say is not None and time.perf_counter() - told > 30:
                     told = time.perf_counter()
                     say(f"features: {done}/{total} tokens ({told - start:.0f} s)")
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     return data
 
 
@@ -206,7 +223,8 @@ class Corpus:
     prompts: int
     sequences: list[list[int]]
     answer_starts: list[int]  # index in each sequence of the answer's first token
-    data: list  # per sequence: (features [T, H] before the final norm, the target's argmax [T])
+    data: list  # per sequence: (features [T, H] before the final norm, the target's argmax [T], the outputs of
+    # the layers `feature_taps` [T, taps, H] or None)
     train: list[int]  # indices of the training sequences
     valid: list[int]  # indices of the held-out ones
     draft_ids: list[int]  # the draft vocabulary: the most frequent target choices, most frequent first
@@ -230,29 +248,42 @@ def _sequence_key(sequence: list[int], model: str) -> str:
     return hashlib.sha256(json.dumps([model, sequence]).encode()).hexdigest()
 
 
-def cached_features(sequences: list[list[int]], path: Path, model: str) -> list:
-    """Stage 3's results from earlier runs on the same model, per sequence (None where a sequence has none yet:
-    prompts added since are computed alone)."""
+def _taps_path(path: Path) -> Path:
+    return path.with_name("feature_taps.pt")
+
+
+def cached_features(sequences: list[list[int]], path: Path, model: str, taps: tuple[int, ...] = ()) -> list:
+    """Stage 3's results from earlier runs on the same model, per sequence: (features, argmax, the outputs of the
+    layers `taps` or None without taps), None where a sequence has none yet (prompts added since are computed
+    alone) or lacks the taps asked for."""
     import torch
 
     found: list = [None] * len(sequences)
     if not path.is_file():
         return found
     cached = torch.load(path)
+    tapped: dict = {}
+    if taps:
+        stored = torch.load(_taps_path(path)) if _taps_path(path).is_file() else {}
+        if tuple(stored.get("layers", ())) == tuple(taps):
+            tapped = dict(zip(stored["keys"], stored["taps"], strict=True))
     index = {key: j for j, key in enumerate(cached.get("keys", []))}
     for i, sequence in enumerate(sequences):
-        j = index.get(_sequence_key(sequence, model))
-        if j is not None:
-            found[i] = (cached["features"][j], cached["argmax"][j])
+        key = _sequence_key(sequence, model)
+        j = index.get(key)
+        if j is not None and (not taps or key in tapped):
+            found[i] = (cached["features"][j], cached["argmax"][j], tapped.get(key))
     return found
 
 
-def save_features(data: list, sequences: list[list[int]], path: Path, model: str) -> None:
+def save_features(data: list, sequences: list[list[int]], path: Path, model: str, taps: tuple[int, ...] = ()) -> None:
+    """Write `data` (see `cached_features`) to `path`, and the taps' outputs beside it."""
     import torch
 
-    record = {"keys": [_sequence_key(s, model) for s in sequences], "features": [f for f, _ in data],
-              "argmax": [a for _, a in data]}  # fmt: skip
-    torch.save(record, path)
+    keys = [_sequence_key(s, model) for s in sequences]
+    torch.save({"keys": keys, "features": [d[0] for d in data], "argmax": [d[1] for d in data]}, path)
+    if taps:
+        torch.save({"layers": list(taps), "keys": keys, "taps": [d[2] for d in data]}, _taps_path(path))
 
 
 def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[[str], None]) -> Corpus:
@@ -269,6 +300,9 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
         times_file.write_text(json.dumps(times, indent=2))
 
     hf, tokenizer = load_target(model)
+    layers = hf.config.num_hidden_layers
+    if any(not 0 <= t < layers for t in options.feature_taps):
+        raise GenerationOptionError(f"feature taps {list(options.feature_taps)}: {model} has layers 0..{layers - 1}")
     torch.manual_seed(options.seed)
     t0 = time.perf_counter()  # a stage that is already done adds next to nothing
     prompts = make_prompts(hf, tokenizer, work, options, say)[: options.use_prompts]
@@ -277,16 +311,18 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     sequences, starts = make_answers(hf, tokenizer, prompts, work, options, say)
     timed("answers_s", t0)
     t0 = time.perf_counter()
-    data = cached_features(sequences, work / "features.pt", str(model))
+    taps = tuple(options.feature_taps)
+    data = cached_features(sequences, work / "features.pt", str(model), taps)
     missing = [i for i, d in enumerate(data) if d is None]
     if not missing:
         say("features: reused from features.pt")
     else:
         if len(missing) < len(sequences):
             say(f"features: {len(sequences) - len(missing)} sequences reused from features.pt")
-        for i, d in zip(missing, target_features(hf, [sequences[i] for i in missing], say=say), strict=True):
+        computed = target_features(hf, [sequences[i] for i in missing], say=say, taps=taps)
+        for i, d in zip(missing, computed, strict=True):
             data[i] = d
-        save_features(data, sequences, work / "features.pt", str(model))
+        save_features(data, sequences, work / "features.pt", str(model), taps)
         timed("features_s", t0)
         tokens, seconds = sum(len(sequences[i]) for i in missing), time.perf_counter() - t0
         say(f"features: {len(missing)} sequences, {tokens} tokens ({seconds:.0f} s)")

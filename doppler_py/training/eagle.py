@@ -11,13 +11,16 @@ head drafts on as it does after a verification. Step j's query sits at position 
 head's own output of step j - 1 at that anchor, t_{a+j+1}) and attends to the TRUE context's keys at positions
 <= a plus its own chain's keys of steps 1..j — exactly what the GPU drafter's KV cache holds at its j-th draft
 (`unrolled`). Step j's losses are weighted unroll_weight ** j. The draft vocabulary is the `draft_vocab` most
-frequent argmax tokens.
+frequent argmax tokens. With `feature_taps` (EAGLE-3's fusion of low, middle and high layers) the input of a
+position the target computed also reads the standardised outputs of those layers through `fc_taps`; a drafted
+position's does not (the head's own output is its only feature).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +29,54 @@ from doppler_py.speculative.head_files import made_for
 from doppler_py.training.data import TrainOptions, card, prepare, train_loop
 
 
+@dataclass
+class FeatureStats:
+    """Per-dimension statistics that standardise the head's inputs: the target's last-layer feature and, with
+    EAGLE-3 fusion, the outputs of the tapped layers ([taps, H] each)."""
+
+    mean: object
+    std: object
+    tap_layers: tuple[int, ...] = ()
+    tap_mean: object = None
+    tap_std: object = None
+
+    @classmethod
+    def of(cls, corpus, which: list[int], taps: tuple[int, ...]) -> FeatureStats:
+        """Statistics of the sequences `which`, of the tapped layers `taps` too (their sums in float64: SmolLM2's
+        massive activations reach thousands)."""
+        import torch
+
+        feats = torch.cat([corpus.data[i][0] for i in which])
+        stats = cls(feats.mean(0), feats.std(0).clamp_min(1e-3))
+        if taps:
+            total = square = 0.0
+            count = 0
+            for i in which:
+                t = corpus.data[i][2].double()
+                total, square, count = total + t.sum(0), square + (t * t).sum(0), count + t.shape[0]
+            mean = total / count
+            std = ((square - count * mean * mean) / max(1, count - 1)).clamp_min(0).sqrt()
+            stats.tap_layers, stats.tap_mean, stats.tap_std = taps, mean.float(), std.float().clamp_min(1e-3)
+        return stats
+
+    @property
+    def taps(self) -> int:
+        return 0 if self.tap_mean is None else int(self.tap_mean.shape[0])
+
+    def features(self, f):
+        return (f - self.mean) / self.std
+
+    def tapped(self, t):
+        """[T, taps, H] raw outputs → [T, taps·H] standardised; None without taps."""
+        if t is None or not self.taps:
+            return None
+        return ((t.float() - self.tap_mean) / self.tap_std).reshape(t.shape[0], -1)
+
+
 class EagleHeadModule:
     """The head in torch, mirroring `doppler_py.speculative.eagle` (built lazily so torch stays optional)."""
 
-    def __new__(cls, target_config, draft_vocab: int):
+    def __new__(cls, target_config, draft_vocab: int, taps: int = 0):
         import torch
         from torch import nn
         from transformers import LlamaConfig
@@ -45,13 +92,16 @@ class EagleHeadModule:
                 self.config = cfg
                 self.fc_embed = nn.Linear(h, h, bias=True)
                 self.fc_feature = nn.Linear(h, h, bias=False)
+                self.fc_taps = nn.Linear(taps * h, h, bias=False) if taps else None
                 self.layer = LlamaDecoderLayer(cfg, 0)
                 self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
                 self.rotary = LlamaRotaryEmbedding(cfg)
                 self.lm_head = nn.Linear(h, draft_vocab, bias=False)
 
-            def forward(self, emb, features):
+            def forward(self, emb, features, tapped=None):
                 x = self.fc_embed(emb) + self.fc_feature(features)
+                if tapped is not None:
+                    x = x + self.fc_taps(tapped)
                 positions = torch.arange(x.shape[1])[None]
                 out = self.layer(x, position_embeddings=self.rotary(x, positions), position_ids=positions)
                 out = out[0] if isinstance(out, tuple) else out
@@ -96,38 +146,37 @@ def train(
     options = options or TrainOptions()
     corpus = prepare(model, Path(work), options, say)
     hf = corpus.hf
-    head, mean, std, sequence_loss = new_head(corpus, options)
+    head, stats, sequence_loss = new_head(corpus, options)
     embed = hf.get_input_embeddings().weight.detach()
     steps, losses, seconds = train_loop(head, sequence_loss, corpus, Path(work) / "eagle.pt", options, say)
     corpus.times["train_s"] = seconds
-    top1 = {name: top1_agreement(head, corpus, which, embed, mean, std) for name, which in
+    top1 = {name: top1_agreement(head, corpus, which, embed, stats) for name, which in
             (("held_in_top1", corpus.train), ("validation_top1", corpus.valid))}  # fmt: skip
-    chains = chain_acceptance(head, corpus, corpus.valid, embed, mean, std, CHAIN_K)
+    chains = chain_acceptance(head, corpus, corpus.valid, embed, stats, CHAIN_K)
     record = card("eagle", model, options, corpus, steps, losses, **top1, validation_chains=chains)
     dtype = np.dtype(options.head_dtype)
-    export(head, hf.config, corpus.draft_ids, mean, std, Path(out), record, corpus.tokenizer, dtype)
+    export(head, hf.config, corpus.draft_ids, stats, Path(out), record, corpus.tokenizer, dtype)
     say(f"head written to {out} (top-1 held-in {top1['held_in_top1']:.3f}, validation {top1['validation_top1']:.3f})")
     return record
 
 
 def new_head(corpus, options: TrainOptions):
-    """A fresh head for the corpus's target, the feature statistics of the training sequences (mean, std) and
-    the loss of training sequence i (see the module docstring)."""
+    """A fresh head for the corpus's target, the feature statistics of the training sequences and the loss of
+    training sequence i (see the module docstring)."""
     import torch
 
     hf, data, sequences, to_draft = corpus.hf, corpus.data, corpus.sequences, corpus.to_draft
-    feats = torch.cat([data[i][0] for i in corpus.train])
-    mean, std = feats.mean(0), feats.std(0).clamp_min(1e-3)
+    stats = FeatureStats.of(corpus, corpus.train, tuple(options.feature_taps))
     embed = hf.get_input_embeddings().weight.detach()
     draft_rows = hf.get_output_embeddings().weight.detach()[torch.tensor(corpus.draft_ids)]
-    head = EagleHeadModule(hf.config, len(corpus.draft_ids))
+    head = EagleHeadModule(hf.config, len(corpus.draft_ids), stats.taps)
     with torch.no_grad():  # start the draft LM head from the target's own output rows
         head.lm_head.weight.copy_(draft_rows)
 
     def sequence_loss(i: int):
         ids = torch.tensor(sequences[i])
-        f, argmax = data[i]
-        s = (f - mean) / std
+        f, argmax, tapped = data[i]
+        s, tapped = stats.features(f), stats.tapped(tapped)
         emb = embed[ids[1:]]  # t_{p+1} for p = 0..T-2
         if options.soft_targets:  # the target's own distribution after t_{p+1}, from its stored features
             with torch.no_grad():
@@ -135,12 +184,13 @@ def new_head(corpus, options: TrainOptions):
         else:
             targets = to_draft[argmax[1:]]  # the target's choice after t_{p+1}
         loss = 0.0
-        for j, (out, logits) in enumerate(unrolled(head, emb, s[:-1], options.unroll_steps)):
+        taps_in = None if tapped is None else tapped[:-1]
+        for j, (out, logits) in enumerate(unrolled(head, emb, s[:-1], options.unroll_steps, taps_in)):
             step = nn_loss(out, s[1 + j :], logits, targets[j:], options.feature_weight)
             loss = loss + options.unroll_weight**j * step
         return loss
 
-    return head, mean, std, sequence_loss
+    return head, stats, sequence_loss
 
 
 def nn_loss(out, s_next, logits, targets, feature_weight: float = 1.0):
@@ -156,13 +206,15 @@ def nn_loss(out, s_next, logits, targets, feature_weight: float = 1.0):
     return loss + feature_weight * F.smooth_l1_loss(out, s_next) if feature_weight else loss
 
 
-def unrolled(head, emb, s, steps: int) -> list:
+def unrolled(head, emb, s, steps: int, tapped=None) -> list:
     """Training-time test over one sequence: [(out_j, logits_j)] for j < steps, row a of step j being the head's
     j-th draft from anchor a (the head has read the true pairs up to a; rows a = 0 .. n-1-j).
 
     emb [n, H]: the embedding of t_{p+1} for p < n; s [n, H]: the standardised features f_p. Step 0 is the
     head's ordinary forward. Step j's query at position a + j reads (out_{j-1}[a], t_{a+j+1}) and attends to
-    step 0's keys at positions <= a and to its own anchor's keys of steps 1..j, as the drafter's KV cache does."""
+    step 0's keys at positions <= a and to its own anchor's keys of steps 1..j, as the drafter's KV cache does.
+    tapped [n, taps·H]: the standardised outputs of the tapped layers at p (EAGLE-3 fusion), read by step 0 only:
+    a draft's own predicted feature stands for all of them."""
     import torch
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -187,6 +239,8 @@ def unrolled(head, emb, s, steps: int) -> list:
         return out, head.lm_head(head.norm(out))
 
     x = head.fc_embed(emb) + head.fc_feature(s)
+    if tapped is not None:
+        x = x + head.fc_taps(tapped)
     q, k0, v0 = project(x, 0)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     scores = (q @ k0.transpose(1, 2)) * attn.scaling
@@ -208,7 +262,7 @@ def unrolled(head, emb, s, steps: int) -> list:
     return results
 
 
-def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
+def top1_agreement(head, corpus, which: list[int], embed, stats: FeatureStats) -> float:
     """How often the head's first draft equals the target's next choice at the answer positions of the
     sequences `which` (where drafting happens; the prompt's chat template would flatter the figure)."""
     import torch
@@ -216,8 +270,10 @@ def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
     hits = total = 0
     with torch.no_grad():
         for i in which:
-            (f, argmax), ids = corpus.data[i], torch.tensor(corpus.sequences[i])
-            _, logits = head(embed[ids[1:]][None], ((f - mean) / std)[:-1][None])
+            (f, argmax, tapped), ids = corpus.data[i], torch.tensor(corpus.sequences[i])
+            tapped = stats.tapped(tapped)
+            tapped = None if tapped is None else tapped[:-1][None]
+            _, logits = head(embed[ids[1:]][None], stats.features(f)[:-1][None], tapped)
             labels = corpus.to_draft[argmax[1:]]
             kept = corpus.answer_positions(i, labels.numel())
             hits += int((logits[0].argmax(-1)[kept] == labels[kept]).sum())
@@ -228,7 +284,7 @@ def top1_agreement(head, corpus, which: list[int], embed, mean, std) -> float:
 CHAIN_K = 4  # the chain length of the training card's validation figures
 
 
-def chain_acceptance(head, corpus, which: list[int], embed, mean, std, k: int) -> dict:
+def chain_acceptance(head, corpus, which: list[int], embed, stats: FeatureStats, k: int) -> dict:
     """Greedy chains of k drafts from every answer position of the sequences `which` whose next k + 1 tokens are
     the target's own choices (a greedy answer's): the share of chains still accepted at each depth, and the
     tokens per target forward if every verification ended at such a position (accepted + 1)."""
@@ -237,8 +293,9 @@ def chain_acceptance(head, corpus, which: list[int], embed, mean, std, k: int) -
     reached, anchors = [0] * k, 0  # reached[j]: chains with drafts 0..j all accepted
     with torch.no_grad():
         for i in which:
-            (f, argmax), ids = corpus.data[i], torch.tensor(corpus.sequences[i])
-            rows = unrolled(head, embed[ids[1:]], ((f - mean) / std)[:-1], k)
+            (f, argmax, tapped), ids = corpus.data[i], torch.tensor(corpus.sequences[i])
+            tapped = stats.tapped(tapped)
+            rows = unrolled(head, embed[ids[1:]], stats.features(f)[:-1], k, None if tapped is None else tapped[:-1])
             n = len(rows[-1][1])  # anchors with all k steps
             if n <= 0:
                 continue
@@ -260,23 +317,35 @@ def chain_acceptance(head, corpus, which: list[int], embed, mean, std, k: int) -
     }
 
 
-def torch_drafts(head, mean, std, draft_ids, embed, features, tokens: list[int], committed: int, n: int) -> list[int]:
+def torch_drafts(
+    head, stats: FeatureStats, draft_ids, embed, features, tokens: list[int], committed: int, n: int, taps=None
+) -> list[int]:
     """The n tokens the torch head drafts after tokens[:committed] (greedy), as the GPU drafter does: the pairs
-    (f_p, t_{p+1}) for p < committed - 1 from the target's `features` (raw, [T, H]), then its own predicted
-    features for the tokens it drafted."""
+    (f_p, t_{p+1}) for p < committed - 1 from the target's `features` (raw, [T, H]) and tapped layers' outputs
+    (raw, [T, taps, H]), then its own predicted features for the tokens it drafted (no taps there)."""
     import torch
 
-    feats, ids, out = ((features[: committed - 1] - mean) / std), list(tokens[1:committed]), []
+    feats, ids, out = stats.features(features[: committed - 1]), list(tokens[1:committed]), []
+    tapped = stats.tapped(None if taps is None else taps[: committed - 1])
     with torch.no_grad():
         for _ in range(n):
-            pred, logits = head(embed[torch.tensor(ids)][None], feats[None])
+            pred, logits = head(embed[torch.tensor(ids)][None], feats[None], None if tapped is None else tapped[None])
             out.append(int(draft_ids[int(logits[0, -1].argmax())]))
             feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, out[-1]]
+            if tapped is not None:  # a drafted position has no target layers: its tapped input is zero
+                tapped = torch.cat([tapped, tapped.new_zeros(1, tapped.shape[1])])
     return out
 
 
 def export(
-    head, target_config, draft_ids: list[int], mean, std, out: Path, card: dict, tokenizer=None, dtype=np.float32
+    head,
+    target_config,
+    draft_ids: list[int],
+    stats: FeatureStats,
+    out: Path,
+    card: dict,
+    tokenizer=None,
+    dtype=np.float32,
 ) -> None:
     """Write the head folder `doppler_py.speculative.eagle.load_head` reads."""
     from safetensors.numpy import save_file
@@ -292,10 +361,16 @@ def export(
         "fc_embed.weight": sd["fc_embed.weight"],
         "fc_embed.bias": sd["fc_embed.bias"],
         "fc_feature.weight": sd["fc_feature.weight"],
-        "feature_mean": mean.numpy().astype(np.float32),  # f32 always: |μ| reaches thousands on SmolLM2
-        "feature_std": std.numpy().astype(np.float32),
+        "feature_mean": stats.mean.numpy().astype(np.float32),  # f32 always: |μ| reaches thousands on SmolLM2
+        "feature_std": stats.std.numpy().astype(np.float32),
         "draft_to_target": np.asarray(draft_ids, dtype=np.int64),
     }
+    if stats.taps:
+        eagle |= {
+            "fc_taps.weight": sd["fc_taps.weight"],
+            "tap_mean": stats.tap_mean.numpy().astype(np.float32),
+            "tap_std": stats.tap_std.numpy().astype(np.float32),
+        }
     save_file({k: np.ascontiguousarray(v) for k, v in eagle.items()}, str(out / "eagle.safetensors"))
     config = head_config(target_config, len(draft_ids)) | {"torch_dtype": np.dtype(dtype).name}
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -303,25 +378,31 @@ def export(
         "kind": "eagle",
         "target": made_for(target_config, tokenizer),
         "draft_vocab": len(draft_ids),
+        "feature_taps": list(stats.tap_layers),
     }
     (out / "eagle.json").write_text(json.dumps(meta, indent=2))
     (out / "training_card.json").write_text(json.dumps(card, indent=2))
 
 
 def import_head(folder: str | Path, target_config):
-    """The inverse of `export`: (torch head, feature mean, feature std, draft→target ids) from a head folder."""
+    """The inverse of `export`: (torch head, its feature statistics, draft→target ids) from a head folder."""
     import torch
     from safetensors.numpy import load_file
 
     folder = Path(folder)
     eagle, model = load_file(str(folder / "eagle.safetensors")), load_file(str(folder / "model.safetensors"))
-    head = EagleHeadModule(target_config, int(eagle["draft_to_target"].size))
-    state = {name: eagle[name] for name in ("fc_embed.weight", "fc_embed.bias", "fc_feature.weight")}
+    taps = int(eagle["tap_mean"].shape[0]) if "tap_mean" in eagle else 0
+    head = EagleHeadModule(target_config, int(eagle["draft_to_target"].size), taps)
+    names = ("fc_embed.weight", "fc_embed.bias", "fc_feature.weight") + (("fc_taps.weight",) if taps else ())
+    state = {name: eagle[name] for name in names}
     state |= {"norm.weight": model["model.norm.weight"], "lm_head.weight": model["model.embed_tokens.weight"]}
     prefix = "model.layers.0."
     state |= {"layer." + k[len(prefix) :]: v for k, v in model.items() if k.startswith(prefix)}
     missing, unexpected = head.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=False)
     if unexpected or any(not k.startswith("rotary") for k in missing):
         raise ValueError(f"{folder}: head tensors missing {missing} or unexpected {unexpected}")
-    mean, std = torch.tensor(eagle["feature_mean"]), torch.tensor(eagle["feature_std"])
-    return head.eval(), mean, std, eagle["draft_to_target"].astype(np.int64)
+    stats = FeatureStats(torch.tensor(eagle["feature_mean"]), torch.tensor(eagle["feature_std"]))
+    if taps:
+        stats.tap_mean, stats.tap_std = torch.tensor(eagle["tap_mean"]), torch.tensor(eagle["tap_std"])
+        stats.tap_layers = tuple(json.loads((folder / "eagle.json").read_text())["feature_taps"])
+    return head.eval(), stats, eagle["draft_to_target"].astype(np.int64)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import partial
 
 import pytest
 from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, proposal_paths, replay_accepted
@@ -45,12 +44,49 @@ OPTIONS = TrainOptions(
 )
 
 
+FUSED_LAYERS = (0, 2)  # EAGLE-3 fusion on the tiny target's 4 layers: these beside the last
+
+
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory, tiny_folder):
     out = tmp_path_factory.mktemp("eagle")
     card = train(tiny_folder(TARGET), out / "head", out / "work", OPTIONS, say=lambda _: None)
     assert card["steps"] == OPTIONS.steps and card["sequences"] == 18
     return out / "head"
+
+
+@pytest.fixture(scope="module")
+def fused_dir(tmp_path_factory, tiny_folder, head_dir):
+    """An EAGLE-3-style head, trained on the same answers; their cached features lack the taps, so the features
+    stage runs again."""
+    out = tmp_path_factory.mktemp("eagle3")
+    shutil.copytree(head_dir.parent / "work", out / "work")
+    (out / "work" / "eagle.pt").unlink()
+    said: list[str] = []
+    options = TrainOptions(**{**OPTIONS.__dict__, "feature_taps": FUSED_LAYERS})
+    card = train(tiny_folder(TARGET), out / "head", out / "work", options, say=said.append)
+    assert "features: reused from features.pt" not in said and list(card["options"]["feature_taps"]) == [0, 2]
+    assert json.loads((out / "head" / "eagle.json").read_text())["feature_taps"] == list(FUSED_LAYERS)
+    return out / "head"
+
+
+KINDS = ("eagle-1", "eagle-3")  # a head without fused layers, and one with (`fused_dir`)
+
+
+@pytest.fixture(scope="module")
+def heads(request, models):
+    """kind → (head folder, the head loaded on the tiny target), each made on first use."""
+    loaded: dict = {}
+
+    def get(kind: str):
+        if kind not in loaded:
+            folder = request.getfixturevalue("head_dir" if kind == "eagle-1" else "fused_dir")
+            loaded[kind] = (folder, load_head(folder, models["target"]))
+        return loaded[kind]
+
+    yield get
+    for _, head in loaded.values():
+        head.close()
 
 
 def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
@@ -69,28 +105,37 @@ def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
     assert chains["tokens_per_forward"] == pytest.approx(1 + sum(depth), abs=1e-3)
 
 
-def test_training_time_test_drafts_as_the_head_does_after_a_verification(head_dir, tiny_folder):
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_time_test_drafts_as_the_head_does_after_a_verification(request, head_dir, tiny_folder, kind):
     """The trainer's unrolled steps: row a of step j is exactly the head's j-th draft from anchor a, run one
     draft at a time over the true pairs up to a and its own outputs after (the GPU drafter's KV cache)."""
     hf, _ = load_target(tiny_folder(TARGET))
-    head, mean, std, _ = import_head(head_dir, hf.config)
+    folder = request.getfixturevalue("head_dir" if kind == "eagle-1" else "fused_dir")
+    head, stats, _ = import_head(folder, hf.config)
     record = json.loads((head_dir.parent / "work" / "answers.jsonl").read_text().splitlines()[0])
     ids = torch.tensor(record["prompt_ids"] + record["answer_ids"])
-    features = target_features(hf, [ids.tolist()])[0][0]
-    emb, s = hf.get_input_embeddings().weight.detach()[ids[1:]], (features[:-1] - mean) / std
+    features, _, taps = target_features(hf, [ids.tolist()], taps=stats.tap_layers)[0]
+    emb, s = hf.get_input_embeddings().weight.detach()[ids[1:]], stats.features(features[:-1])
+    tapped = None if taps is None else stats.tapped(taps)[:-1]
     n, steps = emb.shape[0], 4
+
+    def run(tokens, feats, a: int):  # a drafted position reads no taps: zeros
+        t = None if tapped is None else torch.cat([tapped[: a + 1], tapped.new_zeros(len(feats) - a - 1, t_width)])
+        return head(tokens[None], feats[None], None if t is None else t[None])
+
+    t_width = 0 if tapped is None else tapped.shape[1]
     with torch.no_grad():
-        rows = unrolled(head, emb, s, steps)
+        rows = unrolled(head, emb, s, steps, tapped)
         assert [out.shape[0] for out, _ in rows] == [n - j for j in range(steps)]
         for a in (0, 3, n // 2, n - steps):
             feats, tokens = s[: a + 1], emb[: a + 1]
-            out, logits = head(tokens[None], feats[None])
+            out, logits = run(tokens, feats, a)
             for j in range(steps):
                 assert torch.allclose(rows[j][0][a], out[0, -1], atol=1e-4, rtol=1e-4)
                 assert torch.allclose(rows[j][1][a], logits[0, -1], atol=1e-4, rtol=1e-4)
                 if j + 1 < steps:
                     feats, tokens = torch.cat([feats, out[0, -1:]]), torch.cat([tokens, emb[a + j + 1 : a + j + 2]])
-                    out, logits = head(tokens[None], feats[None])
+                    out, logits = run(tokens, feats, a)
 
 
 def test_use_prompts_trains_on_the_first_prompts_and_answers_no_more(head_dir, tiny_folder, tmp_path):
@@ -108,12 +153,19 @@ def test_use_prompts_trains_on_the_first_prompts_and_answers_no_more(head_dir, t
 
 def test_features_are_cached_per_sequence_so_appended_prompts_are_computed_alone(tmp_path):
     sequences = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    data = [(torch.full((len(s), 2), float(i)), torch.tensor(s)) for i, s in enumerate(sequences)]
+    data = [(torch.full((len(s), 2), float(i)), torch.tensor(s), None) for i, s in enumerate(sequences)]
     save_features(data, sequences, tmp_path / "features.pt", "m")
     found = cached_features([[4, 5], [10, 11], *sequences], tmp_path / "features.pt", "m")
-    assert found[1] is None and [f[0, 0].item() for f, _ in (found[0], *found[2:])] == [1.0, 0.0, 1.0, 2.0]
+    assert found[1] is None and [f[0, 0].item() for f, _, _ in (found[0], *found[2:])] == [1.0, 0.0, 1.0, 2.0]
     assert all(f is None for f in cached_features(sequences, tmp_path / "features.pt", "another model"))
     assert all(f is None for f in cached_features(sequences, tmp_path / "missing.pt", "m"))
+    # Taps asked for and not stored: every sequence is computed again; stored for other layers: the same.
+    assert all(f is None for f in cached_features(sequences, tmp_path / "features.pt", "m", taps=(1,)))
+    tapped = [(f, a, torch.full((len(a), 1, 2), 7.0)) for f, a, _ in data]
+    save_features(tapped, sequences, tmp_path / "features.pt", "m", taps=(1,))
+    found = cached_features(sequences, tmp_path / "features.pt", "m", taps=(1,))
+    assert [t[0, 0, 0].item() for _, _, t in found] == [7.0] * 3
+    assert all(f is None for f in cached_features(sequences, tmp_path / "features.pt", "m", taps=(2,)))
 
 
 def test_held_out_sequences_stay_held_out_as_prompts_are_appended():
@@ -131,51 +183,65 @@ def test_features_in_padded_batches_equal_one_sequence_at_a_time(tiny_folder):
     gen = torch.Generator().manual_seed(3)
     lengths = [1, 2, 7, 7, 13, 31, 40, 5, 29]
     sequences = [torch.randint(hf.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    alone = target_features(hf, sequences, batch_tokens=1)
+    alone = target_features(hf, sequences, batch_tokens=1, taps=FUSED_LAYERS)
+    for (_, _, taps), sequence in zip(alone, sequences, strict=True):  # a tap: HF's hidden_states[layer + 1]
+        with torch.no_grad():
+            states = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        for t, layer in enumerate(FUSED_LAYERS):
+            torch.testing.assert_close(taps[:, t].float(), states[layer + 1][0], atol=2e-3, rtol=2e-3)
     for budget in (41, 100, 10_000):
         batched = target_features(hf, sequences, batch_tokens=budget)
-        for (f, a), (f1, _), n in zip(batched, alone, lengths, strict=True):
+        for (f, a, _), (f1, _, _), n in zip(batched, alone, lengths, strict=True):
             assert f.shape[0] == a.shape[0] == n
             torch.testing.assert_close(f, f1, atol=1e-4, rtol=1e-4)
-        same = torch.cat([a == a1 for (_, a), (_, a1) in zip(batched, alone, strict=True)])
+        same = torch.cat([a == a1 for (_, a, _), (_, a1, _) in zip(batched, alone, strict=True)])
         assert int((~same).sum()) <= 1  # a near-tie may flip under rounding; a padding leak would flip many
 
 
 @pytest.fixture(scope="module")
-def head(head_dir, models):
-    loaded = load_head(head_dir, models["target"])
-    yield loaded
-    loaded.close()
+def head(heads):
+    return heads("eagle-1")[1]
 
 
 def torch_accepted(head_dir, tiny_folder, tokens: list[int], prompt_len: int, k: int) -> int:
     """Drafts accepted when the trainer's torch head drafts (greedy, k pinned) over a known greedy output."""
     hf, _ = load_target(tiny_folder(TARGET))
-    ref, mean, std, draft_ids = import_head(head_dir, hf.config)
-    features = target_features(hf, [tokens])[0][0]
+    ref, stats, draft_ids = import_head(head_dir, hf.config)
+    features, _, taps = target_features(hf, [tokens], taps=stats.tap_layers)[0]
     embed = hf.get_input_embeddings().weight.detach()
-    drafts = partial(torch_drafts, ref, mean, std, draft_ids, embed, features, tokens)
+
+    def drafts(committed: int, n: int) -> list[int]:
+        return torch_drafts(ref, stats, draft_ids, embed, features, tokens, committed, n, taps)
+
     return replay_accepted(drafts, tokens, prompt_len, k)
 
 
-@pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 3), ("2", 8), ("long", 2)])
-def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(models, head, head_dir, tiny_folder, case, k):
+@pytest.mark.parametrize(
+    ("kind", "case", "k"),
+    [("eagle-1", "0", 1), ("eagle-1", "1", 3), ("eagle-1", "2", 8), ("eagle-1", "long", 2), ("eagle-3", "1", 3),
+     ("eagle-3", "long", 8)],
+)  # fmt: skip
+def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(
+    models, heads, head_dir, tiny_folder, kind, case, k
+):
     target = models["target"]
+    folder, head = heads(kind)
     prompt = held_in_prompt(head_dir.parent / "work", case)
     engine = SpeculativeEngine(target, EagleDrafter(target, head))
     result = engine.generate(prompt, 40, GREEDY, k=k)
     engine.close()
     assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
-    expected = torch_accepted(head_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
+    expected = torch_accepted(folder, tiny_folder, prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained head is right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
 
 
-@pytest.mark.parametrize(("case", "k"), [("1", 4), ("long", 8)])
-def test_greedy_eagle_trees_equal_plain_greedy(models, head, head_dir, case, k):
-    """EAGLE-2's dynamic tree; after each tree step the head drafts on from the accepted path's features, moved
-    into place by the engine."""
+@pytest.mark.parametrize(("kind", "case", "k"), [("eagle-1", "1", 4), ("eagle-1", "long", 8), ("eagle-3", "long", 8)])
+def test_greedy_eagle_trees_equal_plain_greedy(models, heads, head_dir, kind, case, k):
+    """EAGLE-2's dynamic tree; after each tree step the head drafts on from the accepted path's features (and a
+    fused head's tapped layers), moved into place by the engine."""
     target = models["target"]
+    head = heads(kind)[1]
     prompt = held_in_prompt(head_dir.parent / "work", case)
     drafter = EagleDrafter(target, head)
     drafter.branches = drafter.tree_branches
@@ -186,11 +252,13 @@ def test_greedy_eagle_trees_equal_plain_greedy(models, head, head_dir, case, k):
     assert result.stats.tree_steps > 0 and result.stats.accepted > 0
 
 
-def test_eagle_2_trees_score_every_path_with_the_heads_own_probabilities(models, head, head_dir, tiny_folder):
+@pytest.mark.parametrize("kind", KINDS)
+def test_eagle_2_trees_score_every_path_with_the_heads_own_probabilities(models, heads, head_dir, tiny_folder, kind):
     """Each node's value is its path's probability under the trainer's torch head (each token's softmax after
     the committed pairs and the head's own features down the path): the head's tree forward gives every row
     its ancestors' features, positions and keys, and no one else's."""
     target = models["target"]
+    folder, head = heads(kind)
     prompt = held_in_prompt(head_dir.parent / "work", "long")
     drafter = EagleDrafter(target, head)
     drafter.branches = drafter.tree_branches
@@ -204,25 +272,54 @@ def test_eagle_2_trees_score_every_path_with_the_heads_own_probabilities(models,
     paths = proposal_paths(proposal)
     assert proposal.count == 16 and proposal.parents is not None and max(map(len, paths)) >= 3
     hf, _ = load_target(tiny_folder(TARGET))
-    ref, mean, std, draft_ids = import_head(head_dir, hf.config)
-    features = (target_features(hf, [prompt])[0][0] - mean) / std
+    ref, stats, draft_ids = import_head(folder, hf.config)
+    features, _, taps = target_features(hf, [prompt], taps=stats.tap_layers)[0]
+    features, tapped = stats.features(features), stats.tapped(taps)
     embed = hf.get_input_embeddings().weight.detach()
     draft_index = {int(t): i for i, t in enumerate(draft_ids)}
     m = len(prompt) - 1
     for path, log_value in paths.items():
         feats, ids, expected = features[:m], list(prompt[1:]), 0.0
+        t = None if tapped is None else tapped[:m]
         with torch.no_grad():
             for token in path:
-                pred, logits = ref(embed[torch.tensor(ids)][None], feats[None])
+                pred, logits = ref(embed[torch.tensor(ids)][None], feats[None], None if t is None else t[None])
                 expected += float(torch.log_softmax(logits[0, -1].double(), -1)[draft_index[token]])
                 feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, token]
+                t = None if t is None else torch.cat([t, t.new_zeros(1, t.shape[1])])  # a draft reads no taps
         assert log_value == pytest.approx(expected, abs=2e-3), path
 
 
-def test_plain_steps_batched_while_speculation_pauses_keep_every_feature_for_the_head(models, head, head_dir):
-    """While the policy pauses speculation, its plain steps go several to a submit; the head must still get
-    every verified row's feature, so it drafts exactly as when they go one per submit."""
+def test_a_tree_steps_compaction_moves_the_tapped_layers_rows_with_the_final_ones(models, heads):
+    """After a tree step the accepted path's rows move into place in target.x and in every tapped layer's buffer
+    alike (a fused head reads both for the same positions)."""
+    import numpy as np
+
     target = models["target"]
+    engine = SpeculativeEngine(target, EagleDrafter(target, heads("eagle-3")[1]))
+    buffers = target.feature_buffers
+    assert len(buffers) == 1 + len(FUSED_LAYERS)
+    h = target.config.hidden_size
+    rows = np.arange(8 * h, dtype=np.float32).reshape(8, h)
+    for b, buffer in enumerate(buffers):
+        buffer.view((8, h)).write(rows + 1000 * b)
+    rec = target.registry.recorder()
+    engine._compact_features(rec, [(3, 1), (5, 2)])
+    rec.submit()
+    for b, buffer in enumerate(buffers):
+        got = buffer.view((8, h)).numpy()
+        expected = (rows + 1000 * b)[[0, 3, 5, 3, 4, 5, 6, 7]]
+        np.testing.assert_array_equal(got, expected)
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_steps_batched_while_speculation_pauses_keep_every_feature_for_the_head(models, heads, head_dir, kind):
+    """While the policy pauses speculation, its plain steps go several to a submit; the head must still get
+    every verified row's feature (and tapped layers' outputs), so it drafts exactly as when they go one per
+    submit."""
+    target = models["target"]
+    head = heads(kind)[1]
     prompt = held_in_prompt(head_dir.parent / "work", "long")
     runs = {}
     for batched in (True, False):
@@ -279,6 +376,19 @@ def test_a_head_for_another_model_is_refused(head_dir, models, tmp_path):
         load_head(wrong, models["target"])
 
 
+def test_a_fused_head_whose_layers_or_tensors_do_not_fit_is_refused(fused_dir, models, tmp_path):
+    wrong = tmp_path / "wrong"
+    shutil.copytree(fused_dir, wrong)
+    meta = json.loads((wrong / "eagle.json").read_text())
+    for taps in ([0, 4], [1, 1], ["2"]):  # the tiny target has layers 0..3
+        (wrong / "eagle.json").write_text(json.dumps(meta | {"feature_taps": taps}))
+        with pytest.raises(ModelFormatError, match=r"eagle\.json: feature_taps"):
+            load_head(wrong, models["target"])
+    (wrong / "eagle.json").write_text(json.dumps(meta | {"feature_taps": [0, 1, 2]}))  # 3 taps, weights for 2
+    with pytest.raises(ModelFormatError, match=r"eagle\.safetensors: tensor fc_taps\.weight has shape"):
+        load_head(wrong, models["target"])
+
+
 def test_a_truncated_head_file_names_the_file(head_dir, models, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(head_dir, broken)
@@ -327,10 +437,10 @@ def test_eval_head_counts_every_answer_token_once_and_matches_the_trainers_draft
     from eval_head import simulate
 
     hf, _ = load_target(tiny_folder(TARGET))
-    head, mean, std, draft_ids = import_head(head_dir, hf.config)
+    head, stats, draft_ids = import_head(head_dir, hf.config)
     record = json.loads((head_dir.parent / "work" / "answers.jsonl").read_text().splitlines()[1])
     tokens, start = record["prompt_ids"] + record["answer_ids"], len(record["prompt_ids"])
     features = target_features(hf, [tokens])[0][0]
     embed = hf.get_input_embeddings().weight.detach()
-    accepted = simulate(head, mean, std, draft_ids, embed, features, tokens, start, 3)
+    accepted = simulate(head, stats, draft_ids, embed, features, tokens, start, 3)
     assert sum(a + 1 for a in accepted) == len(tokens) - start and max(accepted) <= 3 and sum(accepted) > 0
