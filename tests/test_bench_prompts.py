@@ -46,3 +46,29 @@ def test_summary_is_the_geometric_mean_and_worst_prompt_per_group_and_method(ben
     assert math.isclose(open_ended["geomean_speedup"], 1.0) and open_ended["worst_speedup"] == 0.5
     assert open_ended["prompts"] == 3 and math.isclose(open_ended["mean_tokens_per_step"], 1.5)
     assert summary[("copy-heavy", "eagle")]["geomean_speedup"] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [
+        ("plain", {"speculative": None, "k": None, "tree": False}),
+        ("eagle", {"speculative": "eagle", "k": None, "tree": False}),
+        ("eagle-k4", {"speculative": "eagle", "k": 4, "tree": False}),
+        ("eagle-tree-k8", {"speculative": "eagle", "k": 8, "tree": 8}),
+        ("lookup-tree", {"speculative": "prompt-lookup", "k": None, "tree": True}),
+        ("auto", {"speculative": "auto", "k": None, "tree": None}),
+    ],
+)
+def test_a_k_suffix_pins_the_draft_length_of_that_method_only(bench, method, expected):
+    calls = []
+
+    class Engine:
+        def generate(self, prompt, **kwargs):
+            calls.append(kwargs)
+            stats = {"drafted": 0, "gpu_draft_s": None, "draft_s": 0.0, "tokens_per_step": 1.0,
+                     "acceptance_by_position": [], "plain_steps": 0, "steps": 0, "tree_steps": 0}  # fmt: skip
+            return type("Result", (), {"stats": stats, "tokens": [1], "tokens_per_s": 1.0, "acceptance_rate": 0.0,
+                                       "speculative": None})()  # fmt: skip
+
+    bench.run_ours(Engine(), "hi", method, 4)
+    assert {key: calls[0][key] for key in expected} == expected

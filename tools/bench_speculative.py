@@ -3,7 +3,9 @@
     python tools/bench_speculative.py --weights q4_1 --repeats 3 --json bench.json --png bench.png
 
 For every weight format and prompt kind, each repeat runs every method once, one after another, so machine
-noise hits all methods alike; the table reports medians and the speedup of each method over plain decoding of
+noise hits all methods alike; each repeat starts the order one method later (rotated), so no method always runs
+right after the same one. A method name ending in -kN (eagle-k4, lookup-tree-k8) pins that method's draft
+length (a tree's node budget) to N. The table reports medians and the speedup of each method over plain decoding of
 the same model measured in the same run, then each group's geometric mean and worst prompt. Greedy decoding
 (so all methods produce the same text); a second pass reports acceptance at --sampled-temperature (every
 drafter on the open-ended prompts, the lookup methods, chains and trees, on the copy-heavy ones too).
@@ -128,14 +130,25 @@ LOOKUP_METHODS = ("prompt-lookup", "lookup-tree")
 PINNED_METHODS = {"lookahead-pinned": "lookahead"}
 
 
+def split_method(method: str) -> tuple[str, int | None]:
+    """ "eagle-k4" → ("eagle", 4): a method and the draft length its -kN suffix pins (None: none)."""
+    base, dash, pin = method.rpartition("-k")
+    if dash and base and pin.isdigit() and int(pin) > 0:
+        return base, int(pin)
+    return method, None
+
+
 def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0, k: int | None = None) -> dict:
     from doppler_py.speculative.lookahead import LookaheadShape
 
+    method, pinned_k = split_method(method)
+    k = pinned_k or k
     speculative = None if method == "plain" else TREE_METHODS.get(method, PINNED_METHODS.get(method, method))
     # Chains are chains even where the tree policy would switch trees on; "auto" lets the policy decide, and
     # every lookahead step is a tree of its own.
     tree = (k or True) if method in TREE_METHODS else (None if method == "auto" or "lookahead" in method else False)
-    pinned = k if speculative == "prompt-lookup" else (LookaheadShape().nodes if method in PINNED_METHODS else None)
+    pinned = k if speculative == "prompt-lookup" or pinned_k else None
+    pinned = LookaheadShape().nodes if method in PINNED_METHODS else pinned
     result = engine.generate(
         prompt, max_tokens=tokens, speculative=speculative, temperature=temperature, seed=0, k=pinned, tree=tree
     )
@@ -252,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             missing = [
                 m
                 for m in methods
-                if (kind := TREE_METHODS.get(m, m)) in ("eagle", "medusa", "spark") and kind not in engine.heads
+                if (kind := TREE_METHODS.get(split_method(m)[0], split_method(m)[0])) in ("eagle", "medusa", "spark")
+                and kind not in engine.heads
             ]
             if missing:  # heads come from the catalog (shipped with the package) or --draft-head
                 print(f"[{weight}] no {' or '.join(missing)} head for this model: skipping it", file=sys.stderr)
@@ -263,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             per_prompt = results.setdefault(weight, {})
             for repeat in range(args.repeats):
                 for prompt in prompts:
-                    for method in methods:
+                    start = repeat % len(methods)  # rotated: see the module docstring
+                    for method in methods[start:] + methods[:start]:
                         row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, k=args.k)
                         per_prompt.setdefault(prompt, {}).setdefault(method, []).append(row)
                         print(
