@@ -72,3 +72,13 @@ def test_a_k_suffix_pins_the_draft_length_of_that_method_only(bench, method, exp
 
     bench.run_ours(Engine(), "hi", method, 4)
     assert {key: calls[0][key] for key in expected} == expected
+
+
+def test_no_method_always_runs_right_after_the_same_one(bench):
+    methods = ["plain", "eagle", "auto", "medusa"]
+    follows_plain = set()
+    for repeat in range(2):
+        order = [m for i in range(6) for m in bench.method_order(methods, repeat, i)]
+        assert all(sorted(order[i * 4 : i * 4 + 4]) == sorted(methods) for i in range(6))
+        follows_plain |= {order[j + 1] for j in range(len(order) - 1) if order[j] == "plain"}
+    assert follows_plain >= {"eagle", "auto", "medusa"}

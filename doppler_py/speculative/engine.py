@@ -568,7 +568,16 @@ class SpeculativeEngine:
         else:
             if not outcome.on_gpu:  # a host drafter: the GPU did nothing but verify
                 costs.observe_verify(outcome.drafted + 1, times.verify_s)
-            costs.observe_step(outcome.drafted, times.total_s)
+                costs.observe_step(outcome.drafted, times.total_s)
+            elif times.gpu_draft_s is not None:
+                # GPU stamps split the step: its drafting, and the rest, which is what a step verifying these
+                # rows costs now (at this context, with this drafter's upkeep). Without this split the costs of
+                # 2+ rows would stay those of the calibration: on lavapipe they read 88–116 ms for 2–4 rows
+                # where live steps took 90–131 ms, and the policy drafted more than paid (k = 1 was faster).
+                costs.observe_verify(outcome.drafted + 1, times.total_s - times.gpu_draft_s)
+                costs.observe_draft(outcome.drafted, times.gpu_draft_s)
+            else:
+                costs.observe_step(outcome.drafted, times.total_s)
             self.policy.observe(outcome.drafted, outcome.accepted)
         self._check_cache(ctx)
         return outcome.new

@@ -57,8 +57,19 @@ class CostModel:
         if drafts and verify is not None:
             self.draft_per_token = _ema(self.draft_per_token, max(0.0, seconds - verify) / drafts)
 
+    def observe_draft(self, drafts: int, seconds: float) -> None:
+        """The drafting of a step, measured apart from its verification (GPU timestamps)."""
+        self.draft_per_token = _ema(self.draft_per_token, seconds / drafts)
+
     def verify_cost(self, rows: int) -> float | None:
-        """Measured cost for `rows`, else interpolated/extrapolated linearly from the measured points."""
+        """Measured cost for `rows`, else interpolated/extrapolated linearly from the measured points; never
+        below the cost measured for fewer rows (more rows never cost less: a stale or noisy measure of a size
+        the live steps no longer use must not make it look cheap)."""
+        cost = self._verify_point(rows)
+        fewer = [c for r, c in self.verify.items() if r < rows]
+        return max([cost, *fewer]) if cost is not None else None
+
+    def _verify_point(self, rows: int) -> float | None:
         if rows in self.verify:
             return self.verify[rows]
         points = sorted(self.verify.items())

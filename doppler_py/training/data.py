@@ -5,6 +5,7 @@
     work/answers.jsonl   the target's answers (greedy; every `sampled_every`th batch sampled at T = 0.7), appended a
                          batch at a time (a restart skips what is there)
     work/features.pt     the target's features and choices per sequence (reused; new sequences computed alone)
+    work/feature_taps.pt with `feature_taps`: those layers' outputs per sequence (float16), beside features.pt
     work/KIND.pt         a head's checkpoint every `save_every` steps (a restart resumes from it)
 
 Nothing is downloaded: the prompts and answers come from the target itself. Every (1 / `holdout`)th sequence

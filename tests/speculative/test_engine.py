@@ -106,3 +106,21 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
 def test_two_token_joint_distribution_matches_the_target(models):
     """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target."""
     check_two_token_joint(models["target"], drafter_for("draft-model", models))
+
+
+def test_gpu_drafters_live_steps_price_their_verification_where_the_gpu_stamps_time(models):
+    """With timestamps, a GPU drafter's step is split into its drafting and the rest, so the cost of verifying
+    k + 1 rows follows the live steps instead of staying at its calibration (here a stale 100 s)."""
+    engine = SpeculativeEngine(models["target"], drafter_for("draft-model", models))
+    if not engine.clock.gpu_timing:
+        engine.close()
+        pytest.skip("this adapter has no timestamp queries")
+    costs = engine.policy.costs
+    costs.observe_verify(1, 0.01)
+    costs.observe_verify(4, 100.0)
+    result = engine.generate(PROMPT, 40, GREEDY, k=3)
+    trusted = engine.clock.gpu_timing  # the stamps passed their checks throughout
+    engine.close()
+    assert result.stats.steps >= 5 and trusted
+    assert costs.verify[4] < 100.0 * 0.7**5 + 1.0  # each live step's measure weighs 0.3
+    assert 0 < costs.draft_per_token < 1.0

@@ -111,3 +111,19 @@ def test_verify_costs_are_interpolated_between_measured_sizes():
     costs.observe_verify(9, 5.0)
     assert costs.verify_cost(5) == pytest.approx(3.0)
     assert costs.verify_cost(1) == 1.0
+
+
+def test_more_rows_never_cost_less_than_fewer_measured_ones():
+    """A stale calibration of 4 rows below the live cost of 3 must not make a longer draft look cheaper."""
+    costs = CostModel()
+    for rows, seconds in ((1, 0.08), (2, 0.09), (3, 0.12), (4, 0.10), (6, 0.13)):
+        costs.observe_verify(rows, seconds)
+    assert [costs.verify_cost(r) for r in (1, 2, 3, 4, 5, 6)] == pytest.approx([0.08, 0.09, 0.12, 0.12, 0.12, 0.13])
+    costs.observe_draft(1, 0.02)
+    assert costs.speedup(0.5, 3) < costs.speedup(0.5, 2)  # the same verification and one draft more
+
+
+def test_a_drafting_measured_apart_is_billed_per_draft():
+    costs = CostModel()
+    costs.observe_draft(4, 0.02)
+    assert costs.draft_per_token == pytest.approx(0.005)
