@@ -9,8 +9,10 @@ step yields E = (1 − α^(k+1)) / (1 − α) tokens for cost(step with k drafts
 per token for plain decoding. All costs are MEASURED on the running device as host wall time of whole steps
 (which end with their one readback, so measuring adds no GPU wait): on a CPU adapter verifying k+1 tokens
 costs far more than one, on a GPU nearly the same, so the same policy speculates aggressively on a GPU and
-cautiously on lavapipe. When no k predicts a speedup, speculation pauses for a number of plain steps that
-doubles each time a probe confirms it.
+cautiously on lavapipe. Where the adapter stamps GPU time, a GPU drafter's step is split into its drafting
+(priced per draft token) and the rest (the verification of that many rows), so each row count's cost follows
+the live steps, not only its calibration. When no k predicts a speedup, speculation pauses for a number of
+plain steps that doubles each time a probe confirms it.
 
 A drafter whose steps have a fixed shape (lookahead decoding: its window is part of every proposal, and its
 drafts are not a chain whose tail is the least likely part) is run in fixed mode: k is that shape's node count,
