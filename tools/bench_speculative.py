@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             missing = [
                 m
                 for m in methods
-                if (kind := TREE_METHODS.get(split_method(m)[0], split_method(m)[0])) in ("eagle", "medusa", "spark")
+                if (kind := TREE_METHODS.get(base := split_method(m)[0], base)) in ("eagle", "medusa", "spark")
                 and kind not in engine.heads
             ]
             if missing:  # heads come from the catalog (shipped with the package) or --draft-head

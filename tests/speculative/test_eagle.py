@@ -120,10 +120,11 @@ def test_training_time_test_drafts_as_the_head_does_after_a_verification(request
     n, steps = emb.shape[0], 4
 
     def run(tokens, feats, a: int):  # a drafted position reads no taps: zeros
-        t = None if tapped is None else torch.cat([tapped[: a + 1], tapped.new_zeros(len(feats) - a - 1, t_width)])
-        return head(tokens[None], feats[None], None if t is None else t[None])
+        if tapped is None:
+            return head(tokens[None], feats[None])
+        t = torch.cat([tapped[: a + 1], tapped.new_zeros(len(feats) - a - 1, tapped.shape[1])])
+        return head(tokens[None], feats[None], t[None])
 
-    t_width = 0 if tapped is None else tapped.shape[1]
     with torch.no_grad():
         rows = unrolled(head, emb, s, steps, tapped)
         assert [out.shape[0] for out, _ in rows] == [n - j for j in range(steps)]
