@@ -556,31 +556,40 @@ class SpeculativeEngine:
     def _measured_step(self, ctx: StepContext, k: int, stats: SpecStats) -> list[int]:
         """One step with its timing, statistics, policy update and the KV-cache invariant check around it."""
         self._check_open()
+        pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.step(ctx, k)
         times = self.clock.stop()
         stats.record(outcome.drafted, outcome.accepted, times)
         stats.tree_steps += outcome.tree
+        # A step that compiled a pipeline (its own, or one a background warmup finished meanwhile on the same
+        # CPU) timed the compiler, not the device: the first EAGLE step on lavapipe read 98 ms a draft against
+        # 2 ms, and the policy paused speculation for most of a generation while that estimate decayed.
+        if self.registry.cache_sizes["pipelines"] == pipelines:
+            self._price(outcome, times)
+        if outcome.drafted:
+            self.policy.observe(outcome.drafted, outcome.accepted)
+        self._check_cache(ctx)
+        return outcome.new
+
+    def _price(self, outcome: StepOutcome, times: StepTimes) -> None:
+        """What a step's time says of the device's costs: of verifying its rows, and of drafting."""
         costs = self.policy.costs
         if outcome.drafted == 0:
             costs.observe_verify(1, times.total_s)
             self._observe_plain(times.total_s)
+        elif not outcome.on_gpu:  # a host drafter: the GPU did nothing but verify
+            costs.observe_verify(outcome.drafted + 1, times.verify_s)
+            costs.observe_step(outcome.drafted, times.total_s)
+        elif times.gpu_draft_s is not None:
+            # GPU stamps split the step: its drafting, and the rest, which is what a step verifying these rows
+            # costs now (at this context, with this drafter's upkeep). Without this split the costs of 2+ rows
+            # would stay those of the calibration: on lavapipe they read 88–116 ms for 2–4 rows where live steps
+            # took 90–131 ms, and the policy drafted more than paid (k = 1 was faster).
+            costs.observe_verify(outcome.drafted + 1, times.total_s - times.gpu_draft_s)
+            costs.observe_draft(outcome.drafted, times.gpu_draft_s)
         else:
-            if not outcome.on_gpu:  # a host drafter: the GPU did nothing but verify
-                costs.observe_verify(outcome.drafted + 1, times.verify_s)
-                costs.observe_step(outcome.drafted, times.total_s)
-            elif times.gpu_draft_s is not None:
-                # GPU stamps split the step: its drafting, and the rest, which is what a step verifying these
-                # rows costs now (at this context, with this drafter's upkeep). Without this split the costs of
-                # 2+ rows would stay those of the calibration: on lavapipe they read 88–116 ms for 2–4 rows
-                # where live steps took 90–131 ms, and the policy drafted more than paid (k = 1 was faster).
-                costs.observe_verify(outcome.drafted + 1, times.total_s - times.gpu_draft_s)
-                costs.observe_draft(outcome.drafted, times.gpu_draft_s)
-            else:
-                costs.observe_step(outcome.drafted, times.total_s)
-            self.policy.observe(outcome.drafted, outcome.accepted)
-        self._check_cache(ctx)
-        return outcome.new
+            costs.observe_step(outcome.drafted, times.total_s)
 
     def _check_open(self) -> None:
         if self.closed:  # a stream still iterated after its engine was closed: its buffers are gone

@@ -29,6 +29,11 @@ from doppler_py.errors import GenerationOptionError
 START_K = 4  # the first draft length of an unpinned generation
 K_CEILING = 8  # an unpinned k never grows past this (nor past the engine's capacity)
 _EMA = 0.3  # weight of the newest measurement
+# A step timed at more than this many times the running cost counts as this ratio: a stall of the shared
+# machine (0.4-0.5 s on lavapipe against 90-150 ms) would otherwise stay in the cost of a row count the policy
+# then stops using, and keep it from coming back. Only slow outliers are clipped: a device is never faster than
+# it is, so a cost measured too high (a stall in the first measure) must be free to fall.
+_OUTLIER_RATIO = 1.5
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -42,6 +47,13 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - _EMA) * old + _EMA * new
 
 
+def _cost_ema(old: float | None, new: float) -> float:
+    """`_ema` of a time, with the newest measurement at most `_OUTLIER_RATIO` times the running value."""
+    if old is not None and old > 0.0:
+        new = min(new, old * _OUTLIER_RATIO)
+    return _ema(old, new)
+
+
 @dataclass
 class CostModel:
     """Measured seconds: target steps by number of verified rows (plain step = 1 row), drafting per token."""
@@ -51,17 +63,17 @@ class CostModel:
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """A target forward over `rows` rows + verification + readback, nothing drafted (plain step, calibration)."""
-        self.verify[rows] = _ema(self.verify.get(rows), seconds)
+        self.verify[rows] = _cost_ema(self.verify.get(rows), seconds)
 
     def observe_step(self, drafts: int, seconds: float) -> None:
         """A whole speculative step: what it cost beyond verifying drafts + 1 rows is the drafting."""
         verify = self.verify_cost(drafts + 1)
         if drafts and verify is not None:
-            self.draft_per_token = _ema(self.draft_per_token, max(0.0, seconds - verify) / drafts)
+            self.draft_per_token = _cost_ema(self.draft_per_token, max(0.0, seconds - verify) / drafts)
 
     def observe_draft(self, drafts: int, seconds: float) -> None:
         """The drafting of a step, measured apart from its verification (GPU timestamps)."""
-        self.draft_per_token = _ema(self.draft_per_token, seconds / drafts)
+        self.draft_per_token = _cost_ema(self.draft_per_token, seconds / drafts)
 
     def verify_cost(self, rows: int) -> float | None:
         """Measured cost for `rows`, else interpolated/extrapolated linearly from the measured points; never

@@ -127,3 +127,36 @@ def test_a_drafting_measured_apart_is_billed_per_draft():
     costs = CostModel()
     costs.observe_draft(4, 0.02)
     assert costs.draft_per_token == pytest.approx(0.005)
+
+
+def test_one_stalled_step_moves_a_cost_by_at_most_a_bounded_share():
+    """A 0.45 s stall among 0.13 s steps must not leave the cost of 3 rows at several plain steps."""
+    costs = CostModel()
+    costs.observe_verify(1, 0.09)
+    costs.observe_verify(3, 0.13)
+    costs.observe_verify(3, 0.45)
+    assert costs.verify_cost(3) == pytest.approx(0.13 * (1 + 0.3 * 0.5))
+    for _ in range(3):
+        costs.observe_verify(3, 0.13)
+    assert costs.verify_cost(3) < 0.14
+
+
+def test_a_lasting_change_of_speed_is_still_followed():
+    costs = CostModel()
+    costs.observe_verify(2, 0.1)
+    for _ in range(20):
+        costs.observe_verify(2, 0.3)
+    assert costs.verify_cost(2) == pytest.approx(0.3, rel=0.02)
+    costs.observe_draft(1, 0.0)  # a drafting measured as nothing stays nothing, and may grow again
+    costs.observe_draft(1, 0.0)
+    assert costs.draft_per_token == 0.0
+    costs.observe_draft(1, 0.01)
+    assert costs.draft_per_token == pytest.approx(0.003)
+
+
+def test_a_cost_first_measured_too_high_falls_at_the_full_rate():
+    """Only slow outliers are clipped: a 98 ms first draft (a stall) must not take dozens of steps to unlearn."""
+    costs = CostModel()
+    costs.observe_draft(1, 0.098)
+    costs.observe_draft(1, 0.002)
+    assert costs.draft_per_token == pytest.approx(0.7 * 0.098 + 0.3 * 0.002)
