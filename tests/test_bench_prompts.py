@@ -65,8 +65,9 @@ def test_a_k_suffix_pins_the_draft_length_of_that_method_only(bench, method, exp
     class Engine:
         def generate(self, prompt, **kwargs):
             calls.append(kwargs)
-            stats = {"drafted": 0, "gpu_draft_s": None, "draft_s": 0.0, "tokens_per_step": 1.0,
-                     "acceptance_by_position": [], "plain_steps": 0, "steps": 0, "tree_steps": 0}  # fmt: skip
+            stats = {"drafted": 0, "made": 0, "gpu_draft_s": None, "draft_s": 0.0, "tokens_per_step": 1.0,
+                     "tokens_per_forward": 1.0, "acceptance_by_position": [], "plain_steps": 0, "steps": 0,
+                     "tree_steps": 0}  # fmt: skip
             return type("Result", (), {"stats": stats, "tokens": [1], "tokens_per_s": 1.0, "acceptance_rate": 0.0,
                                        "speculative": None})()  # fmt: skip
 

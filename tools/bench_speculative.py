@@ -163,7 +163,7 @@ def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0,
         prompt, max_tokens=tokens, speculative=speculative, temperature=temperature, seed=0, k=pinned, tree=tree
     )
     stats = result.stats
-    drafted = stats["drafted"]
+    drafted = stats["made"]  # drafts made, verified or cut by the engine: all were paid for
     draft_s = stats["gpu_draft_s"] if stats["gpu_draft_s"] is not None else stats["draft_s"]
     return {
         "tokens": len(result.tokens),
@@ -171,6 +171,8 @@ def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0,
         "acceptance_rate": result.acceptance_rate,
         # accepted drafts + 1 per verifying target forward (plain decoding: 1 token per forward)
         "tokens_per_step": stats["tokens_per_step"] if method != "plain" else 1.0,
+        # the same over every target forward, plain steps included (speculation paused or a draft cut)
+        "tokens_per_forward": stats["tokens_per_forward"] if method != "plain" else 1.0,
         "acceptance_by_position": stats["acceptance_by_position"],
         "draft_s_per_token": draft_s / drafted if drafted else None,
         "drafter": result.speculative,
@@ -338,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                         "speedup_vs_plain": round(tps / plain, 3) if plain else None,
                         "acceptance_rate": round(median(rows, "acceptance_rate"), 3),
                         "tokens_per_step": round(median(rows, "tokens_per_step"), 2),
+                        "tokens_per_forward": round(median(rows, "tokens_per_forward"), 2),
                         "tree_steps_per_run": round(median(rows, "tree_steps"), 1),
                         "acceptance_by_position": mean_by_position([r["acceptance_by_position"] for r in rows]),
                         # one draft token's time over one plain decoding step's (1 / plain tok/s), same run
@@ -384,11 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     summary = summarise(table)
     print()
-    print(f"{'weights':12s} {'group':10s} {'method':20s} {'geomean vs plain':>16s} {'worst':>6s} {'tok/step':>8s}")
+    print(
+        f"{'weights':12s} {'group':10s} {'method':20s} {'geomean vs plain':>16s} {'worst':>6s} {'tok/step':>8s} "
+        f"{'tok/fwd all':>11s}"
+    )
     for row in summary:
         print(
             f"{row['weights']:12s} {row['group']:10s} {row['method']:20s} {row['geomean_speedup']:15.2f}x "
-            f"{row['worst_speedup']:5.2f}x {row['mean_tokens_per_step']:8.2f}"
+            f"{row['worst_speedup']:5.2f}x {row['mean_tokens_per_step']:8.2f} {row['mean_tokens_per_forward']:11.2f}"
         )
     for row in (r for r in table if r.get("acceptance_by_position")):
         if row["group"] == OPEN_ENDED and row["method"] == "eagle":
@@ -424,6 +430,7 @@ def summarise(table: list[dict]) -> list[dict]:
     for weight, group, method in keys:
         rows = [r for r in table if (r["weights"], r["group"], r["method"]) == (weight, group, method)]
         steps = [r["tokens_per_step"] for r in rows if r["tokens_per_step"] is not None]
+        forwards = [r["tokens_per_forward"] for r in rows if r.get("tokens_per_forward") is not None]
         summary.append(
             {
                 "weights": weight,
@@ -433,6 +440,7 @@ def summarise(table: list[dict]) -> list[dict]:
                 "geomean_speedup": round(geomean([r["speedup_vs_plain"] for r in rows]), 3),
                 "worst_speedup": round(min(r["speedup_vs_plain"] for r in rows), 3),
                 "mean_tokens_per_step": round(statistics.fmean(steps), 2) if steps else float("nan"),
+                "mean_tokens_per_forward": round(statistics.fmean(forwards), 2) if forwards else float("nan"),
             }
         )
     return summary

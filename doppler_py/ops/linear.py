@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import Bound, Kernel, KernelRegistry, Recorder, workgroups
 from doppler_py.gpu.subgroups import simd_lanes, smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
@@ -160,30 +160,39 @@ class Linear:
         # (row tile, gated activation fused) -> [(bound, grid x)] per weight part
         self._variants: dict[tuple[int, bool], list[tuple[Bound, int]]] = {}
 
+    def compile(self, rows: int) -> None:
+        """Compile the pipeline a call of `rows` rows runs (and nothing else: no bind group, no uniform), so
+        another thread may do it ahead of the first such call (~0.6-1.4 s each on lavapipe)."""
+        self._kernel(row_tile(rows, self.tiled_gemm), self.glu is not None and rows <= FUSED_GLU_MAX_ROWS)
+
+    def _kernel(self, tile: int, fused_glu: bool) -> Kernel:
+        if tile == 0:
+            return self.registry.kernel(SHADER, "gemm_tiled", **self.flags)
+        input_flags = {"RMS_NORM": True} if self.norm is not None else {}
+        if fused_glu:
+            input_flags["GLU"] = ACTIVATIONS[self.glu.activation] + 1
+        return self.registry.kernel(
+            SHADER,
+            self.entry,
+            ROWS=tile,
+            COLS=COLS,
+            WORKGROUP_SIZE=self.group,
+            **self.flags,
+            **self.device_flags,
+            **input_flags,
+        )
+
     def _variant(self, tile: int, fused_glu: bool) -> list[tuple[Bound, int]]:
         if (tile, fused_glu) not in self._variants:
             registry, (n, k) = self.registry, self.weight.shape
             tensors = dict(self.tensors)
             if self.glu is not None and not fused_glu:
                 tensors["x"] = self.glu.scratch
+            kernel = self._kernel(tile, fused_glu)
             if tile == 0:
-                kernel = registry.kernel(SHADER, "gemm_tiled", **self.flags)
                 if self.norm is not None:
                     tensors["x"] = self.norm.scratch
             else:
-                input_flags = {"RMS_NORM": True} if self.norm is not None else {}
-                if fused_glu:
-                    input_flags["GLU"] = ACTIVATIONS[self.glu.activation] + 1
-                kernel = registry.kernel(
-                    SHADER,
-                    self.entry,
-                    ROWS=tile,
-                    COLS=COLS,
-                    WORKGROUP_SIZE=self.group,
-                    **self.flags,
-                    **self.device_flags,
-                    **input_flags,
-                )
                 tensors["norm_weight"] = self.norm_weight
             eps = self.norm.eps if self.norm is not None else 0.0
             bounds = []

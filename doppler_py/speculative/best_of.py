@@ -33,6 +33,12 @@ class BestOfDrafter:
         self.head_accepted = RunningMean(1.0)  # accepted per step, over the head's steps
         self.last: tuple[Drafter, int] | None = None  # who proposed the last proposal, and how many tokens
 
+    def compile(self) -> None:
+        """The head's own pipelines, compiled ahead (`EagleDrafter.compile`), where it has any."""
+        compile_head = getattr(self.head, "compile", None)
+        if compile_head is not None:
+            compile_head()
+
     def start(self, ctx: StepContext) -> None:
         self.last = None
         self.lookup.start(ctx)

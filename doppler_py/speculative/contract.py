@@ -11,11 +11,15 @@ drafter is one new file: implement `Drafter` and hand an instance to `Speculativ
 
 Exactness does not depend on the drafter: whatever it proposes, the verifier keeps the output distributed as
 the target's own sampling. A drafter only decides how often its proposals are accepted.
+
+Optional attributes the engine reads: `fixed_nodes` (a fixed step shape, lookahead), `gates_chains` (it ends
+its chains by `StepContext.worth_drafting`), and `compile()` (builds the drafter's own pipelines ahead of use,
+thread-safe: the engine runs it with its warm-up).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +48,10 @@ class StepContext:
     rng             the generation's seeded stream: a drafter that samples on the GPU draws one u per sampled
                     token, in order, so a seed fixes the output
     capacity        positions this generation may use in any KV cache
+    worth_drafting  set where the engine prices steps (an unpinned draft length, not a seeded sampled run): given
+                    the values (`Proposal.values`) of a chain drafted so far, whether its newest draft paid for
+                    its drafting and its verified row on this device. A drafter that can value its drafts as it
+                    goes (EAGLE, by its confidence) stops its chain at the first that did not; None: draft k.
     """
 
     tokens: list[int]
@@ -53,6 +61,7 @@ class StepContext:
     rng: Mulberry32
     capacity: int
     hidden_rows: int = 0
+    worth_drafting: Callable[[Sequence[float]], bool] | None = None
 
     @property
     def hidden(self) -> Tensor:
@@ -77,6 +86,8 @@ class Proposal:
                     every leading run of nodes is a tree; a GPU proposal must be a chain): node i's expected
                     accepted tokens by the drafter's measured or predicted acceptance. The engine may then
                     verify only a leading run (`policy.tree_budget`); None: all n nodes are verified.
+    made            drafts the drafter made for this proposal, when the engine cut it shorter (`leading`): their
+                    drafting is a cost of the step all the same; None: count
     """
 
     count: int
@@ -84,6 +95,11 @@ class Proposal:
     draft_logits: Tensor | None = None
     parents: Sequence[int] | None = None
     values: Sequence[float] | None = None
+    made: int | None = None
+
+    @property
+    def drafts_made(self) -> int:
+        return self.count if self.made is None else self.made
 
     @property
     def on_gpu(self) -> bool:
@@ -93,11 +109,15 @@ class Proposal:
         """The first n nodes of a best-first proposal (see `values`): a tree, or a chain when it is one."""
         if self.values is None or (self.on_gpu and self.parents is not None):
             raise ValueError("only a proposal with node values (a chain, if on the GPU) can be cut to leading nodes")
+        made = self.drafts_made
+        if n == 0:  # a plain step
+            return Proposal(0, made=made)
         if self.on_gpu:  # the first n ids and logits rows of the buffers are the leading chain
-            return Proposal(n, self.tokens, self.draft_logits, values=list(self.values)[:n])
+            return Proposal(n, self.tokens, self.draft_logits, values=list(self.values)[:n], made=made)
         parents = list(self.parents) if self.parents is not None else list(range(-1, self.count - 1))
         shape = None if is_chain(parents[:n]) else parents[:n]
-        return Proposal(n, list(self.tokens)[:n], self.draft_logits, parents=shape, values=list(self.values)[:n])
+        values = list(self.values)[:n]
+        return Proposal(n, list(self.tokens)[:n], self.draft_logits, parents=shape, values=values, made=made)
 
 
 NO_PROPOSAL = Proposal(0)

@@ -12,7 +12,10 @@ The first draft comes from the pairs of the rows the target just verified; each 
 head's own `out` as the next feature with the token it just sampled. An EAGLE-3-style head (`feature_taps`) also
 fuses, for the target's rows, the outputs of a few lower layers g_t,p (kept by the target forward, `tap_layers`):
 x += Σ_t W_t·(g_t,p − μ_t)/σ_t; a drafted row has no such layers, and its own `out` stands for all of them.
-Nothing returns to the host while drafting.
+Nothing returns to the host while drafting, unless the engine prices steps (`StepContext.worth_drafting`):
+then after each draft the head's row and the drafted id come back (one small readback), the head's confidence
+in that draft gives its chance of acceptance (`confidence`), and the chain ends at the first draft that did not
+pay for itself; the engine verifies the chain's best leading run, or nothing.
 With `branches` > 1 it proposes EAGLE-2's dynamic token tree (`dynamic_tree`): depth by depth the head runs
 over the `branches` likeliest candidates of the newest depth (by cumulative draft log-probability, one small
 readback of their rows per depth), and the proposal keeps the likeliest nodes of all; after a tree step the
@@ -32,6 +35,7 @@ A head folder (written by `doppler_py.training.eagle`):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +48,11 @@ from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.embedding import Embedding
-from doppler_py.ops.linear import Linear
+from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, Linear
 from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.confidence import ConfidenceCalibration, draft_confidence
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
 from doppler_py.speculative.dynamic_tree import DYNAMIC_TREE_WIDTH, DraftTree
 from doppler_py.speculative.gpu_drafting import DraftSampler, checked_branches
@@ -164,6 +169,7 @@ class EagleDrafter:
 
     name = "eagle"
     tree_branches = DYNAMIC_TREE_WIDTH
+    gates_chains = True  # its chains end where its confidence says a draft stops paying
 
     def __init__(self, target: Transformer, head: EagleHead):
         self.target, self.head = target, head
@@ -194,9 +200,24 @@ class EagleDrafter:
         self.sampling = DraftSampler(model, target.config.vocab_size)
         self.branches = 1
         self.scatter = VocabScatter(registry, model.logits, head.draft_to_target, self.sampling.row)
+        self.calibration = ConfidenceCalibration()
+        self.to_draft = np.full(target.config.vocab_size, -1, np.int64)  # target id -> draft id
+        self.to_draft[head.draft_to_target] = np.arange(head.draft_to_target.size)
+        self.chain: list[tuple[int, float]] = []  # the last gated chain's (target id, confidence) per draft
         self.cache: KVCache | None = None
         self.consumed = 0  # pairs (f_p, t_{p+1}) in the head cache: positions 0..consumed-1
         self.out_row = 0  # the row of model.x holding the head's latest prediction
+
+    def compile(self) -> None:
+        """Compile the pipelines of the head's input projections for every row count they may run with (the rows
+        a verification kept, 1..capacity + 1, or a prefill chunk): their f16/f32 matmuls share no pipeline with
+        the target's, and a first long accepted run compiled them mid-generation (8 pipelines, 7.5 s on
+        lavapipe). Thread-safe: the engine runs it beside its own warm-up."""
+        linears = (self.fc_embed, self.fc_raw, self.fc_own, *self.fc_taps)
+        for rows in range(1, min(self.head.model.max_rows, REGISTER_TILED_MAX_ROWS + 1) + 1):
+            for linear in linears:
+                if rows <= linear.max_rows:
+                    linear.compile(rows)
 
     @property
     def branches(self) -> int:
@@ -214,6 +235,13 @@ class EagleDrafter:
         self._consume(ctx, begin + ctx.hidden_rows)
 
     def commit(self, ctx: StepContext, accepted: int) -> None:
+        if self.chain:
+            # Whether each draft was the target's token, verified or cut: greedy, a draft the engine cut would
+            # have been accepted exactly when the target's token equals it.
+            committed = ctx.tokens[len(ctx.tokens) - accepted - 1 :]
+            drafts, confidences = zip(*self.chain[: accepted + 1], strict=True)
+            self.calibration.observe(confidences, [d == t for d, t in zip(drafts, committed, strict=False)])
+            self.chain = []
         self.cache.truncate(self.consumed)  # drop the pairs built on the head's own predictions
         self._consume(ctx, len(ctx.tokens) - 1)
 
@@ -249,8 +277,12 @@ class EagleDrafter:
             return NO_PROPOSAL
         if self.branches > 1 and k >= 2:
             return self._dynamic_tree(ctx, k)
-        self._draft(ctx, k, ctx.params)
-        return Proposal(k, self.sampling.tokens, self.sampling.logits)
+        if ctx.worth_drafting is None:
+            self._draft(ctx, k, ctx.params)
+            return Proposal(k, self.sampling.tokens, self.sampling.logits)
+        made = self._draft(ctx, k, ctx.params, ctx.worth_drafting)
+        values = self.calibration.values([c for _, c in self.chain])
+        return Proposal(made, self.sampling.tokens, self.sampling.logits, values=values)
 
     def _dynamic_tree(self, ctx: StepContext, budget: int) -> Proposal:
         """EAGLE-2's tree of at most `budget` nodes (`dynamic_tree`): one head forward and one readback of the
@@ -286,9 +318,13 @@ class EagleDrafter:
             max_rows=min(MAX_TREE_ROWS, model.max_rows, self.cache.free),
         )
 
-    def _draft(self, ctx: StepContext, k: int, params: SamplingParams) -> None:
-        """Draft k tokens into `sampling`, one submit each."""
+    def _draft(
+        self, ctx: StepContext, k: int, params: SamplingParams, worth: Callable[[Sequence[float]], bool] | None = None
+    ) -> int:
+        """Draft up to k tokens into `sampling`, one submit each; with `worth`, each draft's confidence is read
+        back into `chain` and drafting stops after the first that `worth` says did not pay. Returns the drafts."""
         m = len(ctx.tokens) - 1
+        self.chain = []
         model, hidden = self.head.model, self.target.config.hidden_size
         for i in range(k):
             rec = model.registry.recorder()
@@ -302,12 +338,25 @@ class EagleDrafter:
             self.scatter.record(rec)  # the draft-vocabulary logits over the target's vocabulary
             self.sampling.record_pick(rec, model.ids, i, params)
             self.sampling.submit(rec, ctx.rng.random())
+            if worth is not None:
+                self.chain.append(self._read_draft(params))
+                if not worth(self.calibration.values([c for _, c in self.chain])):
+                    return i + 1
+        return k
+
+    def _read_draft(self, params: SamplingParams) -> tuple[int, float]:
+        """The draft just sampled (target id) and the head's confidence in it, read back."""
+        gpu, model = self.target.gpu, self.head.model
+        picked = int(np.frombuffer(gpu.queue.read_buffer(self.sampling.pick.buffer, 0, 4), np.uint32)[0])
+        row = np.frombuffer(gpu.queue.read_buffer(model.logits.buffer, 0, model.config.vocab_size * 4), np.float32)
+        return picked, draft_confidence(row, int(self.to_draft[picked]), params)
 
     def finish(self) -> None:
         if self.cache is not None:
             self.head.model.release_cache(self.cache)
             self.cache = None
         self.consumed = self.out_row = 0
+        self.chain = []
 
     def close(self) -> None:
         self.finish()

@@ -45,7 +45,7 @@ from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.policy import DraftLengthPolicy, tree_budget
+from doppler_py.speculative.policy import DraftLengthPolicy, tree_budget, worth_drafting
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.timing import StepClock, StepTimes
 from doppler_py.speculative.warmup import COMPILE_CONTEXT, PipelineWarmup
@@ -74,6 +74,7 @@ class StepOutcome:
     accepted: int
     on_gpu: bool  # the drafts came from GPU work (else from the host)
     tree: bool = False  # the drafts were a token tree
+    made: int = 0  # drafts made, verified or not (more than `drafted` where the engine cut the proposal)
 
 
 class SpeculativeEngine:
@@ -94,6 +95,9 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(capacity=self.capacity)
         # A drafter with a fixed step shape (lookahead) says so with `fixed_nodes` (policy: fixed mode).
         self.fixed_nodes: int | None = getattr(self.drafter, "fixed_nodes", None)
+        # A drafter that ends its chains by its own confidence (`StepContext.worth_drafting`) says so with
+        # `gates_chains` (policy: k is only the ceiling).
+        self.policy.gated = getattr(self.drafter, "gates_chains", False)
         if self.fixed_nodes is not None:
             self.policy.reset(fixed=self.fixed_nodes)
         gpu = target.gpu
@@ -154,6 +158,9 @@ class SpeculativeEngine:
             if costs:  # nothing to measure, but "now" means every step size runs without compiling first
                 self.calibrate(context=COMPILE_CONTEXT, repeats=1, store=False)
             self._use_rows(max(self.verify_rows()), between_steps=False)
+            compile_drafter = getattr(self.drafter, "compile", None)  # a drafter's own pipelines (EAGLE's)
+            if compile_drafter is not None:
+                compile_drafter()
 
     def verify_rows(self) -> list[int]:
         """Every row count a step may verify: 1 (a plain step) to k_max + 1."""
@@ -167,7 +174,10 @@ class SpeculativeEngine:
         if self.warmup_pending and (not first_step or seeded):
             self.warmup_pending = False
             self.warmup = PipelineWarmup(
-                self.target, lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity), self.verify_rows()
+                self.target,
+                lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity),
+                self.verify_rows(),
+                also=getattr(self.drafter, "compile", None),
             )
         if self.warmup_pending:
             return False
@@ -232,8 +242,10 @@ class SpeculativeEngine:
         proposal = self.drafter.propose(ctx, k) if k else NO_PROPOSAL
         if proposal.values is not None and self.policy.adaptive and self.policy.cost_aware:
             # The node budget from this device's verify costs and the drafter's measured acceptance. Not in a
-            # seeded sampled generation: its tokens must not depend on timing.
-            proposal = proposal.leading(tree_budget(proposal.values, self.policy.costs))
+            # seeded sampled generation: its tokens must not depend on timing. A GPU chain valued by the drafter's
+            # confidence may be cut to nothing (a plain step) where even its first draft is unlikely to pay.
+            least = 0 if proposal.on_gpu and proposal.parents is None else 1
+            proposal = proposal.leading(tree_budget(proposal.values, self.policy.costs, least))
         return proposal
 
     def verify(self, ctx: StepContext, proposal: Proposal, k: int) -> StepOutcome:
@@ -251,7 +263,7 @@ class SpeculativeEngine:
         self.spec_tokens.view((1 + len(host_drafts),)).write(np.array([ctx.tokens[-1], *host_drafts], np.uint32))
         rec = self.registry.recorder()
         self.clock.stamp_verify(rec, done=False)
-        if proposal.on_gpu:
+        if proposal.on_gpu and n:
             rec.copy(proposal.tokens, self.spec_tokens, 4 * n, dst_offset=4)
         rec.copy(self.spec_tokens, target.ids, 4 * (n + 1))
         # logits [n+1, V]: row i scores d_i (i < n), row n gives the token after the last accepted draft
@@ -271,7 +283,7 @@ class SpeculativeEngine:
         ctx.tokens.extend(new)
         ctx.hidden_rows = accepted + 1
         self.drafter.commit(ctx, accepted)
-        return StepOutcome(new, n, accepted, proposal.on_gpu)
+        return StepOutcome(new, n, accepted, proposal.on_gpu, made=proposal.drafts_made)
 
     def _check(self, proposal: Proposal, k: int) -> int:
         """The number of drafts, after refusing a proposal the verification cannot take."""
@@ -326,7 +338,7 @@ class SpeculativeEngine:
         ctx.tokens.extend(new)
         ctx.hidden_rows = accepted + 1  # the root's and the accepted path's features, as after a chain
         self.drafter.commit(ctx, accepted)
-        return StepOutcome(new, n, accepted, False, tree=True)
+        return StepOutcome(new, n, accepted, False, tree=True, made=proposal.drafts_made)
 
     def _scratch(self) -> Tensor:
         """`feature_scratch`, grown once if a drafter made since tapped more of the target's layers."""
@@ -458,6 +470,8 @@ class SpeculativeEngine:
         capacity = len(tokens) + max_new_tokens + self.capacity + 1
         cache = target.new_cache(capacity)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity)
+        if self.policy.adaptive and self.policy.cost_aware:
+            ctx.worth_drafting = lambda values: worth_drafting(values, self.policy.costs)
         try:
             self.drafter.start(ctx)
             for begin in range(0, len(tokens) - 1, target.max_rows):  # the last prompt token is fed by step 1
@@ -560,7 +574,7 @@ class SpeculativeEngine:
         self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.step(ctx, k)
         times = self.clock.stop()
-        stats.record(outcome.drafted, outcome.accepted, times)
+        stats.record(outcome.drafted, outcome.accepted, times, outcome.made)
         stats.tree_steps += outcome.tree
         # A step that compiled a pipeline (its own, or one a background warmup finished meanwhile on the same
         # CPU) timed the compiler, not the device: the first EAGLE step on lavapipe read 98 ms a draft against
@@ -575,7 +589,12 @@ class SpeculativeEngine:
     def _price(self, outcome: StepOutcome, times: StepTimes) -> None:
         """What a step's time says of the device's costs: of verifying its rows, and of drafting."""
         costs = self.policy.costs
-        if outcome.drafted == 0:
+        if outcome.drafted == 0 and outcome.made:  # drafted on the GPU, then cut to a plain step
+            drafting = times.gpu_draft_s if times.gpu_draft_s is not None else times.draft_s
+            costs.observe_draft(outcome.made, drafting)
+            costs.observe_verify(1, times.total_s - drafting)
+            self._observe_plain(times.total_s - drafting)
+        elif outcome.drafted == 0:
             costs.observe_verify(1, times.total_s)
             self._observe_plain(times.total_s)
         elif not outcome.on_gpu:  # a host drafter: the GPU did nothing but verify
@@ -585,9 +604,10 @@ class SpeculativeEngine:
             # GPU stamps split the step: its drafting, and the rest, which is what a step verifying these rows
             # costs now (at this context, with this drafter's upkeep). Without this split the costs of 2+ rows
             # would stay those of the calibration: on lavapipe they read 88–116 ms for 2–4 rows where live steps
-            # took 90–131 ms, and the policy drafted more than paid (k = 1 was faster).
+            # took 90–131 ms, and the policy drafted more than paid (k = 1 was faster). Drafts the engine cut
+            # were drafted all the same.
             costs.observe_verify(outcome.drafted + 1, times.total_s - times.gpu_draft_s)
-            costs.observe_draft(outcome.drafted, times.gpu_draft_s)
+            costs.observe_draft(max(outcome.made, outcome.drafted), times.gpu_draft_s)
         else:
             costs.observe_step(outcome.drafted, times.total_s)
 

@@ -14,6 +14,10 @@ cautiously on lavapipe. Where the adapter stamps GPU time, a GPU drafter's step 
 the live steps, not only its calibration. When no k predicts a speedup, speculation pauses for a number of
 plain steps that doubles each time a probe confirms it.
 
+A drafter that can value each draft as it goes (EAGLE, by its confidence: `confidence`) ends its own chain at
+the first draft that did not pay for its drafting and its row (`worth_drafting`), and the engine verifies the
+chain's best leading run, or takes a plain step (`tree_budget`); k is then only a ceiling (`gated`).
+
 A drafter whose steps have a fixed shape (lookahead decoding: its window is part of every proposal, and its
 drafts are not a chain whose tail is the least likely part) is run in fixed mode: k is that shape's node count,
 never adapted, and the pause rule compares the MEASURED tokens per step with the measured cost of its rows.
@@ -104,20 +108,37 @@ class CostModel:
         return expected_tokens(alpha, k) * plain / step
 
 
-def tree_budget(values: Sequence[float], costs: CostModel) -> int:
+def tree_budget(values: Sequence[float], costs: CostModel, least: int = 1) -> int:
     """How many leading nodes of a best-first tree to verify, given node i adds `values[i]` expected accepted
-    tokens: the count n >= 1 with the most expected tokens per second of verification, (1 + Σ values[:n]) /
-    verify_cost(n + 1); all of them while nothing is measured. The drafting is left out: it is the same for
-    every n (the tree is drafted already), so leaving it out only makes this choice err towards fewer nodes."""
+    tokens: the count n >= least (1, or 0: a plain step) with the most expected tokens per second of
+    verification, (1 + Σ values[:n]) / verify_cost(n + 1); all of them while nothing is measured. The drafting
+    is left out: it is the same for every n (the tree is drafted already), so leaving it out only makes this
+    choice err towards fewer nodes."""
     if costs.verify_cost(1) is None:
         return len(values)
     gained, best, best_n = 1.0, -1.0, len(values)
+    if least == 0:
+        best, best_n = 1.0 / costs.verify_cost(1), 0
     for n, value in enumerate(values, start=1):
         gained += value
         rate = gained / costs.verify_cost(n + 1)
         if rate > best:
             best, best_n = rate, n
     return best_n
+
+
+def worth_drafting(values: Sequence[float], costs: CostModel) -> bool:
+    """Whether the newest node of a chain with these node values paid for itself: the expected tokens per second
+    of the step, (1 + Σ values[:n]) / (verify_cost(n + 1) + n · draft_per_token), is higher with all n nodes than
+    without the last (True while nothing is measured). Values fall along a chain, so the first node that did not
+    pay is where drafting stops (`StepContext.worth_drafting`)."""
+    n, plain = len(values), costs.verify_cost(1)
+    if n == 0 or plain is None:
+        return True
+    draft = costs.draft_per_token or 0.0
+    with_it = (1.0 + sum(values)) / (costs.verify_cost(n + 1) + n * draft)
+    without = (1.0 + sum(values[:-1])) / (costs.verify_cost(n) + (n - 1) * draft)
+    return with_it > without
 
 
 # Token trees spend verified rows on side branches instead of a longer chain. That pays where extra rows are
@@ -147,6 +168,9 @@ class DraftLengthPolicy:
     pinned: bool = False
     fixed: bool = False  # k is a drafter's fixed step shape (see the module docstring)
     tokens_per_step: float | None = None  # fixed mode: measured committed tokens per speculative step
+    # The drafter ends its own chains where a draft stops paying (`worth_drafting`): an unpinned k is then only
+    # the ceiling, k_now, since the drafter's confidence says per step what a running acceptance says on average.
+    gated: bool = False
     # Timing-based pauses make the step structure depend on the machine's speed; a seeded sampled run must
     # not (the same seed must give the same tokens), so the engine turns them off there.
     cost_aware: bool = True
@@ -205,8 +229,9 @@ class DraftLengthPolicy:
             return 0
         k = self.k
         if self.adaptive and self.cost_aware and not self.fixed:
-            best = self.best_k()
-            if best is not None:
+            if self.gated:
+                k = self.k_now
+            elif (best := self.best_k()) is not None:
                 k = min(k, best)
         return min(k, remaining - 1, self.k_now)
 

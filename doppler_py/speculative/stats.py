@@ -23,6 +23,7 @@ class SpecStats:
     plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
     warmup_steps: int = 0  # of those, steps taken because speculation was not ready yet (pipelines compiling)
     drafted: int = 0
+    made: int = 0  # drafts made, verified or not (a drafter's chain cut by the engine, `Proposal.made`)
     accepted: int = 0
     generated: int = 0
     drafted_at: list[int] = field(default_factory=list)  # [i] = steps that drafted a token at position i
@@ -37,9 +38,12 @@ class SpecStats:
     k_history: list[int] = field(default_factory=list)
     stopped_by: str = "max_tokens"  # "max_tokens" or "eos"
 
-    def record(self, drafted: int, accepted: int, times: StepTimes) -> None:
-        """One step: `drafted` proposals (0: a plain step), `accepted` of them kept, and its times."""
-        if times.gpu_verify_s is not None and drafted:
+    def record(self, drafted: int, accepted: int, times: StepTimes, made: int | None = None) -> None:
+        """One step: `drafted` proposals verified (0: a plain step), `accepted` of them kept, its times, and the
+        drafts `made` for it (None: `drafted`; more where the engine cut the proposal, even to a plain step)."""
+        made = drafted if made is None else max(made, drafted)
+        self.made += made
+        if times.gpu_verify_s is not None and made:
             self.gpu_draft_s = (self.gpu_draft_s or 0.0) + times.gpu_draft_s
             self.gpu_verify_s = (self.gpu_verify_s or 0.0) + times.gpu_verify_s
         if drafted == 0:
@@ -74,6 +78,13 @@ class SpecStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
     @property
+    def tokens_per_forward(self) -> float:
+        """Tokens per target forward over every step, plain ones included (`tokens_per_step` counts only the
+        steps that verified drafts)."""
+        forwards = self.steps + self.plain_steps
+        return self.generated / forwards if forwards else 0.0
+
+    @property
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
 
@@ -93,11 +104,13 @@ class SpecStats:
             "plain_steps": self.plain_steps,
             "warmup_steps": self.warmup_steps,
             "drafted": self.drafted,
+            "made": self.made,
             "accepted": self.accepted,
             "generated": self.generated,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_per_step": round(self.mean_accepted_per_step, 3),
             "tokens_per_step": round(self.tokens_per_step, 3),
+            "tokens_per_forward": round(self.tokens_per_forward, 3),
             "acceptance_by_position": [round(x, 3) for x in self.acceptance_by_position],
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),

@@ -28,9 +28,17 @@ class PipelineWarmup:
     without compiling anything (an engine lets its first steps speculate with short drafts already).
     """
 
-    def __init__(self, target: Transformer, make_engine: Callable[[Transformer], object], rows: Sequence[int]):
+    def __init__(
+        self,
+        target: Transformer,
+        make_engine: Callable[[Transformer], object],
+        rows: Sequence[int],
+        also: Callable[[], None] | None = None,
+    ):
+        """`also`: more compiling to do in the thread once the rows are done (a drafter's own pipelines)."""
         self.target = target
         self.rows = sorted(rows)
+        self._also = also
         self.compiled_rows = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -57,6 +65,8 @@ class PipelineWarmup:
                     break
                 engine.calibrate([rows], context=COMPILE_CONTEXT, repeats=1, store=False)
                 self.compiled_rows = rows
+            if self._also is not None and not self._cancel.is_set():
+                self._also()
         except BaseException as exc:  # reported to the main thread by `finish`
             self.error = exc
         finally:

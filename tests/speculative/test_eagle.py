@@ -17,6 +17,7 @@ from doppler_py.api import load
 from doppler_py.errors import GenerationOptionError, ModelFormatError, VocabularyMismatchError
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import SpeculativeEngine
+from doppler_py.speculative.confidence import ConfidenceCalibration
 from doppler_py.speculative.eagle import EagleDrafter, load_head
 from doppler_py.testing.decode import reference_decode
 
@@ -345,6 +346,64 @@ def test_plain_steps_batched_while_speculation_pauses_keep_every_feature_for_the
     assert runs[True][0] == runs[False][0] == reference_decode(target, prompt, 40, GREEDY)
     assert runs[True][1:3] == runs[False][1:3] and runs[True][2] > 0  # the same drafts, the same acceptance
     assert max(runs[True][3]) > 1 and not runs[False][3]
+
+
+def test_adaptive_greedy_eagle_ends_chains_by_confidence_and_equals_plain_greedy(models, heads, head_dir):
+    """Unpinned, the engine prices steps, so the head reads back its confidence in each draft and ends its chain
+    at the first that does not pay; the engine verifies the best leading run. The text never changes."""
+    target = models["target"]
+    head = heads("eagle-1")[1]
+    prompt = held_in_prompt(head_dir.parent / "work", "long")
+    drafter = EagleDrafter(target, head)
+    engine = SpeculativeEngine(target, drafter)
+    # Costs as a GPU's (each row adds 5% of a plain step, a draft 1%), held fixed: not the test machine's timing.
+    engine.policy.costs.verify.update({rows: 1.0 + 0.05 * (rows - 1) for rows in range(1, 10)})
+    engine.policy.costs.draft_per_token = 0.01
+    engine._price = lambda outcome, times: None
+    proposals = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx, k: proposals.append(propose(ctx, k)) or proposals[-1]
+    result = engine.generate(prompt, 40, GREEDY)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
+    assert proposals and all(p.values is not None and len(p.values) == p.count for p in proposals)
+    for p in proposals:
+        assert all(1 >= a >= b > 0 for a, b in zip(p.values, p.values[1:], strict=False))  # values fall along a chain
+    assert drafter.calibration.trials.sum() > ConfidenceCalibration().trials.sum()  # verified drafts were read
+    assert result.stats.accepted > 0 and len({p.count for p in proposals}) > 1, result.stats.k_history
+
+
+def test_drafts_that_cannot_pay_become_plain_steps(models, heads, head_dir):
+    """Where verifying a second row costs ten plain steps, no chain is worth its first draft: every step is cut
+    to a plain one, and the head still consumes every row."""
+    target = models["target"]
+    head = heads("eagle-1")[1]
+    prompt = held_in_prompt(head_dir.parent / "work", "long")
+    drafter = EagleDrafter(target, head)
+    engine = SpeculativeEngine(target, drafter)
+    engine.policy.costs.verify.update({1: 0.001, 2: 10.0})
+    observed = []
+    observe = drafter.calibration.observe
+    drafter.calibration.observe = lambda confidences, hits: (
+        observed.append(len(confidences)) or observe(confidences, hits)
+    )
+    result = engine.generate(prompt, 30, GREEDY)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 30, GREEDY)
+    assert result.stats.steps == 0 and result.stats.plain_steps == 30
+    assert observed == [1] * 29  # every step but the last (nothing drafts past the budget) made its first draft
+
+
+def test_chains_ended_by_confidence_keep_the_target_joint_distribution(models, head):
+    """The stopping rule reads only the head's own drafts, so sampled output stays exact. (A seeded generation
+    never gates, so its tokens do not depend on timing; this drafter is told to gate anyway.)"""
+
+    class Gated(EagleDrafter):
+        def propose(self, ctx, k):
+            ctx.worth_drafting = lambda values: values[-1] >= 0.3
+            return super().propose(ctx, k)
+
+    check_two_token_joint(models["target"], Gated(models["target"], head), new_tokens=4, k=3)
 
 
 def test_sampled_output_keeps_the_target_joint_distribution(models, head):

@@ -99,7 +99,7 @@ def test_an_unpinned_tree_verifies_the_node_budget_the_policy_chooses(models, he
     import doppler_py.speculative.engine as engine_module
 
     asked = []
-    monkeypatch.setattr(engine_module, "tree_budget", lambda values, costs: asked.append(len(values)) or 2)
+    monkeypatch.setattr(engine_module, "tree_budget", lambda values, costs, least=1: asked.append(len(values)) or 2)
     target = models["target"]
     drafter = MedusaDrafter(target, heads)
     drafter.branches = drafter.tree_branches

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.speculative.policy import CostModel, DraftLengthPolicy, expected_tokens
+from doppler_py.speculative.policy import CostModel, DraftLengthPolicy, expected_tokens, tree_budget, worth_drafting
 
 # Verify costs shaped like lavapipe's (seconds by rows): T=5 ~2x T=1, T=9 ~4x.
 CPU_COSTS = {1: 0.040, 2: 0.044, 3: 0.052, 5: 0.074, 9: 0.170}
@@ -160,3 +160,24 @@ def test_a_cost_first_measured_too_high_falls_at_the_full_rate():
     costs.observe_draft(1, 0.098)
     costs.observe_draft(1, 0.002)
     assert costs.draft_per_token == pytest.approx(0.7 * 0.098 + 0.3 * 0.002)
+
+
+def test_a_chains_newest_draft_is_worth_drafting_while_it_raises_the_steps_rate():
+    costs = CostModel()
+    assert worth_drafting([0.01], costs)  # nothing measured: draft
+    for rows, seconds in ((1, 1.0), (2, 1.2), (3, 1.4)):
+        costs.observe_verify(rows, seconds)
+    costs.observe_draft(1, 0.05)
+    # one draft pays when (1 + v) / 1.25 > 1 / 1.0, i.e. v > 0.25
+    assert worth_drafting([0.3], costs) and not worth_drafting([0.2], costs)
+    # a second pays when (1.9 + v) / 1.5 > 1.9 / 1.25, i.e. v > 0.38
+    assert worth_drafting([0.9, 0.4], costs) and not worth_drafting([0.9, 0.35], costs)
+
+
+def test_a_valued_chain_may_be_cut_to_a_plain_step_only_when_asked():
+    costs = CostModel()
+    for rows, seconds in ((1, 1.0), (2, 1.3), (3, 1.5)):
+        costs.observe_verify(rows, seconds)
+    assert tree_budget([0.2, 0.1], costs, least=0) == 0  # (1 + 0.2) / 1.3 < 1
+    assert tree_budget([0.2, 0.1], costs) == 1  # trees: at least one node
+    assert tree_budget([0.6, 0.5], costs, least=0) == 2
