@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.confidence import BINS, DECAY, PRIOR_WEIGHT, ConfidenceCalibration, draft_confidence
+from doppler_py.speculative.confidence import (
+    BINS,
+    DECAY,
+    DEPTHS,
+    PRIOR_WEIGHT,
+    ConfidenceCalibration,
+    draft_confidence,
+)
 
 GREEDY = SamplingParams()
 
@@ -42,13 +49,14 @@ def test_an_unobserved_calibration_reads_a_confidence_as_its_bins_centre():
     assert calibration.values([0.55, 0.95]) == pytest.approx([0.55, 0.55 * 0.95])
 
 
-def test_observed_drafts_move_their_bin_and_a_chain_is_read_up_to_its_first_miss():
+def test_observed_drafts_move_their_depths_bin_and_a_chain_is_read_up_to_its_first_miss():
     calibration = ConfidenceCalibration()
     calibration.observe([0.15, 0.15, 0.15], [True, False, True])  # the third draft was never tested
-    assert calibration.trials[1] == pytest.approx(PRIOR_WEIGHT * DECAY**2 + DECAY + 1)
-    accepted = 0.15 * PRIOR_WEIGHT * DECAY**2 + DECAY
-    assert calibration.rate(0.15) == pytest.approx(accepted / calibration.trials[1])
-    assert calibration.trials[2] == PRIOR_WEIGHT  # other bins keep their prior
+    assert calibration.trials[0, 1] == calibration.trials[1, 1] == pytest.approx(PRIOR_WEIGHT * DECAY + 1)
+    assert calibration.trials[2, 1] == PRIOR_WEIGHT
+    assert calibration.rate(0.15, 0) == pytest.approx((0.15 * PRIOR_WEIGHT * DECAY + 1) / (PRIOR_WEIGHT * DECAY + 1))
+    assert calibration.rate(0.15, 1) == pytest.approx(0.15 * PRIOR_WEIGHT * DECAY / (PRIOR_WEIGHT * DECAY + 1))
+    assert calibration.rate(0.15, 7) == calibration.rate(0.15, DEPTHS - 1)  # later drafts share the last depth
 
 
 def test_a_bin_follows_the_latest_drafts_of_the_text_at_hand():
@@ -59,3 +67,12 @@ def test_a_bin_follows_the_latest_drafts_of_the_text_at_hand():
     for _ in range(40):  # then a text where the same confidence is mostly wrong
         calibration.observe([0.35], [False])
     assert calibration.rate(0.35) < 0.15
+
+
+def test_a_chains_values_are_the_running_products_of_its_depths_rates():
+    calibration = ConfidenceCalibration()
+    for _ in range(100):  # confident second drafts that are wrong: only the second depth learns it
+        calibration.observe([0.95, 0.95], [True, False])
+    first, second = calibration.rate(0.95, 0), calibration.rate(0.95, 1)
+    assert first > 0.99 and second < 0.01
+    assert calibration.values([0.95, 0.95, 0.95]) == pytest.approx([first, first * second, first * second * 0.95])
