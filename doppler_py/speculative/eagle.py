@@ -204,6 +204,8 @@ class EagleDrafter:
         self.to_draft = np.full(target.config.vocab_size, -1, np.int64)  # target id -> draft id
         self.to_draft[head.draft_to_target] = np.arange(head.draft_to_target.size)
         self.chain: list[tuple[int, float]] = []  # the last gated chain's (target id, confidence) per draft
+        # A gated draft's pick and the head's row it came from, side by side for one readback
+        self.draft_readback = Tensor.empty(gpu, 1 + model.config.vocab_size, "f32", "eagle draft readback")
         self.cache: KVCache | None = None
         self.consumed = 0  # pairs (f_p, t_{p+1}) in the head cache: positions 0..consumed-1
         self.out_row = 0  # the row of model.x holding the head's latest prediction
@@ -337,6 +339,9 @@ class EagleDrafter:
                 self.out_row = 0
             self.scatter.record(rec)  # the draft-vocabulary logits over the target's vocabulary
             self.sampling.record_pick(rec, model.ids, i, params)
+            if worth is not None:  # the pick (u32 bits) and the head's row, for `_read_draft`
+                rec.copy(self.sampling.pick, self.draft_readback, 4)
+                rec.copy(model.logits, self.draft_readback, model.config.vocab_size * 4, dst_offset=4)
             self.sampling.submit(rec, ctx.rng.random())
             if worth is not None:
                 self.chain.append(self._read_draft(params))
@@ -346,10 +351,10 @@ class EagleDrafter:
 
     def _read_draft(self, params: SamplingParams) -> tuple[int, float]:
         """The draft just sampled (target id) and the head's confidence in it, read back."""
-        gpu, model = self.target.gpu, self.head.model
-        picked = int(np.frombuffer(gpu.queue.read_buffer(self.sampling.pick.buffer, 0, 4), np.uint32)[0])
-        row = np.frombuffer(gpu.queue.read_buffer(model.logits.buffer, 0, model.config.vocab_size * 4), np.float32)
-        return picked, draft_confidence(row, int(self.to_draft[picked]), params)
+        readback = self.draft_readback
+        raw = self.target.gpu.queue.read_buffer(readback.buffer, readback.offset, readback.nbytes)
+        picked = int(np.frombuffer(raw, np.uint32, count=1)[0])
+        return picked, draft_confidence(np.frombuffer(raw, np.float32, offset=4), int(self.to_draft[picked]), params)
 
     def finish(self) -> None:
         if self.cache is not None:
@@ -362,4 +367,4 @@ class EagleDrafter:
         self.finish()
         self.scatter.release(self.target.registry)
         self.sampling.close()
-        self.target.registry.release_tensors(self.emb, self.features, *self.tapped)
+        self.target.registry.release_tensors(self.emb, self.features, self.draft_readback, *self.tapped)

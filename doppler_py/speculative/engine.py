@@ -98,6 +98,8 @@ class SpeculativeEngine:
         # A drafter that ends its chains by its own confidence (`StepContext.worth_drafting`) says so with
         # `gates_chains` (policy: k is only the ceiling).
         self.policy.gated = getattr(self.drafter, "gates_chains", False)
+        # A drafter with pipelines of its own builds them with the engine's warm-up (`compile`, EAGLE's).
+        self.compile_drafter: Callable[[], None] | None = getattr(self.drafter, "compile", None)
         if self.fixed_nodes is not None:
             self.policy.reset(fixed=self.fixed_nodes)
         gpu = target.gpu
@@ -158,9 +160,8 @@ class SpeculativeEngine:
             if costs:  # nothing to measure, but "now" means every step size runs without compiling first
                 self.calibrate(context=COMPILE_CONTEXT, repeats=1, store=False)
             self._use_rows(max(self.verify_rows()), between_steps=False)
-            compile_drafter = getattr(self.drafter, "compile", None)  # a drafter's own pipelines (EAGLE's)
-            if compile_drafter is not None:
-                compile_drafter()
+            if self.compile_drafter is not None:
+                self.compile_drafter()
 
     def verify_rows(self) -> list[int]:
         """Every row count a step may verify: 1 (a plain step) to k_max + 1."""
@@ -177,7 +178,7 @@ class SpeculativeEngine:
                 self.target,
                 lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity),
                 self.verify_rows(),
-                also=getattr(self.drafter, "compile", None),
+                also=self.compile_drafter,
             )
         if self.warmup_pending:
             return False
@@ -263,7 +264,7 @@ class SpeculativeEngine:
         self.spec_tokens.view((1 + len(host_drafts),)).write(np.array([ctx.tokens[-1], *host_drafts], np.uint32))
         rec = self.registry.recorder()
         self.clock.stamp_verify(rec, done=False)
-        if proposal.on_gpu and n:
+        if proposal.on_gpu:
             rec.copy(proposal.tokens, self.spec_tokens, 4 * n, dst_offset=4)
         rec.copy(self.spec_tokens, target.ids, 4 * (n + 1))
         # logits [n+1, V]: row i scores d_i (i < n), row n gives the token after the last accepted draft
@@ -607,7 +608,7 @@ class SpeculativeEngine:
             # took 90–131 ms, and the policy drafted more than paid (k = 1 was faster). Drafts the engine cut
             # were drafted all the same.
             costs.observe_verify(outcome.drafted + 1, times.total_s - times.gpu_draft_s)
-            costs.observe_draft(max(outcome.made, outcome.drafted), times.gpu_draft_s)
+            costs.observe_draft(outcome.made, times.gpu_draft_s)
         else:
             costs.observe_step(outcome.drafted, times.total_s)
 

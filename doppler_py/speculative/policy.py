@@ -108,37 +108,33 @@ class CostModel:
         return expected_tokens(alpha, k) * plain / step
 
 
+def step_rate(values: Sequence[float], n: int, costs: CostModel, draft_per_token: float = 0.0) -> float:
+    """Expected tokens per second of a step verifying the first n of nodes with these values (costs measured):
+    (1 + Σ values[:n]) / (verify_cost(n + 1) + n · draft_per_token)."""
+    return (1.0 + sum(values[:n])) / (costs.verify_cost(n + 1) + n * draft_per_token)
+
+
 def tree_budget(values: Sequence[float], costs: CostModel, least: int = 1) -> int:
     """How many leading nodes of a best-first tree to verify, given node i adds `values[i]` expected accepted
     tokens: the count n >= least (1, or 0: a plain step) with the most expected tokens per second of
-    verification, (1 + Σ values[:n]) / verify_cost(n + 1); all of them while nothing is measured. The drafting
-    is left out: it is the same for every n (the tree is drafted already), so leaving it out only makes this
-    choice err towards fewer nodes."""
+    verification (`step_rate`); all of them while nothing is measured. The drafting is left out: it is the same
+    for every n (the tree is drafted already), so leaving it out only makes this choice err towards fewer
+    nodes."""
     if costs.verify_cost(1) is None:
         return len(values)
-    gained, best, best_n = 1.0, -1.0, len(values)
-    if least == 0:
-        best, best_n = 1.0 / costs.verify_cost(1), 0
-    for n, value in enumerate(values, start=1):
-        gained += value
-        rate = gained / costs.verify_cost(n + 1)
-        if rate > best:
-            best, best_n = rate, n
-    return best_n
+    return max(range(least, len(values) + 1), key=lambda n: step_rate(values, n, costs), default=len(values))
 
 
 def worth_drafting(values: Sequence[float], costs: CostModel) -> bool:
-    """Whether the newest node of a chain with these node values paid for itself: the expected tokens per second
-    of the step, (1 + Σ values[:n]) / (verify_cost(n + 1) + n · draft_per_token), is higher with all n nodes than
-    without the last (True while nothing is measured). Values fall along a chain, so the first node that did not
-    pay is where drafting stops (`StepContext.worth_drafting`)."""
-    n, plain = len(values), costs.verify_cost(1)
-    if n == 0 or plain is None:
+    """Whether the newest node of a chain with these node values paid for itself: the step's expected tokens per
+    second counting its drafting (`step_rate`) is higher with all n nodes than without the last (True while
+    nothing is measured). Values fall along a chain, so the first node that did not pay is where drafting stops
+    (`StepContext.worth_drafting`)."""
+    n = len(values)
+    if n == 0 or costs.verify_cost(1) is None:
         return True
     draft = costs.draft_per_token or 0.0
-    with_it = (1.0 + sum(values)) / (costs.verify_cost(n + 1) + n * draft)
-    without = (1.0 + sum(values[:-1])) / (costs.verify_cost(n) + (n - 1) * draft)
-    return with_it > without
+    return step_rate(values, n, costs, draft) > step_rate(values, n - 1, costs, draft)
 
 
 # Token trees spend verified rows on side branches instead of a longer chain. That pays where extra rows are
