@@ -588,8 +588,10 @@ class SpeculativeEngine:
         return outcome.new
 
     def _price(self, outcome: StepOutcome, times: StepTimes) -> None:
-        """What a step's time says of the device's costs: of verifying its rows, and of drafting."""
+        """What a step's time says of the device's costs: of verifying its rows, of drafting, and the throughput
+        the steps make (the bar a node must clear)."""
         costs = self.policy.costs
+        costs.observe_throughput(len(outcome.new), times.total_s)
         if outcome.drafted == 0 and outcome.made:  # drafted on the GPU, then cut to a plain step
             drafting = times.gpu_draft_s if times.gpu_draft_s is not None else times.draft_s
             costs.observe_draft(outcome.made, drafting)

@@ -13,9 +13,9 @@ last committed token t), position i (0..K-1) proposes the token i + 1 places aft
 d_i is sampled from z_i (spread over the target vocabulary, -inf elsewhere) on the GPU, and its id is fed to the
 next position's bias there. The confidences come back with the drafts (one small readback) as the proposal's
 `values`, the expected accepted tokens of each leading run: c_0, c_0·c_1, ... The engine then verifies the
-leading run with the most expected tokens per second of this device's measured verification cost
-(`policy.tree_budget`), so the confidence head chooses how much of the block is verified. The bias makes q_i
-depend on the drafts before it, which the verification allows (each d_i is drawn from its own q_i).
+leading run whose expected tokens most exceed what its verification time makes at this device's measured
+throughput (`policy.tree_budget`), so the confidence head chooses how much of the block is verified. The bias
+makes q_i depend on the drafts before it, which the verification allows (each d_i is drawn from its own q_i).
 
 A head folder (written by `doppler_py.training.spark`):
     spark.json           kind, block (K), rank (r), the target it was made for (`head_files`), draft vocabulary size

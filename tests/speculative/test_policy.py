@@ -162,22 +162,38 @@ def test_a_cost_first_measured_too_high_falls_at_the_full_rate():
     assert costs.draft_per_token == pytest.approx(0.7 * 0.098 + 0.3 * 0.002)
 
 
-def test_a_chains_newest_draft_is_worth_drafting_while_it_raises_the_steps_rate():
+def test_a_chains_newest_draft_is_worth_drafting_while_it_beats_the_measured_throughput():
     costs = CostModel()
     assert worth_drafting([0.01], costs)  # nothing measured: draft
     for rows, seconds in ((1, 1.0), (2, 1.2), (3, 1.4)):
         costs.observe_verify(rows, seconds)
     costs.observe_draft(1, 0.05)
-    # one draft pays when (1 + v) / 1.25 > 1 / 1.0, i.e. v > 0.25
+    # No throughput measured: the bar is plain decoding's 1 token/s, and each draft (0.05 s) and its row (0.2 s)
+    # pay when the draft adds more than 0.25 expected tokens, deep in a chain as at its start.
     assert worth_drafting([0.3], costs) and not worth_drafting([0.2], costs)
-    # a second pays when (1.9 + v) / 1.5 > 1.9 / 1.25, i.e. v > 0.38
-    assert worth_drafting([0.9, 0.4], costs) and not worth_drafting([0.9, 0.35], costs)
+    assert worth_drafting([0.9, 0.3], costs) and not worth_drafting([0.9, 0.2], costs)
+    # Steps made 1.6 tokens/s: a node must now add 1.6 × 0.25 = 0.4 tokens.
+    costs.observe_throughput(2, 1.25)
+    assert worth_drafting([0.45], costs) and not worth_drafting([0.35], costs)
+    assert worth_drafting([0.95, 0.45], costs) and not worth_drafting([0.95, 0.35], costs)
+
+
+def test_the_bar_is_the_measured_throughput_but_never_below_plain_decoding():
+    costs = CostModel()
+    assert costs.bar() is None
+    costs.observe_verify(1, 0.1)
+    assert costs.bar() == pytest.approx(10.0)  # plain decoding: 10 tokens/s
+    costs.observe_throughput(3, 0.2)
+    assert costs.bar() == pytest.approx(15.0)
+    for _ in range(60):  # slow steps pull the throughput below plain decoding: the bar stays there
+        costs.observe_throughput(1, 0.3)
+    assert costs.bar() == pytest.approx(10.0)
 
 
 def test_a_valued_chain_may_be_cut_to_a_plain_step_only_when_asked():
     costs = CostModel()
     for rows, seconds in ((1, 1.0), (2, 1.3), (3, 1.5)):
         costs.observe_verify(rows, seconds)
-    assert tree_budget([0.2, 0.1], costs, least=0) == 0  # (1 + 0.2) / 1.3 < 1
+    assert tree_budget([0.2, 0.1], costs, least=0) == 0  # 1 + 0.2 - 1.3 < 1 - 1.0 at the plain bar, 1 token/s
     assert tree_budget([0.2, 0.1], costs) == 1  # trees: at least one node
     assert tree_budget([0.6, 0.5], costs, least=0) == 2

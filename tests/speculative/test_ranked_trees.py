@@ -143,8 +143,8 @@ def test_the_node_budget_comes_from_measured_costs_and_acceptance():
     values = list(tree.values)
     assert tree.count == 16 and values == sorted(values, reverse=True)
 
-    def best(costs: CostModel) -> int:  # brute force over every leading run
-        return max(range(1, 17), key=lambda n: (1 + sum(values[:n])) / costs.verify_cost(n + 1))
+    def best(costs: CostModel) -> int:  # brute force over every leading run, at plain decoding's throughput
+        return max(range(1, 17), key=lambda n: 1 + sum(values[:n]) - costs.verify_cost(n + 1) / costs.verify_cost(1))
 
     flat = CostModel(verify={1: 1.0e-3, 17: 1.0e-3})
     assert tree_budget(values, flat) == 16  # free rows: every node that may be accepted
