@@ -231,6 +231,11 @@ class Transformer:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def linears(self) -> list[Linear]:
+        """Every matmul of the model (each layer's four, then the LM head's two), e.g. to compile ahead of use."""
+        layers = [op for layer in self.layers for op in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [*layers, self.lm_head, self.lm_head_last]
+
     # -- KV caches -------------------------------------------------------------------------------------
     def new_cache(self, max_seq: int | None = None) -> KVCache:
         cfg = self.config

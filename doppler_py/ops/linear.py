@@ -23,6 +23,7 @@ on lavapipe: 157 against 186 tok/s).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from doppler_py.gpu.kernels import Bound, Kernel, KernelRegistry, Recorder, workgroups
@@ -53,6 +54,16 @@ def row_tile(rows: int, tiled_gemm: bool) -> int:
         return 0
     tiles = -(-rows // MAX_TILE_ROWS)
     return -(-rows // tiles)
+
+
+def compile_rows(linears: Sequence[Linear]) -> None:
+    """Compile the pipeline of every row count each of `linears` may run with (row counts ascending, so the
+    shortest calls, a drafter's first, are ready first); thread-safe, e.g. in a warm-up thread. A drafter's f16
+    matmuls share no pipeline with a target kept in 4-bit blocks, and compiled on first use mid-generation."""
+    for rows in range(1, REGISTER_TILED_MAX_ROWS + 2):  # past the register tiles, one tiled GEMM for any count
+        for linear in linears:
+            if rows <= linear.max_rows:
+                linear.compile(rows)
 
 
 def _check_tensor(name: str, tensor: Tensor, min_elements: int, what: str) -> None:

@@ -287,6 +287,10 @@ def save_features(data: list, sequences: list[list[int]], path: Path, model: str
         torch.save({"layers": list(taps), "keys": keys, "taps": [d[2] for d in data]}, _taps_path(path))
 
 
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else -1
+
+
 def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[[str], None]) -> Corpus:
     """Stages 1–3: prompts, answers, the target's features; then the draft vocabulary and the split."""
     import torch
@@ -296,7 +300,11 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     times_file = work / "stage_times.json"
     times: dict[str, float] = json.loads(times_file.read_text()) if times_file.is_file() else {}
 
-    def timed(stage: str, t0: float) -> None:
+    def timed(stage: str, t0: float, made: Path | None = None, size_before: int = 0) -> None:
+        """Adds a stage's time, unless it only reused `made` (the file it appends to, unchanged): a reuse must
+        not move the recorded wall time of the work folder (kept in the repository for the shipped heads)."""
+        if made is not None and _size(made) == size_before:
+            return
         times[stage] = times.get(stage, 0.0) + time.perf_counter() - t0
         times_file.write_text(json.dumps(times, indent=2))
 
@@ -305,12 +313,12 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     if any(not 0 <= t < layers for t in options.feature_taps):
         raise GenerationOptionError(f"feature taps {list(options.feature_taps)}: {model} has layers 0..{layers - 1}")
     torch.manual_seed(options.seed)
-    t0 = time.perf_counter()  # a stage that is already done adds next to nothing
+    t0, before = time.perf_counter(), _size(work / "prompts.jsonl")
     prompts = make_prompts(hf, tokenizer, work, options, say)[: options.use_prompts]
-    timed("prompts_s", t0)
-    t0 = time.perf_counter()
+    timed("prompts_s", t0, work / "prompts.jsonl", before)
+    t0, before = time.perf_counter(), _size(work / "answers.jsonl")
     sequences, starts = make_answers(hf, tokenizer, prompts, work, options, say)
-    timed("answers_s", t0)
+    timed("answers_s", t0, work / "answers.jsonl", before)
     t0 = time.perf_counter()
     taps = tuple(options.feature_taps)
     data = cached_features(sequences, work / "features.pt", str(model), taps)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
+from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, Linear
 from doppler_py.testing.tiny import TinySpec, draft_spec
 
 TARGET = TinySpec(
@@ -105,3 +108,20 @@ def proposal_paths(proposal) -> dict[tuple[int, ...], float]:
     for token, parent in zip(proposal.tokens, parents, strict=True):
         paths.append((*(paths[parent] if parent >= 0 else ()), token))
     return {path: float(np.log(value)) for path, value in zip(paths, proposal.values, strict=True)}
+
+
+def matmul_pipelines(drafter, more: Sequence[Linear] = ()) -> set[tuple[int, int]]:
+    """(id of the op, rows) of every matmul pipeline a drafter may run: each `Linear` it holds (alone or in a
+    list) and `more`, at every row count up to its max_rows (past the register tiles, one tiled GEMM)."""
+    held = [v for value in vars(drafter).values() for v in (value if isinstance(value, list) else [value])]
+    linears = [op for op in held if isinstance(op, Linear)] + list(more)
+    return {(id(op), rows) for op in linears for rows in range(1, min(op.max_rows, REGISTER_TILED_MAX_ROWS + 1) + 1)}
+
+
+def compile_requests(drafter, monkeypatch) -> set[tuple[int, int]]:
+    """(id of the op, rows) of every matmul pipeline `drafter.compile()` compiles."""
+    asked: set[tuple[int, int]] = set()
+    compile_one = Linear.compile
+    monkeypatch.setattr(Linear, "compile", lambda op, rows: asked.add((id(op), rows)) or compile_one(op, rows))
+    drafter.compile()
+    return asked

@@ -11,7 +11,15 @@ import json
 import shutil
 
 import pytest
-from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, proposal_paths, replay_accepted
+from speculative.conftest import (
+    TARGET,
+    check_two_token_joint,
+    compile_requests,
+    held_in_prompt,
+    matmul_pipelines,
+    proposal_paths,
+    replay_accepted,
+)
 
 from doppler_py.api import load
 from doppler_py.errors import GenerationOptionError, ModelFormatError, VocabularyMismatchError
@@ -91,9 +99,10 @@ def heads(request, models):
 
 
 def test_training_resumes_from_its_stages(head_dir, tiny_folder, tmp_path):
-    """A second run over the same work folder regenerates nothing and picks up the checkpoint."""
+    """A second run over the same work folder regenerates nothing, records no stage time, and picks up the
+    checkpoint."""
     work = head_dir.parent / "work"
-    lines = {name: (work / name).read_text() for name in ("prompts.jsonl", "answers.jsonl")}
+    lines = {name: (work / name).read_text() for name in ("prompts.jsonl", "answers.jsonl", "stage_times.json")}
     said: list[str] = []
     card = train(tiny_folder(TARGET), tmp_path / "again", work, OPTIONS, say=said.append)
     assert {name: (work / name).read_text() for name in lines} == lines
@@ -467,6 +476,13 @@ def test_the_api_drafts_with_a_head_for_eagle_and_auto_and_stays_exact(head_dir,
     assert eagle.tokens == plain.tokens == auto.tokens
     assert eagle.speculative == "eagle" and eagle.drafted > 0
     assert auto.speculative == "eagle+prompt-lookup"
+
+
+def test_the_compile_hook_covers_every_matmul_of_the_head(models, heads, monkeypatch):
+    """The engine's warm-up runs `compile`: the head's f16 matmuls (input projections, its layer, its LM head)
+    share no pipeline with a target kept in 4-bit blocks, and each that it missed compiled mid-generation."""
+    drafter = EagleDrafter(models["target"], heads("eagle-1")[1])
+    assert matmul_pipelines(drafter, drafter.head.model.linears()) <= compile_requests(drafter, monkeypatch)
 
 
 def test_eagle_without_a_head_says_how_to_get_one(tiny_folder):

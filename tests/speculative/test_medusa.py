@@ -11,7 +11,14 @@ import json
 import shutil
 
 import pytest
-from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, replay_accepted
+from speculative.conftest import (
+    TARGET,
+    check_two_token_joint,
+    compile_requests,
+    held_in_prompt,
+    matmul_pipelines,
+    replay_accepted,
+)
 
 from doppler_py.api import load
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
@@ -150,6 +157,12 @@ def test_the_api_loads_both_kinds_of_head_and_medusa_stays_exact(heads_dir, tiny
     assert medusa.tokens == plain.tokens == auto.tokens == medusa_tree.tokens
     assert medusa.speculative == "medusa" and medusa.drafted > 0
     assert auto.speculative == "eagle+prompt-lookup"  # EAGLE first when both are there
+
+
+def test_the_compile_hook_covers_every_matmul_of_the_heads(models, heads, monkeypatch):
+    """The engine's warm-up runs `compile`: the heads' f16 matmuls compiled mid-generation without it."""
+    drafter = MedusaDrafter(models["target"], heads)
+    assert matmul_pipelines(drafter) <= compile_requests(drafter, monkeypatch)
 
 
 def test_heads_for_another_model_or_broken_files_are_refused(heads_dir, models, tiny_folder, tmp_path):

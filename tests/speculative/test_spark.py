@@ -9,7 +9,14 @@ import shutil
 
 import numpy as np
 import pytest
-from speculative.conftest import TARGET, check_two_token_joint, held_in_prompt, replay_accepted
+from speculative.conftest import (
+    TARGET,
+    check_two_token_joint,
+    compile_requests,
+    held_in_prompt,
+    matmul_pipelines,
+    replay_accepted,
+)
 
 from doppler_py.api import load
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
@@ -204,6 +211,12 @@ def test_greedy_spark_equals_plain_greedy_and_drafts_as_the_trainer_does(
     expected = torch_accepted(block_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained block is right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
+
+
+def test_the_compile_hook_covers_every_matmul_of_the_block_drafter(models, block, monkeypatch):
+    """The engine's warm-up runs `compile`: the head's f16 matmuls compiled mid-generation without it."""
+    drafter = SparkDrafter(models["target"], block)
+    assert matmul_pipelines(drafter) <= compile_requests(drafter, monkeypatch)
 
 
 def test_prev_slots_are_the_target_choices_before_each_position():
