@@ -175,10 +175,9 @@ def _stream_to_stdout(pieces: Iterable[str]) -> None:
 
 
 # --- commands --------------------------------------------------------------------------------------------------
-DEFAULT_PROMPT = (
-    "Repeat this passage exactly: The river bends twice before the old mill, where herons wait in the reeds "
-    "and the water slows to a mirror under the willows."
-)
+# Open-ended, as a user's prompt is, and long enough (128 tokens) that speculation is seen working after the
+# first seconds a fresh process spends compiling its pipelines; not a prompt of the heads' training data.
+DEFAULT_PROMPT = "Write a short story about a night-train conductor and a passenger who cannot sleep."
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -483,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt",
         nargs="?",
         default=DEFAULT_PROMPT,
-        help="the prompt (default: a short passage to repeat, where speculation shines)",
+        help="the prompt (default: a short story, %(default)r)",
     )
     generate.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as text")
     generate.add_argument("--json", action="store_true", help="print one JSON object: text and result record")
