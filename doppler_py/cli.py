@@ -428,6 +428,10 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     from doppler_py.training import eagle, medusa, spark
     from doppler_py.training.data import TrainOptions
 
+    if args.init_from and args.kind != "eagle":
+        raise GenerationOptionError(f"--init-from continues EAGLE heads; {args.kind} heads train from scratch")
+    if not args.lr > 0:
+        raise GenerationOptionError(f"--lr must be positive, got {args.lr}")
     if args.unroll_steps < 1:
         raise GenerationOptionError(f"--unroll-steps must be at least 1, got {args.unroll_steps}")
     out = Path(args.out)
@@ -441,7 +445,9 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         use_prompts=args.use_prompts,
         draft_vocab=args.draft_vocab,
         steps=args.steps,
+        lr=args.lr,
         seed=args.seed,
+        init_from=args.init_from,
         unroll_steps=args.unroll_steps,
         soft_targets=not args.hard_targets,
         feature_taps=feature_taps(args.feature_taps, args.kind),
@@ -543,6 +549,15 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--draft-vocab", type=int, default=6144, help="draft vocabulary size (default 6144)")
     trainer.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     trainer.add_argument("--seed", type=int, default=0, help="seed of data generation and training (default 0)")
+    trainer.add_argument(
+        "--lr", type=float, default=1e-3, help="peak learning rate of the cosine schedule (default 1e-3)"
+    )
+    trainer.add_argument(
+        "--init-from",
+        metavar="HEAD_DIR",
+        help="EAGLE: continue training this head folder (e.g. a shipped head, on data added since) instead of a "
+        "fresh head; it keeps its draft vocabulary, feature statistics and taps",
+    )
     trainer.add_argument(
         "--unroll-steps",
         type=int,

@@ -338,6 +338,16 @@ def test_feature_taps_are_checked_before_any_work(text, kind, error):
     assert cli.feature_taps("2,15", "eagle") == (2, 15) and cli.feature_taps(None, "medusa") == ()
 
 
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [(["--kind", "medusa", "--init-from", "head"], "continues EAGLE heads"), (["--lr", "0"], "--lr must be positive")],
+)
+def test_train_draft_checks_continuing_and_the_learning_rate_before_any_work(extra, error, tmp_path, capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["train-draft", "no-such-model", "--out", str(tmp_path / "out"), *extra]) == cli.EXIT_USAGE
+    assert error in capsys.readouterr().err
+
+
 # --- serve -----------------------------------------------------------------------------------------------------------
 def test_serve_takes_the_api_key_from_the_flag_or_the_environment(monkeypatch):
     import contextlib

@@ -6,7 +6,8 @@
                          batch at a time (a restart skips what is there)
     work/features.pt     the target's features and choices per sequence (reused; new sequences computed alone)
     work/feature_taps.pt with `feature_taps`: those layers' outputs per sequence (float16), beside features.pt
-    work/KIND.pt         a head's checkpoint every `save_every` steps (a restart resumes from it)
+    work/KIND.pt         a head's checkpoint every `save_every` steps (a restart resumes from it); a head continued
+                         from a head folder (`init_from`) keeps its checkpoint in work/KIND-from-FOLDER.pt
 
 Nothing is downloaded: the prompts and answers come from the target itself. Every (1 / `holdout`)th sequence
 is kept out of training, to report how the head does on text it never saw; prompts appended later never move
@@ -21,7 +22,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,8 @@ class TrainOptions:
     save_every: int = 200
     head_dtype: str = "float16"  # the exported weights (feature statistics stay float32)
     seed: int = 0
+    init_from: str | None = None  # EAGLE: a head folder to continue training (its draft vocabulary and feature
+    # statistics are kept), e.g. a shipped head on data added since it was trained
     holdout: float = 0.05  # fraction of the sequences kept for validation (at least one when there are two)
     medusa_heads: int = 4  # Medusa: heads, head i proposing the token i + 1 places after the target's own
     spark_block: int = 4  # spark: tokens one block proposes
@@ -233,6 +236,16 @@ class Corpus:
     coverage: float  # share of the target's choices inside the draft vocabulary
     times: dict[str, float]
 
+    def with_draft_vocabulary(self, draft_ids: list[int]) -> Corpus:
+        """This corpus with the draft vocabulary `draft_ids` (a continued head keeps its own)."""
+        import torch
+
+        to_draft = torch.full((self.hf.config.vocab_size,), -100, dtype=torch.long)
+        to_draft[torch.tensor(draft_ids, dtype=torch.long)] = torch.arange(len(draft_ids))
+        choices = torch.cat([self.data[i][1] for i in self.train]) if self.train else torch.zeros(0, dtype=torch.long)
+        coverage = float((to_draft[choices] >= 0).double().mean()) if len(choices) else 0.0
+        return replace(self, draft_ids=[int(t) for t in draft_ids], to_draft=to_draft, coverage=coverage)
+
     @property
     def tokens(self) -> int:
         return int(sum(len(s) for s in self.sequences))
@@ -338,12 +351,8 @@ def prepare(model: str | Path, work: Path, options: TrainOptions, say: Callable[
     train, valid = split(len(sequences), options.holdout)
     counts = Counter(int(t) for i in train for t in data[i][1].tolist())
     draft_ids = [t for t, _ in counts.most_common(min(options.draft_vocab, hf.config.vocab_size))]
-    to_draft = torch.full((hf.config.vocab_size,), -100, dtype=torch.long)
-    to_draft[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
-    coverage = sum(counts[t] for t in draft_ids) / max(1, sum(counts.values()))
-    return Corpus(
-        hf, tokenizer, len(prompts), sequences, starts, data, train, valid, draft_ids, to_draft, coverage, times
-    )
+    corpus = Corpus(hf, tokenizer, len(prompts), sequences, starts, data, train, valid, [], None, 0.0, times)
+    return corpus.with_draft_vocabulary(draft_ids)
 
 
 def split(n: int, holdout: float) -> tuple[list[int], list[int]]:

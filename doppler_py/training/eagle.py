@@ -14,18 +14,22 @@ head's own output of step j - 1 at that anchor, t_{a+j+1}) and attends to the TR
 frequent argmax tokens. With `feature_taps` (EAGLE-3's fusion of low, middle and high layers) the input of a
 position the target computed also reads the standardised outputs of those layers through `fc_taps`; a drafted
 position's does not (the head's own output is its only feature).
+
+With `init_from` the head continues from a head folder (`import_head`) with that head's draft vocabulary, feature
+statistics and taps, and the same hold-out, so sequences it was validated on stay out of training.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from doppler_py.speculative.head_files import made_for
+from doppler_py.errors import GenerationOptionError, ModelFormatError
+from doppler_py.speculative.head_files import made_for, read_meta
 from doppler_py.training.data import TrainOptions, card, prepare, train_loop
 
 
@@ -144,34 +148,75 @@ def train(
     """All stages; returns the training card (also written to out/training_card.json)."""
 
     options = options or TrainOptions()
+    earlier = None
+    if options.init_from:
+        options, earlier = continued(options)
     corpus = prepare(model, Path(work), options, say)
     hf = corpus.hf
-    head, stats, sequence_loss = new_head(corpus, options)
+    start = None
+    if options.init_from:
+        read_meta(Path(options.init_from), "eagle", corpus.hf, corpus.tokenizer)  # refuses another target's head
+        start = import_head(options.init_from, hf.config)
+        corpus = corpus.with_draft_vocabulary(start[2].tolist())
+        say(f"train: continuing {options.init_from} (its {len(corpus.draft_ids)} draft tokens cover "
+            f"{corpus.coverage:.3f} of the target's choices here)")  # fmt: skip
+    head, stats, sequence_loss = new_head(corpus, options, start)
     embed = hf.get_input_embeddings().weight.detach()
-    steps, losses, seconds = train_loop(head, sequence_loss, corpus, Path(work) / "eagle.pt", options, say)
+    checkpoint = Path(work) / ("eagle.pt" if start is None else f"eagle-from-{Path(options.init_from).name}.pt")
+    steps, losses, seconds = train_loop(head, sequence_loss, corpus, checkpoint, options, say)
     corpus.times["train_s"] = seconds
     top1 = {name: top1_agreement(head, corpus, which, embed, stats) for name, which in
             (("held_in_top1", corpus.train), ("validation_top1", corpus.valid))}  # fmt: skip
     chains = chain_acceptance(head, corpus, corpus.valid, embed, stats, CHAIN_K)
-    record = card("eagle", model, options, corpus, steps, losses, **top1, validation_chains=chains)
+    extra = {} if earlier is None else {"continued_from": earlier}
+    record = card("eagle", model, options, corpus, steps, losses, **top1, validation_chains=chains, **extra)
     dtype = np.dtype(options.head_dtype)
     export(head, hf.config, corpus.draft_ids, stats, Path(out), record, corpus.tokenizer, dtype)
     say(f"head written to {out} (top-1 held-in {top1['held_in_top1']:.3f}, validation {top1['validation_top1']:.3f})")
     return record
 
 
-def new_head(corpus, options: TrainOptions):
-    """A fresh head for the corpus's target, the feature statistics of the training sequences and the loss of
-    training sequence i (see the module docstring)."""
+def continued(options: TrainOptions) -> tuple[TrainOptions, dict]:
+    """The options for continuing the head folder `options.init_from` (its feature taps; the same hold-out, so
+    its validation sequences stay unseen) and a summary of its training card."""
+    folder = Path(options.init_from)
+    try:
+        meta = json.loads((folder / "eagle.json").read_text())
+        earlier = json.loads((folder / "training_card.json").read_text())
+        taps, holdout = tuple(meta.get("feature_taps", ())), earlier["options"]["holdout"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ModelFormatError(
+            f"{folder}: --init-from needs an EAGLE head folder with eagle.json and training_card.json ({exc})"
+        ) from exc
+    if options.feature_taps and tuple(options.feature_taps) != taps:
+        raise GenerationOptionError(
+            f"--feature-taps {list(options.feature_taps)}: the head in {folder} fuses layers {list(taps)}"
+        )
+    if holdout != options.holdout:
+        raise GenerationOptionError(
+            f"{folder} was trained with hold-out {holdout}, this run holds out {options.holdout}: its validation "
+            "sequences would be trained on"
+        )
+    summary = {"head": str(folder), "steps": earlier.get("steps"), "sequences": earlier.get("sequences"),
+               "validation_top1": earlier.get("validation_top1")}  # fmt: skip
+    return replace(options, feature_taps=taps), summary
+
+
+def new_head(corpus, options: TrainOptions, start=None):
+    """A head for the corpus's target (`start`: (head, stats, draft ids) to continue from `import_head`, else a
+    fresh one), the feature statistics it reads and the loss of training sequence i (see the module docstring)."""
     import torch
 
     hf, data, sequences, to_draft = corpus.hf, corpus.data, corpus.sequences, corpus.to_draft
-    stats = FeatureStats.of(corpus, corpus.train, tuple(options.feature_taps))
     embed = hf.get_input_embeddings().weight.detach()
     draft_rows = hf.get_output_embeddings().weight.detach()[torch.tensor(corpus.draft_ids)]
-    head = EagleHeadModule(hf.config, len(corpus.draft_ids), stats.taps)
-    with torch.no_grad():  # start the draft LM head from the target's own output rows
-        head.lm_head.weight.copy_(draft_rows)
+    if start is not None:
+        head, stats = start[0].train(), start[1]
+    else:
+        stats = FeatureStats.of(corpus, corpus.train, tuple(options.feature_taps))
+        head = EagleHeadModule(hf.config, len(corpus.draft_ids), stats.taps)
+        with torch.no_grad():  # start the draft LM head from the target's own output rows
+            head.lm_head.weight.copy_(draft_rows)
 
     def sequence_loss(i: int):
         ids = torch.tensor(sequences[i])

@@ -162,6 +162,58 @@ def test_use_prompts_trains_on_the_first_prompts_and_answers_no_more(head_dir, t
     assert (work / "answers.jsonl").read_text() == answers
 
 
+def continue_head(head_dir, tiny_folder, tmp_path, out: str, **changes) -> dict:
+    """Train on a copy of `head_dir`'s work folder with `changes` to OPTIONS (e.g. init_from)."""
+    work = tmp_path / "work"
+    if not work.exists():
+        shutil.copytree(head_dir.parent / "work", work)
+    options = TrainOptions(**{**OPTIONS.__dict__, **changes})
+    return train(tiny_folder(TARGET), tmp_path / out, work, options, say=lambda _: None)
+
+
+def test_training_continues_a_head_folder_with_its_vocabulary_and_statistics(head_dir, tiny_folder, tmp_path):
+    """`init_from`: the head starts where the folder's head stopped (0 steps give its very tensors back), keeps
+    its draft vocabulary and feature statistics, and trains on from there (a few small steps move its weights a
+    little; a fresh head's are elsewhere entirely)."""
+    from safetensors.numpy import load_file
+
+    same = continue_head(head_dir, tiny_folder, tmp_path, "same", init_from=str(head_dir), steps=0)
+    for name in ("model.safetensors", "eagle.safetensors"):
+        assert (tmp_path / "same" / name).read_bytes() == (head_dir / name).read_bytes()
+    assert same["continued_from"]["head"] == str(head_dir) and same["continued_from"]["steps"] == OPTIONS.steps
+    continue_head(head_dir, tiny_folder, tmp_path, "on", init_from=str(head_dir), steps=3, lr=1e-4)
+    assert (tmp_path / "work" / f"eagle-from-{head_dir.name}.pt").is_file()
+    (tmp_path / "work" / "eagle.pt").unlink()  # else the fresh run resumes the folder's own finished checkpoint
+    continue_head(head_dir, tiny_folder, tmp_path, "fresh", steps=3)
+
+    def moved(folder) -> float:
+        """The largest change of any weight of `folder`'s head against the head it continued."""
+        a, b = load_file(str(head_dir / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+        return max(float(abs(a[k].astype("f4") - b[k].astype("f4")).max()) for k in a)
+
+    assert 0 < moved(tmp_path / "on") < 0.01 < moved(tmp_path / "fresh")
+    _, stats, ids = import_head(tmp_path / "on", load_target(tiny_folder(TARGET))[0].config)
+    _, stats0, ids0 = import_head(head_dir, load_target(tiny_folder(TARGET))[0].config)
+    assert ids.tolist() == ids0.tolist() and torch.equal(stats.mean, stats0.mean) and torch.equal(stats.std, stats0.std)
+
+
+def test_continuing_refuses_another_targets_head_or_a_moved_hold_out(head_dir, tiny_folder, tmp_path):
+    wrong = tmp_path / "wrong"
+    shutil.copytree(head_dir, wrong)
+    meta = json.loads((wrong / "eagle.json").read_text())
+    meta["target"]["vocab_size"] += 1
+    (wrong / "eagle.json").write_text(json.dumps(meta))
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 49 "):
+        continue_head(head_dir, tiny_folder, tmp_path, "a", init_from=str(wrong), steps=0)
+    with pytest.raises(GenerationOptionError, match=r"hold-out 0.05, this run holds out 0.1"):
+        continue_head(head_dir, tiny_folder, tmp_path, "b", init_from=str(head_dir), steps=0, holdout=0.1)
+    with pytest.raises(GenerationOptionError, match="fuses layers \\[\\]"):
+        continue_head(head_dir, tiny_folder, tmp_path, "c", init_from=str(head_dir), steps=0, feature_taps=(0,))
+    (wrong / "training_card.json").unlink()
+    with pytest.raises(ModelFormatError, match=r"training_card\.json"):
+        continue_head(head_dir, tiny_folder, tmp_path, "d", init_from=str(wrong), steps=0)
+
+
 def test_features_are_cached_per_sequence_so_appended_prompts_are_computed_alone(tmp_path):
     sequences = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     data = [(torch.full((len(s), 2), float(i)), torch.tensor(s), None) for i, s in enumerate(sequences)]
