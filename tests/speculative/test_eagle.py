@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from speculative.conftest import (
@@ -197,12 +198,18 @@ def test_training_continues_a_head_folder_with_its_vocabulary_and_statistics(hea
     assert ids.tolist() == ids0.tolist() and torch.equal(stats.mean, stats0.mean) and torch.equal(stats.std, stats0.std)
 
 
-def test_continuing_refuses_another_targets_head_or_a_moved_hold_out(head_dir, tiny_folder, tmp_path):
+def head_for_a_larger_vocabulary(head_dir, tmp_path) -> tuple[Path, dict]:
+    """A copy of `head_dir` whose eagle.json names a target vocabulary one token larger, and that metadata."""
     wrong = tmp_path / "wrong"
     shutil.copytree(head_dir, wrong)
     meta = json.loads((wrong / "eagle.json").read_text())
     meta["target"]["vocab_size"] += 1
     (wrong / "eagle.json").write_text(json.dumps(meta))
+    return wrong, meta
+
+
+def test_continuing_refuses_another_targets_head_or_a_moved_hold_out(head_dir, tiny_folder, tmp_path):
+    wrong, _ = head_for_a_larger_vocabulary(head_dir, tmp_path)
     with pytest.raises(VocabularyMismatchError, match="vocabulary of 49 "):
         continue_head(head_dir, tiny_folder, tmp_path, "a", init_from=str(wrong), steps=0)
     with pytest.raises(GenerationOptionError, match=r"hold-out 0.05, this run holds out 0.1"):
@@ -480,11 +487,7 @@ def test_sampled_eagle_is_reproducible_by_seed(models, head):
 
 
 def test_a_head_for_another_model_is_refused(head_dir, models, tmp_path):
-    wrong = tmp_path / "wrong"
-    shutil.copytree(head_dir, wrong)
-    meta = json.loads((wrong / "eagle.json").read_text())
-    meta["target"]["vocab_size"] += 1
-    (wrong / "eagle.json").write_text(json.dumps(meta))
+    wrong, meta = head_for_a_larger_vocabulary(head_dir, tmp_path)
     with pytest.raises(VocabularyMismatchError, match="vocabulary of 49 "):
         load_head(wrong, models["target"])
     meta["target"]["vocab_size"] -= 1
