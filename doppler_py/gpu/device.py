@@ -99,6 +99,8 @@ class Gpu:
     browser_limits: bool
     info: dict = field(default_factory=dict)
     _sync_buffer: object = field(default=None, repr=False)
+    # shader folder -> its gpu.kernels.PipelineCache: the pipelines compiled on this device, for every registry
+    pipeline_caches: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def queue(self):

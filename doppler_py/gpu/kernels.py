@@ -356,22 +356,41 @@ class _NativePassCalls:
 _NATIVE = _NativePassCalls()
 
 
-class KernelRegistry:
-    """Loads shaders by name and caches modules, pipelines and bind groups for one `Gpu`."""
+class PipelineCache:
+    """The shader modules and compute pipelines compiled on one device from one shader folder, shared by every
+    registry on that device for the life of the process: a second `load()` (or an engine per test) compiles
+    nothing its predecessors compiled. Pipelines hold no buffers, so sharing them cannot leak an engine's data.
 
-    def __init__(self, gpu: Gpu, shader_dir: Path = SHADER_DIR, *, shared: KernelRegistry | None = None):
-        """`shared`: use that registry's compiled modules and pipelines (see `fork`)."""
+    Two threads never compile one pipeline twice (a lock per pipeline), but may compile two different ones at
+    once: wgpu-native releases the GIL while compiling, so a software adapter uses two CPU cores."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, tuple[object, str]] = {}
+        self.kernels: dict[tuple, Kernel] = {}  # (shader, entry point, override constants) -> pipeline
+        self.lock = threading.Lock()  # guards the dicts and `pipeline_locks`
+        self.pipeline_locks: dict[tuple, threading.Lock] = {}
+
+    @staticmethod
+    def of(gpu: Gpu, shader_dir: Path) -> PipelineCache:
+        with _CACHES_LOCK:
+            return gpu.pipeline_caches.setdefault(str(shader_dir), PipelineCache())
+
+
+_CACHES_LOCK = threading.Lock()
+
+
+class KernelRegistry:
+    """Loads shaders by name and caches bind groups and uniforms for one owner (an engine); modules and
+    pipelines come from the device's process-wide `PipelineCache`."""
+
+    def __init__(self, gpu: Gpu, shader_dir: Path = SHADER_DIR, *, fork: bool = False):
+        """`fork`: a registry that owns no buffer bound through it (see `fork`)."""
         # Tests swap in a recorder that also replays each submit under Dawn (tests/parity/dawn).
         self.recorder_class: type[Recorder] = Recorder
         self.gpu = gpu
         self.shader_dir = shader_dir
-        self._modules: dict[str, tuple[object, str]] = shared._modules if shared else {}
-        self._kernels: dict[tuple, Kernel] = shared._kernels if shared else {}
-        # Two threads never compile one pipeline twice (a lock per pipeline), but may compile two different ones
-        # at once: wgpu-native releases the GIL while compiling, so a software adapter uses two CPU cores.
-        self._compile_lock = shared._compile_lock if shared else threading.Lock()  # guards the two dicts below
-        self._pipeline_locks: dict[tuple, threading.Lock] = shared._pipeline_locks if shared else {}
-        self._is_fork = shared is not None
+        self.pipelines = PipelineCache.of(gpu, shader_dir)
+        self._is_fork = fork
         self._bind_groups: dict[tuple, object] = {}
         # id of a bound buffer -> the keys of the cached groups binding it, so forgetting a buffer (every KV cache
         # released at a generation's end) costs its own groups, not a scan of all of them.
@@ -395,7 +414,7 @@ class KernelRegistry:
         compiles serves both, but has its own uniform arenas and bind groups, so nothing it records can touch a
         uniform value this registry's ops have set. Closing it frees only its arenas; the buffers bound
         through it belong to their owners."""
-        fork = KernelRegistry(self.gpu, self.shader_dir, shared=self)
+        fork = KernelRegistry(self.gpu, self.shader_dir, fork=True)
         fork.recorder_class = self.recorder_class
         return fork
 
@@ -404,31 +423,30 @@ class KernelRegistry:
         return read_shader(name, self.shader_dir)
 
     def _module(self, name: str, entry: str):
-        with self._compile_lock:
-            return self._module_locked(name, entry)
-
-    def _module_locked(self, name: str, entry: str):
         # Without subgroups each entry point gets a module pruned to what it calls (see prune_to_entry).
         key = name if self.gpu.has_subgroups else f"{name}.{entry}"
-        if key not in self._modules:
-            source = self.source(name)
-            code = source_for_naga(source) if self.gpu.has_subgroups else prune_to_entry(source, entry)
-            try:
-                module = self.gpu.device.create_shader_module(code=code, label=key)
-            except Exception as exc:  # wgpu raises its own error types with the compiler's message
-                raise ShaderError(f"shader {name}.wgsl ({entry}) failed to compile: {exc}") from exc
-            self._modules[key] = (module, source)
-        return self._modules[key]
+        cache = self.pipelines
+        with cache.lock:
+            if key not in cache.modules:
+                source = self.source(name)
+                code = source_for_naga(source) if self.gpu.has_subgroups else prune_to_entry(source, entry)
+                try:
+                    module = self.gpu.device.create_shader_module(code=code, label=key)
+                except Exception as exc:  # wgpu raises its own error types with the compiler's message
+                    raise ShaderError(f"shader {name}.wgsl ({entry}) failed to compile: {exc}") from exc
+                cache.modules[key] = (module, source)
+            return cache.modules[key]
 
     def kernel(self, name: str, entry: str = "main", **constants: float | int | bool) -> Kernel:
         key = (name, entry, tuple(sorted(constants.items())))
-        kernel = self._kernels.get(key)
+        cache = self.pipelines
+        kernel = cache.kernels.get(key)
         if kernel is None:
-            with self._compile_lock:
-                lock = self._pipeline_locks.setdefault(key, threading.Lock())
+            with cache.lock:
+                lock = cache.pipeline_locks.setdefault(key, threading.Lock())
             with lock:
-                kernel = self._kernels.get(key) or self._compile(key)
-                self._kernels[key] = kernel
+                kernel = cache.kernels.get(key) or self._compile(key)
+                cache.kernels[key] = kernel
         return kernel
 
     def _compile(self, key: tuple) -> Kernel:
@@ -570,13 +588,12 @@ class KernelRegistry:
         """Destroy every buffer bound through this registry and its uniform arenas, and drop every cached
         module, pipeline and bind group: for an owner whose models and ops all live and end with the registry
         (an engine). This also frees what ops allocate for themselves, like scratch and placeholder buffers.
-        A fork (see `fork`) only drops its bind groups and destroys its arenas."""
+        A fork (see `fork`) only drops its bind groups and destroys its arenas. Compiled pipelines stay in the
+        device's `PipelineCache` for the next registry."""
         if not self._is_fork:
             for _, buffers in self._bind_groups.values():
                 for buffer in buffers:
                     buffer.destroy()
-            self._kernels.clear()
-            self._modules.clear()
         for arena in self._arenas:
             arena.buffer.destroy()
         for tensor in self._placeholders.values():
@@ -609,7 +626,8 @@ class KernelRegistry:
 
     @property
     def cache_sizes(self) -> dict[str, int]:
-        return {"modules": len(self._modules), "pipelines": len(self._kernels), "bind_groups": len(self._bind_groups)}
+        cache = self.pipelines
+        return {"modules": len(cache.modules), "pipelines": len(cache.kernels), "bind_groups": len(self._bind_groups)}
 
 
 class Tape:

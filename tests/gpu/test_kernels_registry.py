@@ -63,6 +63,32 @@ def test_pipelines_and_bind_groups_are_cached(gpu, registry):
     assert again.bind_group is first.bind_group
 
 
+@pytest.mark.slow
+def test_every_registry_on_a_device_shares_its_compiled_pipelines(gpu, tiny_folder, monkeypatch):
+    """A pipeline compiled for one engine is the same object in the next (and closing the first keeps it): a
+    second `load()` of a model in one process compiles nothing."""
+    import doppler_py
+    from doppler_py.testing.tiny import TinySpec
+
+    first, second = KernelRegistry(gpu), KernelRegistry(gpu)
+    assert first.kernel("residual") is second.kernel("residual")
+    first.close()
+    assert KernelRegistry(gpu).kernel("residual") is second.kernel("residual")
+    second.close()
+
+    compiled = []
+    compile_one = KernelRegistry._compile
+    monkeypatch.setattr(
+        KernelRegistry, "_compile", lambda registry, key: compiled.append(key) or compile_one(registry, key)
+    )
+    folder = tiny_folder(TinySpec(num_hidden_layers=1, seed=21))
+    for _ in range(2):
+        compiled.clear()
+        with doppler_py.load(folder, "f32", gpu=gpu, max_seq=64, progress=False) as engine:
+            engine.generate("hello", max_tokens=3, speculative="prompt-lookup")
+    assert compiled == []
+
+
 def test_forgetting_a_buffer_drops_exactly_the_groups_that_bind_it(gpu):
     registry = KernelRegistry(gpu)  # its own: the session registry's groups would hide the counts
     kernel = registry.kernel("residual")
