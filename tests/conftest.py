@@ -27,14 +27,8 @@ def gpu():
 
 
 @pytest.fixture(scope="session")
-def registry(gpu, request):
-    registry = KernelRegistry(gpu)
-    if os.environ.get("DOPPLER_DAWN_REPLAY", "") not in ("", "0"):
-        # Every submit is also replayed under Dawn (SwiftShader) and compared with wgpu: tests/parity/dawn.
-        from parity.dawn.trace import install_replay
-
-        install_replay(registry, request.config)
-    return registry
+def registry(gpu):
+    return KernelRegistry(gpu)
 
 
 @pytest.fixture(params=["compiled-loop", "python-loop"])

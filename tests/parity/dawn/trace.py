@@ -8,8 +8,13 @@
    worker and compares every region a dispatch wrote (read_write bindings, copy destinations) with wgpu's.
 A mismatch or a dispatch Dawn rejects raises `AssertionError` inside the test that submitted.
 
-Hooked into the shared `registry` fixture when DOPPLER_DAWN_REPLAY=1 (tests/conftest.py), so every kernel test
-also runs under Dawn; the per-kernel maximum differences are printed in the pytest terminal summary.
+With DOPPLER_DAWN_REPLAY=1 (what `tools/test.sh` sets) the shared `registry` records through it while each test of
+tests/kernels runs (tests/kernels/conftest.py). A submit is replayed when it dispatches a pipeline (shader, entry
+point, override constants, bind group layout) no earlier replay covered, so every distinct pipeline the kernel
+tests dispatch runs under Dawn once, in the first submit that uses it, with the state that submit starts from.
+The terminal summary prints how many pipelines were replayed and the per-kernel maximum differences; a pipeline
+the kernel tests dispatched that no replay covered fails the run (`pytest_sessionfinish`), except one that needs
+shader-f16 where the Dawn adapter lacks it (validated by Tint in test_tint_validation.py, listed as such).
 """
 
 from __future__ import annotations
@@ -27,12 +32,9 @@ from parity.dawn.client import DawnUnavailable, DawnWorker, b64, in_ci, pipeline
 from doppler_py.gpu.kernels import Bound, Kernel, KernelRegistry, Recorder
 from doppler_py.gpu.tensor import DTYPES, Tensor
 
-# Submits whose touched buffers add up to more than this are not replayed (JSON + base64 both ways).
+# Submits whose touched buffers add up to more than this are not replayed (JSON + base64 both ways); a pipeline
+# only such submits dispatch is reported as never replayed.
 MAX_REPLAY_BYTES = int(os.environ.get("DOPPLER_DAWN_MAX_BYTES", 64 << 20))
-# A test's first submit is always replayed; later ones while the test's replayed dispatches stay within this
-# budget (0: no budget). Statistical tests submit hundreds of trials many times over, and SwiftShader runs
-# them ~10x slower than lavapipe; their first submit already covers the code they run.
-DISPATCHES_PER_TEST = int(os.environ.get("DOPPLER_DAWN_DISPATCHES_PER_TEST", 256))
 _STORAGE_ALIGN = 256
 _ENABLE_F16_RE = re.compile(r"^\s*enable\s+f16\s*;", re.M)
 
@@ -78,6 +80,11 @@ def variant_label(kernel: Kernel) -> str:
 def kernel_label(kernel: Kernel) -> str:
     variant = variant_label(kernel)
     return f"{kernel.name}.{kernel.entry}" + (f"[{variant}]" if variant else "")
+
+
+def pipeline_key(kernel: Kernel) -> tuple:
+    """What makes a pipeline distinct for the replay: shader, entry point, override constants, bind group layout."""
+    return (kernel.name, kernel.entry, kernel.constants, tuple((b.index, b.kind) for b in kernel.bindings))
 
 
 @dataclass(frozen=True)
@@ -162,20 +169,29 @@ class DawnReplay:
         self.numbers: dict[str, KernelNumbers] = {}
         self.skipped: Counter[str] = Counter()
         self.submits = 0
-        self._dispatches_per_test: Counter[str] = Counter()
+        self.covered_submits = 0  # submits whose every pipeline an earlier replay had covered
+        self.dispatched: dict[tuple, str] = {}  # pipeline_key -> label, of every submit planned
+        self.replayed: set[tuple] = set()
+        self.f16_only: set[tuple] = set()  # dispatched in submits Dawn cannot run for want of shader-f16
         self.dawn_ms = 0.0
         self.wall_s = 0.0
         self._sources: dict[str, str] = {}
+        # Replays every submit (the lane's own tests), or only those with a pipeline not replayed yet (the
+        # kernel tests under DOPPLER_DAWN_REPLAY=1, whose dispatched pipelines must all end up replayed).
         self.recorder_class = type("DawnReplayRecorder", (ReplayRecorder,), {"replay": self})
+        self.new_pipelines_recorder_class = type(
+            "DawnNewPipelinesRecorder", (ReplayRecorder,), {"replay": self, "every_submit": False}
+        )
 
     # -- planning (before the wgpu submit) ------------------------------------------------------------
-    def plan(self, registry: KernelRegistry, steps: list) -> ReplayPlan:
+    def plan(self, registry: KernelRegistry, steps: list, every_submit: bool = True) -> ReplayPlan:
         kernels = [s.bound.kernel for s in steps if isinstance(s, _Dispatch)]
-        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]  # "path::name[id] (call)"
-        replayed = self._dispatches_per_test[test]
-        if test and DISPATCHES_PER_TEST and replayed and replayed + len(kernels) > DISPATCHES_PER_TEST:
-            return ReplayPlan({}, [], kernels, f"over the budget of {DISPATCHES_PER_TEST} dispatches per test")
-        self._dispatches_per_test[test] += len(kernels)
+        keys = {pipeline_key(k): kernel_label(k) for k in kernels}
+        if not every_submit:
+            self.dispatched.update(keys)
+            if self.replayed.issuperset(keys):
+                self.covered_submits += 1
+                return ReplayPlan({}, [], kernels, "covered")
         extents: dict[int, _Extent] = {}
         for step in steps:
             for buffer, offset, nbytes in _touched(step):
@@ -185,6 +201,7 @@ class DawnReplay:
             return ReplayPlan({}, [], kernels, f"over {MAX_REPLAY_BYTES >> 20} MiB of buffers")
         needs_f16 = any(_ENABLE_F16_RE.search(self._source(registry, k.name)) for k in kernels)
         if needs_f16 and "shader-f16" not in self.worker.adapters["vulkan"].features:
+            self.f16_only.update(keys)
             return ReplayPlan({}, [], kernels, "needs shader-f16, which the Dawn adapter lacks (Tint-validated only)")
 
         queue = registry.gpu.queue
@@ -254,6 +271,8 @@ class DawnReplay:
 
     # -- checking (after the wgpu submit) -------------------------------------------------------------
     def check(self, registry: KernelRegistry, plan: ReplayPlan) -> None:
+        if plan.skip == "covered":
+            return
         if plan.skip:
             for kernel in {f"{k.name}.{k.entry}" for k in plan.kernels}:
                 self.skipped[f"{kernel}: {plan.skip}"] += 1
@@ -276,6 +295,13 @@ class DawnReplay:
         if failures:
             adapter = self.worker.adapters["vulkan"].description
             raise AssertionError(f"Dawn ({adapter}) and wgpu-py disagree:\n" + "\n".join(failures))
+        self.replayed.update(pipeline_key(k) for k in plan.kernels)
+
+    def never_replayed(self) -> list[str]:
+        """Labels of the pipelines dispatched in a planned submit that no replay covered (shader-f16 ones that
+        the Dawn adapter cannot run excepted)."""
+        missing = set(self.dispatched) - self.replayed - self.f16_only
+        return sorted(self.dispatched[key] for key in missing)
 
     def _numbers(self, kernel: Kernel | None, tolerance: Tolerance | None = None) -> KernelNumbers:
         key = f"{kernel.name}.{kernel.entry}" if kernel else "copy"
@@ -301,7 +327,10 @@ class DawnReplay:
             write(f"Dawn replay was requested but is unavailable: {self.unavailable}")
             return
         adapter = self.worker.adapters["vulkan"].description if self.worker else "?"
-        write(f"adapter: {adapter}; {self.submits} submits replayed in {self.wall_s:.2f} s")
+        write(
+            f"adapter: {adapter}; {len(self.replayed)} distinct pipelines replayed in {self.submits} submits "
+            f"({self.wall_s:.2f} s); {self.covered_submits} submits used only pipelines replayed before"
+        )
         write(f"(Dawn's own time {self.dawn_ms / 1e3:.2f} s; the rest is snapshots, readbacks and JSON)")
         if self.numbers:
             width = max(len("kernel"), *(len(k) for k in self.numbers))
@@ -318,6 +347,18 @@ class DawnReplay:
                 )
         for reason, count in sorted(self.skipped.items()):
             write(f"submits not replayed ×{count}: {reason}")
+        f16_only = sorted(self.dispatched[key] for key in self.f16_only - self.replayed)
+        if f16_only:
+            write(f"{len(f16_only)} shader-f16 pipelines validated by Tint only: {', '.join(f16_only)}")
+        missing = self.never_replayed()
+        if missing:
+            terminalreporter.write_line(
+                f"FAILED: {len(missing)} pipelines were dispatched but never replayed: {', '.join(missing)}", red=True
+            )
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        if self.worker is not None and self.never_replayed() and exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @dataclass(frozen=True)
@@ -413,7 +454,8 @@ def _note_write(written: dict, extent: _Extent, tensor: Tensor, what: str, kerne
 class ReplayRecorder(Recorder):
     """A `Recorder` that keeps its steps and has them replayed and checked under Dawn on `submit()`."""
 
-    replay: DawnReplay  # set on the subclass `DawnReplay.recorder_class`
+    replay: DawnReplay  # set on the subclasses `DawnReplay.recorder_class` and `.new_pipelines_recorder_class`
+    every_submit = True
 
     def __init__(self, registry: KernelRegistry):
         super().__init__(registry)
@@ -433,7 +475,7 @@ class ReplayRecorder(Recorder):
         self.steps.append(_Copy(src, dst, size, src_offset, dst_offset))
 
     def plan(self) -> ReplayPlan:
-        return self.replay.plan(self.registry, self.steps)
+        return self.replay.plan(self.registry, self.steps, self.every_submit)
 
     def submit(self) -> None:
         if not self.steps:
@@ -464,13 +506,14 @@ def shared_replay(config: pytest.Config) -> DawnReplay:
     return _shared["replay"]
 
 
-def install_replay(registry: KernelRegistry, config: pytest.Config) -> None:
-    """Make every submit of `registry` replay under Dawn; without Dawn, say so (and fail under CI=true)."""
+def replaying_recorder(config: pytest.Config) -> type[Recorder] | None:
+    """The recorder class that replays each submit with a new pipeline under Dawn; None without Dawn (a failure
+    under CI=true)."""
     replay = shared_replay(config)
     if replay.unavailable:
         if in_ci():
             pytest.fail(
                 f"DOPPLER_DAWN_REPLAY=1 under CI=true but Dawn is unavailable: {replay.unavailable}", pytrace=False
             )
-        return
-    registry.recorder_class = replay.recorder_class
+        return None
+    return replay.new_pipelines_recorder_class
