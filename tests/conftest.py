@@ -98,3 +98,28 @@ def smollm2_gguf():
         if os.environ.get("CI") == "true":
             pytest.fail(f"the default model is missing in CI: {exc}")
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf):
+    """The default real model at its shipped precision (q4_1 blocks), loaded once for every test that reads it.
+    Tests may generate with it and make engines over its `model`, but must leave its settings as they were."""
+    from doppler_py.api import load
+    from doppler_py.model.catalog import DEFAULT_MODEL
+
+    with load(DEFAULT_MODEL, weights="q4_1", progress=False, max_seq=512) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """HF transformers' SmolLM2 from the same GGUF (torch CPU, float32): the reference model, loaded once."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it for gguf_file=
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    model.eval()
+    return model

@@ -161,12 +161,8 @@ def test_settings_are_checked(tiny_engine):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from doppler_py.api import load
-    from doppler_py.model.catalog import DEFAULT_MODEL
-
-    with load(DEFAULT_MODEL, weights="q4_1", progress=False, max_seq=256) as engine:
-        yield engine
+def smollm2(smollm2_engine):
+    return smollm2_engine
 
 
 @pytest.mark.realmodel

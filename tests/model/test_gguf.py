@@ -498,16 +498,9 @@ def smollm2_folders(smollm2_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def transformers_state(smollm2_gguf):
+def transformers_state(hf_smollm2):
     """transformers' own dequantised, un-permuted tensors for the same GGUF (float32, CPU)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it for gguf_file=
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return model.config, {name: t.numpy() for name, t in model.state_dict().items()}
+    return hf_smollm2.config, {name: t.detach().numpy() for name, t in hf_smollm2.state_dict().items()}
 
 
 @pytest.mark.realmodel
