@@ -25,6 +25,29 @@ DRAFT = draft_spec(vocab_size=48, seed=12)
 PADDED_DRAFT = draft_spec(vocab_size=64, seed=13)
 
 
+# The self-distilled data every head trainer's test starts from (the EAGLE, Medusa and spark fixtures): prompts,
+# the tiny target's answers and its features, made once per session and copied into each trainer's work folder.
+CORPUS_OPTIONS = {"seed_prompts": 16, "magpie_prompts": 2, "max_new_tokens": 24}
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory, tiny_folder):
+    """A function copying the session's training data for TARGET into a new work folder (returned)."""
+    pytest.importorskip("torch")
+    from doppler_py.training.data import TrainOptions, prepare
+
+    made = tmp_path_factory.mktemp("corpus") / "work"
+    prepare(tiny_folder(TARGET), made, TrainOptions(**CORPUS_OPTIONS), say=lambda _: None)
+
+    def copy(work):
+        import shutil
+
+        shutil.copytree(made, work)
+        return work
+
+    return copy
+
+
 @pytest.fixture(scope="session")
 def models(tiny_model):
     """name -> Transformer for "target", "draft", "padded_draft", loaded once per session."""
@@ -125,3 +148,77 @@ def compile_requests(drafter, monkeypatch) -> set[tuple[int, int]]:
     monkeypatch.setattr(Linear, "compile", lambda op, rows: asked.add((id(op), rows)) or compile_one(op, rows))
     drafter.compile()
     return asked
+
+
+def check_drafts_follow_their_reported_rows(
+    target, drafter, monkeypatch, prompt=(3, 17, 5), seeds: int = 6, new_tokens: int = 12, k: int = 3
+) -> int:
+    """What a sampled drafter owes the verifier, checked exactly per draft instead of statistically per generation:
+    each GPU pick is the sampler's pick (`allowed_picks`, the kernel tests' float margins) from the row at that
+    position of the proposal's `draft_logits`, with the one uniform the drafter drew for it from the generation's
+    stream, and is the token at that position of the proposal; a proposal without draft rows (deterministic
+    nodes) draws no uniform but for greedy picks, which ignore theirs. The verification paths themselves are
+    held to the target's joint distribution once each (test_engine, test_trees, test_eagle). Returns how many
+    proposals had draft rows ("sampled", their picks checked) and how many were trees ("trees")."""
+    from kernels.test_sample import allowed_picks
+
+    from doppler_py.rng import Mulberry32
+    from doppler_py.sampling import SamplingParams
+    from doppler_py.speculative.engine import SpeculativeEngine
+    from doppler_py.speculative.gpu_drafting import DraftSampler
+
+    draws: list[float] = []
+    picks: list[tuple[int, bool]] = []  # (position, greedy?) of each GPU pick, in order
+    record_pick, submit, random = DraftSampler.record_pick, DraftSampler.submit, Mulberry32.random
+
+    def counted_random(rng):
+        u = random(rng)
+        draws.append(u)
+        return u
+
+    def remembered_pick(sampler, rec, next_ids, i, params):
+        sampler.checked = (i, params)
+        return record_pick(sampler, rec, next_ids, i, params)
+
+    def checked_submit(sampler, rec, u):
+        submit(sampler, rec, u)
+        i, params = sampler.checked
+        read = sampler.registry.gpu.queue.read_buffer
+        row = np.frombuffer(read(sampler.row.buffer), np.float32)
+        pick = int(np.frombuffer(read(sampler.pick.buffer), np.uint32)[0])
+        assert draws and u == draws[-1], "a GPU pick's uniform is not the draw just made from the generation's rng"
+        assert pick in allowed_picks(row, u, params), (i, u, pick)
+        token = int(np.frombuffer(read(sampler.tokens.buffer, 4 * i, 4), np.uint32)[0])
+        kept = np.frombuffer(read(sampler.logits.buffer, 4 * i * sampler.vocab, 4 * sampler.vocab), np.float32)
+        assert token == pick and np.array_equal(kept, row), f"draft {i} is not reported where it was sampled from"
+        picks.append((i, params.greedy))
+
+    propose = type(drafter).propose
+
+    def checked_propose(self, ctx, n):
+        draws.clear()
+        picks.clear()
+        proposal = propose(self, ctx, n)
+        assert len(draws) == len(picks), "a drafter drew a random number for something other than a GPU pick"
+        if proposal.draft_logits is None:
+            assert all(greedy for _, greedy in picks), "a proposal without draft rows depends on its random numbers"
+            seen["trees"] += proposal.parents is not None
+        else:
+            assert proposal.on_gpu and [i for i, _ in picks] == list(range(len(picks)))
+            assert proposal.count <= len(picks)
+            seen["sampled"] += 1
+        return proposal
+
+    seen = {"sampled": 0, "trees": 0}
+    monkeypatch.setattr(Mulberry32, "random", counted_random)
+    monkeypatch.setattr(DraftSampler, "record_pick", remembered_pick)
+    monkeypatch.setattr(DraftSampler, "submit", checked_submit)
+    monkeypatch.setattr(type(drafter), "propose", checked_propose)
+    engine = SpeculativeEngine(target, drafter)
+    try:
+        for seed in range(seeds):
+            params = SamplingParams(temperature=1.5, top_k=6, seed=seed)
+            engine.generate(list(prompt), new_tokens, params, k=k)
+    finally:
+        engine.close()
+    return seen

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 from speculative.conftest import (
+    CORPUS_OPTIONS,
     TARGET,
+    check_drafts_follow_their_reported_rows,
     check_two_token_joint,
     compile_requests,
     held_in_prompt,
@@ -45,9 +47,7 @@ from doppler_py.training.eagle import import_head, torch_drafts, train, unrolled
 GREEDY = SamplingParams()
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 11, 4]
 OPTIONS = TrainOptions(
-    seed_prompts=16,
-    magpie_prompts=2,
-    max_new_tokens=24,
+    **CORPUS_OPTIONS,
     draft_vocab=40,
     steps=160,
     save_every=80,
@@ -58,8 +58,9 @@ FUSED_LAYERS = (0, 2)  # EAGLE-3 fusion on the tiny target's 4 layers: these bes
 
 
 @pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_folder):
+def head_dir(tmp_path_factory, tiny_folder, tiny_corpus):
     out = tmp_path_factory.mktemp("eagle")
+    tiny_corpus(out / "work")
     card = train(tiny_folder(TARGET), out / "head", out / "work", OPTIONS, say=lambda _: None)
     assert card["steps"] == OPTIONS.steps and card["sequences"] == 18
     return out / "head"
@@ -462,6 +463,7 @@ def test_drafts_that_cannot_pay_become_plain_steps(models, heads, head_dir):
     assert observed == [1] * 29  # every step but the last (nothing drafts past the budget) made its first draft
 
 
+@pytest.mark.slow
 def test_chains_ended_by_confidence_keep_the_target_joint_distribution(models, head):
     """The stopping rule reads only the head's own drafts, so sampled output stays exact. (A seeded generation
     never gates, so its tokens do not depend on timing; this drafter is told to gate anyway.)"""
@@ -474,8 +476,9 @@ def test_chains_ended_by_confidence_keep_the_target_joint_distribution(models, h
     check_two_token_joint(models["target"], Gated(models["target"], head), new_tokens=4, k=3)
 
 
-def test_sampled_output_keeps_the_target_joint_distribution(models, head):
-    check_two_token_joint(models["target"], EagleDrafter(models["target"], head))
+def test_sampled_drafts_follow_the_rows_they_report(models, head, monkeypatch):
+    drafter = EagleDrafter(models["target"], head)
+    assert check_drafts_follow_their_reported_rows(models["target"], drafter, monkeypatch)["sampled"] > 0
 
 
 def test_sampled_eagle_is_reproducible_by_seed(models, head):
@@ -522,6 +525,7 @@ def test_a_truncated_head_file_names_the_file(head_dir, models, tmp_path):
         load_head(broken, models["target"])
 
 
+@pytest.mark.slow
 def test_the_api_drafts_with_a_head_for_eagle_and_auto_and_stays_exact(head_dir, tiny_folder):
     prompt = [{"role": "user", "content": "tell me about rivers"}]
     with load(tiny_folder(TARGET), weights="f32", draft_head=head_dir, progress=False) as engine:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from speculative.conftest import check_two_token_joint
+from speculative.conftest import check_drafts_follow_their_reported_rows, check_two_token_joint
 
 from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
 from doppler_py.sampling import SamplingParams
@@ -32,7 +32,7 @@ def plain_greedy(models):
     return reference_decode(models["target"], PROMPT, 40, GREEDY)
 
 
-@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("k", [1, 4, 8])  # the boundaries of the draft length, and one between
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "layer-skip", "draft-model", "padded-draft"])
 def test_greedy_speculative_equals_plain_greedy(models, plain_greedy, drafter, k):
     engine = SpeculativeEngine(models["target"], drafter_for(drafter, models))
@@ -103,9 +103,18 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
     assert PromptLookupDrafter().propose_ids([4, 5, 6, 9, 5, 6], 3) == [9, 5, 6]
 
 
+@pytest.mark.slow
 def test_two_token_joint_distribution_matches_the_target(models):
-    """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target."""
+    """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target: the verification
+    of a chain with draft rows (every GPU drafter's chains; the trees' and cut chains' paths: test_trees.py and
+    test_eagle.py)."""
     check_two_token_joint(models["target"], drafter_for("draft-model", models))
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "layer-skip", "padded-draft"])
+def test_sampled_drafts_follow_the_rows_they_report(models, drafter, monkeypatch):
+    seen = check_drafts_follow_their_reported_rows(models["target"], drafter_for(drafter, models), monkeypatch)
+    assert seen["sampled"] > 0
 
 
 def test_gpu_drafters_live_steps_price_their_verification_where_the_gpu_stamps_time(models):

@@ -10,8 +10,9 @@ import shutil
 import numpy as np
 import pytest
 from speculative.conftest import (
+    CORPUS_OPTIONS,
     TARGET,
-    check_two_token_joint,
+    check_drafts_follow_their_reported_rows,
     compile_requests,
     held_in_prompt,
     matmul_pipelines,
@@ -111,9 +112,7 @@ from doppler_py.training.data import TrainOptions, load_target, target_features 
 from doppler_py.training.spark import import_block, platt, prev_slots, sigmoid, train  # noqa: E402
 
 OPTIONS = TrainOptions(
-    seed_prompts=16,
-    magpie_prompts=2,
-    max_new_tokens=24,
+    **CORPUS_OPTIONS,
     draft_vocab=DRAFT_VOCAB,
     steps=150,
     save_every=75,
@@ -124,8 +123,9 @@ OPTIONS = TrainOptions(
 
 
 @pytest.fixture(scope="module")
-def block_dir(tmp_path_factory, tiny_folder):
+def block_dir(tmp_path_factory, tiny_folder, tiny_corpus):
     out = tmp_path_factory.mktemp("spark")
+    tiny_corpus(out / "work")
     card = train(tiny_folder(TARGET), out / "block", out / "work", OPTIONS, say=lambda _: None)
     assert card["kind"] == "spark" and card["steps"] == OPTIONS.steps
     assert len(card["validation_top1_by_position"]) == BLOCK and card["held_in_top1_by_position"][0] > 1.5 / 40
@@ -246,8 +246,9 @@ def test_unpinned_the_confidence_head_decides_how_much_is_verified(models, block
     assert pinned.stats.drafted > pinned.stats.steps  # pinned: the whole block
 
 
-def test_sampled_spark_keeps_the_target_joint_distribution(models, block):
-    check_two_token_joint(models["target"], SparkDrafter(models["target"], block), new_tokens=3)
+def test_sampled_drafts_follow_the_rows_they_report(models, block, monkeypatch):
+    drafter = SparkDrafter(models["target"], block)
+    assert check_drafts_follow_their_reported_rows(models["target"], drafter, monkeypatch)["sampled"] > 0
 
 
 def test_the_api_runs_a_spark_head_and_refuses_broken_ones(block_dir, models, tiny_folder, tmp_path):

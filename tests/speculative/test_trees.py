@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from speculative.conftest import JOINT_TRIALS, check_two_token_joint
+from speculative.conftest import JOINT_TRIALS, check_drafts_follow_their_reported_rows, check_two_token_joint
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.ops.tree import layout_words, row_depths
@@ -164,6 +164,7 @@ def test_after_a_tree_step_the_features_are_the_accepted_paths_in_order(tiny_mod
     assert drafter.checked > 5
 
 
+@pytest.mark.slow
 def test_sampled_prompt_lookup_trees_keep_the_targets_two_token_distribution(models):
     """Lookup's tries when sampling: the prompt ends in '3 17', seen before with three continuations, so every
     generation's first step verifies a tree (5 and 8 under the root, k = 2)."""
@@ -226,9 +227,11 @@ def test_the_draft_cache_follows_an_accepted_side_leaf(models):
     assert drafter.side_steps > 0 and drafter.chains > 10
 
 
-def test_sampled_draft_model_trees_keep_the_targets_two_token_distribution(models):
+def test_sampled_draft_model_trees_are_nodes_that_ignore_the_random_stream(models, monkeypatch):
+    """A GPU drafter's tree (its greedy chain and side leaves) is verified as deterministic nodes, whose joint
+    distribution the prompt-lookup trees above check; that holds only if the picks drawing it were greedy."""
     drafter = DraftModelDrafter(models["draft"], 48, branches=DraftModelDrafter.tree_branches)
-    assert check_two_token_joint(models["target"], drafter, new_tokens=3) > 0
+    assert check_drafts_follow_their_reported_rows(models["target"], drafter, monkeypatch)["trees"] > 0
 
 
 def test_a_chain_drafters_tree_takes_its_likeliest_chain_nodes_and_leaves_first():
