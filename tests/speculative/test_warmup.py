@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -66,13 +67,35 @@ def test_a_seeded_sampled_generation_waits_for_the_warmup(models):
         warming.close()
 
 
-def test_closing_while_compiling_stops_the_thread(models):
+def test_closing_while_compiling_stops_the_thread(models, monkeypatch):
+    """Each row count's compile is held until the test lets it go, so the thread is surely still compiling when
+    the engine closes: closing must stop it after the row count in hand, not let it compile the rest."""
+    started, release = threading.Semaphore(0), threading.Event()
+    compiled = []
+    calibrate = SpeculativeEngine.calibrate
+
+    def held(self, rows, *args, **kwargs):
+        if threading.current_thread().name == "doppler-warmup":
+            started.release()
+            release.wait(timeout=60)
+            compiled.append(rows)
+        return calibrate(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeEngine, "calibrate", held)
     engine = draft_engine(models)
     engine.prepare(costs={1: 1.0, 2: 1.5}, background=True)
     engine.generate(PROMPT, 3, GREEDY)  # the first token is out: the thread starts
     warmup = engine.warmup
+    assert warmup is not None and started.acquire(timeout=60), "the compile thread never started"
+    assert warmup._thread.is_alive()
+    # The row count in hand is let go only once closing has asked the thread to stop, so without that request
+    # it would go on to the next row count.
+    ask_to_stop = warmup._cancel.set
+    monkeypatch.setattr(warmup._cancel, "set", lambda: (ask_to_stop(), release.set()))
     engine.close()
-    assert warmup is None or not warmup._thread.is_alive()
+    assert not warmup._thread.is_alive()
+    assert engine.warmup is None
+    assert len(compiled) == 1 < len(engine.verify_rows())
 
 
 def test_drafts_stay_within_the_compiled_row_counts():
