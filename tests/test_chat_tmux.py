@@ -18,6 +18,8 @@ import pytest
 
 from doppler_py.testing.tiny import TinySpec
 
+pytestmark = pytest.mark.slow  # a `chat` process in a terminal: seconds each
+
 STATS = re.compile(r"^\[(\d+) tokens \(prompt (\d+)\)", re.M)
 PROMPT_LINE = re.compile(r"^>( .*)?$", re.M)  # a prompt, empty or with what was typed after it
 
