@@ -385,9 +385,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for name in BENCHES if args.which == "all" else (args.which,):
         bench = find_bench(name)
         if bench is None:
+            # The benchmarks are repository scripts (with optional peers and plots), not package code, so an
+            # installed wheel has none: say where they are and how to run them.
             print(
-                f"doppler-py: the {name} benchmark (tools/bench_{name}.py) is not in this installation; "
-                "run it from a source checkout of doppler-py",
+                f"doppler-py: the {name} benchmark is a script of the source repository (tools/bench_{name}.py), "
+                "not part of the installed package; in a checkout of doppler-py, `pip install -e .` there and run "
+                f"`doppler-py bench {name}` (or `python tools/bench_{name}.py`)",
                 file=sys.stderr,
             )
             status = max(status, 1)
@@ -590,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     # `_load` checks sampling flags this command does not have.
     profile.set_defaults(func=_cmd_profile, temperature=0.0, top_k=0, top_p=1.0, seed=None)
 
-    bench = sub.add_parser("bench", help="speculative decoding and kernel benchmarks (tools/bench_*.py)")
+    bench = sub.add_parser(
+        "bench", help="speculative decoding and kernel benchmarks (tools/bench_*.py of a source checkout)"
+    )
     bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHES))
     bench.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="arguments after the benchmark name go to its script"

@@ -16,6 +16,7 @@ enforces this: a slot dispatched again in the same recorder with different bytes
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import os
 import re
 import struct
@@ -30,7 +31,18 @@ from doppler_py.gpu import dispatch_loop
 from doppler_py.gpu.device import Gpu
 from doppler_py.gpu.tensor import Tensor
 
-SHADER_DIR = Path(__file__).resolve().parents[2] / "shaders"
+
+def _shader_dir() -> Path:
+    """The WGSL folder: doppler_py/shaders in an installed wheel (the build maps the repository's top-level shaders/
+    there, see pyproject.toml), the checkout's own shaders/ beside the package in a source tree or editable install."""
+    package = Path(str(importlib.resources.files("doppler_py"))).resolve()
+    installed, checkout = package / "shaders", package.parent / "shaders"
+    # The installed copy wins; the checkout's only when the package has none, so a wheel never reads a stray
+    # site-packages/shaders of another distribution.
+    return checkout if not installed.is_dir() and checkout.is_dir() else installed
+
+
+SHADER_DIR = _shader_dir()
 
 _BINDING_RE = re.compile(
     r"@group\(\s*0\s*\)\s*@binding\(\s*(\d+)\s*\)\s*var\s*<\s*(uniform|storage)\s*(?:,\s*(read_write|read))?\s*>"
@@ -48,6 +60,11 @@ def read_shader(name: str, shader_dir: Path = SHADER_DIR) -> str:
     path = shader_dir / f"{name}.wgsl"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in shader_dir.glob("*.wgsl")))
+        if not known:  # not a typo in `name`: a package built without its WGSL files
+            raise ShaderError(
+                f"no WGSL files in {shader_dir}: this installation of doppler-py was built without its shaders; "
+                "reinstall it"
+            )
         raise ShaderError(f"no shader named {name!r} in {shader_dir} (known: {known})")
     return path.read_text()
 
