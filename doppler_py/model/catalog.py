@@ -14,12 +14,18 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from doppler_py.errors import ModelFormatError
 from doppler_py.model.gguf import CONVERSION_FORMAT, CONVERSION_MARKER, WEIGHT_MODES, convert_gguf, source_identity
 from doppler_py.paths import cache_dir
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 
 @dataclass(frozen=True)
@@ -127,18 +133,36 @@ def _converted(gguf_path: Path, key: str, weights: str, progress: bool) -> Path:
     folder = models_cache() / key
     if _is_current(folder, gguf_path, weights):
         return folder
-    if folder.exists():
-        # Made by an older converter or from an older file: move it aside, then convert afresh.
-        stale = folder.with_name(f".{folder.name}.stale-{os.getpid()}")
-        with contextlib.suppress(FileNotFoundError):  # another process may have moved it already
-            os.rename(folder, stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        return convert_gguf(gguf_path, folder, weights, progress=progress)
-    except FileExistsError:
-        if _is_current(folder, gguf_path, weights):  # another process converted it first
+    # One process converts; the others wait for the lock and find the folder it made.
+    with _conversion_lock(folder):
+        if _is_current(folder, gguf_path, weights):
             return folder
-        raise
+        if folder.exists():
+            # Made by an older converter or from other content: move it aside, then convert afresh.
+            stale = folder.with_name(f".{folder.name}.stale-{os.getpid()}")
+            os.rename(folder, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            return convert_gguf(gguf_path, folder, weights, progress=progress)
+        except FileExistsError:
+            if _is_current(folder, gguf_path, weights):  # another process converted it first (no lock here)
+                return folder
+            raise
+
+
+@contextlib.contextmanager
+def _conversion_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on converting `folder` among the processes sharing the cache, released if the holder
+    dies. Without POSIX locks (Windows) there is none: a second converter adopts the first one's finished folder."""
+    if fcntl is None:
+        yield
+        return
+    with open(folder.with_name(f".{folder.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _folder_size(folder: Path) -> int:

@@ -14,7 +14,9 @@ supplies the type table and the dequantisers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -37,6 +39,7 @@ from tqdm import tqdm
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.spm_vocab import spm_tokenizer
+from doppler_py.paths import cache_dir
 
 WEIGHT_MODES = ("f32", "f16", "keep")
 QUANT_METADATA_KEY = "doppler.quant"
@@ -718,9 +721,26 @@ def _json(path: Path, data: dict[str, Any]) -> None:
 
 
 def source_identity(gguf_path: Path) -> dict[str, Any]:
-    """What identifies a GGUF file for caching: its name, size and modification time."""
+    """What identifies a GGUF file for caching: its name, size and the SHA-256 of its content, not its path or
+    modification time, so one file installed in two environments (two venvs' copies of a model package) is one
+    cache entry and an edited file a new one. The digest is read once per file version: it is kept beside the
+    cache (`cache_dir("sources")`), keyed by the file's path, size, mtime and inode."""
     stat = gguf_path.stat()
-    return {"source": gguf_path.name, "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
+    version = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    record = cache_dir("sources") / f"{hashlib.sha256(version.encode()).hexdigest()[:24]}.json"
+    try:
+        digest = json.loads(record.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        hasher = hashlib.sha256()
+        with open(gguf_path, "rb") as f:
+            while block := f.read(1 << 22):
+                hasher.update(block)
+        digest = hasher.hexdigest()
+        partial = record.with_name(f".{record.name}.{os.getpid()}")
+        with contextlib.suppress(OSError):  # an unwritable cache only costs the next process a re-read
+            partial.write_text(json.dumps({"version": version, "sha256": digest}))
+            os.replace(partial, record)
+    return {"source": gguf_path.name, "source_size": stat.st_size, "source_sha256": digest}
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, weights: str = "f16", *, progress: bool = True) -> Path:

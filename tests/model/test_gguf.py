@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import gguf
@@ -443,9 +446,66 @@ def test_a_gguf_path_converts_once_then_loads_from_the_cache(tmp_path, tiny, mod
     assert first.parent == model_cache and first.name.startswith("tiny-") and first.name.endswith("-keep")
     monkeypatch.setattr(catalog, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
     assert catalog.resolve_model(path, "keep", progress=False) == first
+    os.utime(path, ns=(1, 1))  # touched, not changed: the same entry
+    assert catalog.resolve_model(path, "keep", progress=False) == first
+    elsewhere = tmp_path / "other-env" / path.name  # the same file in another environment: the same entry
+    elsewhere.parent.mkdir()
+    shutil.copy(path, elsewhere)
+    assert catalog.resolve_model(elsewhere, "keep", progress=False) == first
     monkeypatch.undo()
-    os.utime(path, ns=(1, 1))  # an edited file gets a new cache entry
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # an edited file gets a new cache entry
+    path.write_bytes(bytes(data))
     assert catalog.resolve_model(path, "keep", progress=False) != first
+
+
+CONVERT_AND_LOAD = """
+import sys
+from pathlib import Path
+from safetensors import safe_open
+from doppler_py.model import catalog, gguf
+
+def counted(*args, **kwargs):
+    print("converted", flush=True)
+    return gguf.convert_gguf(*args, **kwargs)
+
+catalog.convert_gguf = counted
+catalog.known_model_file = lambda name: Path(sys.argv[1])  # this environment's copy of the known model
+folder = catalog.resolve_model(catalog.DEFAULT_MODEL, "keep", progress=False)
+with safe_open(str(folder / "model.safetensors"), "np") as f:
+    print("loaded", sum(f.get_tensor(name).size for name in f.keys()), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_environments_share_one_conversion_of_a_known_model(tmp_path, tiny):
+    """Two processes, each with the model file at its own path (as two venvs install the same package), convert
+    and load it at once into one cache, ten times over: never an error, one conversion each time."""
+    path, _ = tiny()
+    copies = []
+    for env in ("venv-a", "venv-b"):
+        copy = tmp_path / env / "site-packages" / path.name
+        copy.parent.mkdir(parents=True)
+        shutil.copy(path, copy)
+        copies.append(copy)
+    for attempt in range(10):
+        env = os.environ | {"DOPPLER_CACHE": str(tmp_path / f"cache-{attempt}")}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", CONVERT_AND_LOAD, str(copy)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for copy in copies
+        ]
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+        for proc, (out, err) in zip(procs, outputs, strict=True):
+            assert proc.returncode == 0 and "loaded" in out, err
+        assert sum(out.count("converted") for out, _ in outputs) == 1, attempt
+        folders = [p.name for p in (tmp_path / f"cache-{attempt}" / "models").iterdir() if not p.name.startswith(".")]
+        assert folders == [f"{catalog.DEFAULT_MODEL}-keep"]
 
 
 def test_a_stale_conversion_is_redone(tmp_path, tiny, model_cache):
@@ -455,7 +515,8 @@ def test_a_stale_conversion_is_redone(tmp_path, tiny, model_cache):
     (folder / CONVERSION_MARKER).write_text(json.dumps({**marker, "format": 0}))
     assert catalog.resolve_model(path, "f16", progress=False) == folder
     assert json.loads((folder / CONVERSION_MARKER).read_text())["format"] == marker["format"]
-    assert sorted(p.name for p in model_cache.iterdir()) == [folder.name]
+    # the old folder is gone, not left aside (its conversion's lock file stays)
+    assert sorted(p.name for p in model_cache.iterdir() if not p.name.endswith(".lock")) == [folder.name]
 
 
 def test_a_model_folder_is_returned_as_is(tmp_path, tiny, model_cache):
