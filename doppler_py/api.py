@@ -550,9 +550,8 @@ WARMUP_MODES = ("now", "background")
 def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None, logprobs):
     """Set the engine's drafter to propose trees or chains for this generation (see `stream`); returns the draft
     length to pin (a tree's node budget, else `k`)."""
-    # Drafters that can branch (prompt lookup, a draft model, an EAGLE or Medusa head) say how many ways when
-    # trees are on.
-    # Not "auto"'s head + lookup pair: its per-step choice is between two chains.
+    # Drafters that can branch (prompt lookup, a draft model, an EAGLE or Medusa head) declare how many ways
+    # when trees are on (`tree_branches` > 1); "auto"'s head + lookup pair declares chains.
     if engine.fixed_nodes is not None:  # lookahead: every step is a tree of its shape
         if tree is not None:
             raise GenerationOptionError(
@@ -562,7 +561,7 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
         if logprobs is not None:
             raise GenerationOptionError("log-probs are not given for token trees, and every lookahead step is one")
         return k
-    brancher = engine.drafter if hasattr(engine.drafter, "tree_branches") else None
+    brancher = engine.drafter if engine.drafter.tree_branches > 1 else None
     if tree is None or tree is False:
         wanted = (
             tree is None

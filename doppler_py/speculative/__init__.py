@@ -4,7 +4,7 @@ The drafter contract is `contract.Drafter`; the port of the JS original's Specul
 `doppler_py.parity`.
 """
 
-from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.draft_model import DraftModelDrafter
 from doppler_py.speculative.engine import SpecResult, SpeculativeEngine
 from doppler_py.speculative.layer_skip import LayerSkipDrafter
@@ -15,6 +15,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "LayerSkipDrafter",
+    "NoOpHooks",
     "PromptLookupDrafter",
     "Proposal",
     "SpecResult",

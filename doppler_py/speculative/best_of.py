@@ -8,11 +8,16 @@ priors, so the choice follows what is measured on the text at hand.
 
 The head sees every verified row whoever proposed (its `commit` consumes the accepted rows' features), so it
 is ready whenever it is chosen again.
+
+What it declares (contract.Drafter), from its parts: the head's feature taps and pipelines; chains only (the
+per-step choice is between two chains); and no gating, a declared choice: `--speculative eagle` ends EAGLE's
+chains by its confidence with k as a ceiling, but here k also sizes lookup's match, which has no confidence to
+end it, so the policy keeps pricing k for both from their measured acceptance.
 """
 
 from __future__ import annotations
 
-from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 
 
 class RunningMean:
@@ -25,19 +30,20 @@ class RunningMean:
         self.value += self.alpha * (x - self.value)
 
 
-class BestOfDrafter:
+class BestOfDrafter(NoOpHooks):
     def __init__(self, lookup: Drafter, head: Drafter):
+        if lookup.fixed_nodes is not None or head.fixed_nodes is not None:
+            raise ValueError("a drafter with a fixed step shape cannot share steps with another")
         self.lookup, self.head = lookup, head
         self.name = f"{head.name}+{lookup.name}"
+        self.feature_taps = tuple(dict.fromkeys((*head.feature_taps, *lookup.feature_taps)))
         self.lookup_rate = RunningMean(0.5)  # accepted / proposed, over lookup's steps
         self.head_accepted = RunningMean(1.0)  # accepted per step, over the head's steps
         self.last: tuple[Drafter, int] | None = None  # who proposed the last proposal, and how many tokens
 
     def compile(self) -> None:
-        """The head's own pipelines, compiled ahead (`EagleDrafter.compile`), where it has any."""
-        compile_head = getattr(self.head, "compile", None)
-        if compile_head is not None:
-            compile_head()
+        self.lookup.compile()
+        self.head.compile()
 
     def start(self, ctx: StepContext) -> None:
         self.last = None

@@ -12,9 +12,13 @@ drafter is one new file: implement `Drafter` and hand an instance to `Speculativ
 Exactness does not depend on the drafter: whatever it proposes, the verifier keeps the output distributed as
 the target's own sampling. A drafter only decides how often its proposals are accepted.
 
-Optional attributes the engine reads: `fixed_nodes` (a fixed step shape, lookahead), `gates_chains` (it ends
-its chains by `StepContext.worth_drafting`), and `compile()` (builds the drafter's own pipelines ahead of use,
-thread-safe: the engine runs it with its warm-up).
+Besides those hooks a drafter declares what it can do, and the engine reads nothing else of it (`Drafter`;
+`NoOpHooks` holds the defaults, so a drafter states only where it differs): `fixed_nodes` (a fixed step shape,
+lookahead), `gates_chains` (it ends its chains by `StepContext.worth_drafting`), `tree_branches` (tokens per depth
+when it drafts trees; 1: chains only) with `branches` (what this generation asked for), `feature_taps` (target
+layers whose outputs it reads: the engine taps them) and `compile()` (builds its own pipelines ahead of use,
+thread-safe: the engine runs it with its warm-up). A drafter made of others (`BestOfDrafter`) declares for the
+whole, from its parts.
 """
 
 from __future__ import annotations
@@ -125,6 +129,14 @@ NO_PROPOSAL = Proposal(0)
 
 class Drafter(Protocol):
     name: str
+    fixed_nodes: int | None  # every step verifies a tree of this many nodes (lookahead); None: the policy's k
+    gates_chains: bool  # ends its chains where `StepContext.worth_drafting` says a draft stops paying
+    tree_branches: int  # tokens per depth of its trees; 1: it drafts chains only
+    branches: int  # 1 (chains) or tree_branches (trees), set for each generation
+    feature_taps: tuple[int, ...]  # target layers whose outputs it reads beside the final residual stream
+
+    def compile(self) -> None:
+        """Build the drafter's own pipelines for every shape it may run (thread-safe; before first use)."""
 
     def start(self, ctx: StepContext) -> None:
         """A new generation of ctx.tokens (the prompt), before the target's prefill."""
@@ -148,7 +160,17 @@ class Drafter(Protocol):
 
 
 class NoOpHooks:
-    """Defaults for a drafter's hooks: nothing to set up, roll back or free. A drafter overrides those it needs."""
+    """Defaults for a drafter's declarations and hooks: no fixed shape, no gating, chains only, no taps, no
+    pipelines of its own; nothing to set up, roll back or free. A drafter overrides those it needs."""
+
+    fixed_nodes: int | None = None
+    gates_chains = False
+    tree_branches = 1
+    branches = 1
+    feature_taps: tuple[int, ...] = ()
+
+    def compile(self) -> None:
+        pass
 
     def start(self, ctx: StepContext) -> None:
         pass

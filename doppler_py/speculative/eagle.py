@@ -53,7 +53,7 @@ from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.confidence import ConfidenceCalibration, draft_confidence
-from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.dynamic_tree import DYNAMIC_TREE_WIDTH, DraftTree
 from doppler_py.speculative.gpu_drafting import DraftSampler, checked_branches
 from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
@@ -164,7 +164,7 @@ def tap_layers(meta: dict, folder: Path, layers: int) -> tuple[int, ...]:
     return tuple(taps)
 
 
-class EagleDrafter:
+class EagleDrafter(NoOpHooks):
     """Drafts with an `EagleHead` on the GPU (see the module docstring)."""
 
     name = "eagle"
@@ -191,7 +191,7 @@ class EagleDrafter:
         self.fc_own = Linear(
             registry, head.fc_feature, self.features, model.x, max_rows=min(rows, MAX_TREE_ROWS), accumulate=True
         )
-        target.tap_layers(head.tap_layers)
+        self.feature_taps = head.tap_layers  # the engine taps them (contract.Drafter)
         self.tapped = [Tensor.empty(gpu, (rows, hidden), "f32", f"eagle tap {layer}") for layer in head.tap_layers]
         self.fc_taps = [
             Linear(registry, w, tapped, model.x, max_rows=rows, accumulate=True)

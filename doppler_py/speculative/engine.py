@@ -93,13 +93,11 @@ class SpeculativeEngine:
         if self.capacity < 1:
             raise GenerationOptionError(f"a speculative engine needs room for one draft, got capacity {capacity}")
         self.policy = DraftLengthPolicy(capacity=self.capacity)
-        # A drafter with a fixed step shape (lookahead) says so with `fixed_nodes` (policy: fixed mode).
-        self.fixed_nodes: int | None = getattr(self.drafter, "fixed_nodes", None)
-        # A drafter that ends its chains by its own confidence (`StepContext.worth_drafting`) says so with
-        # `gates_chains` (policy: k is only the ceiling).
-        self.policy.gated = getattr(self.drafter, "gates_chains", False)
-        # A drafter with pipelines of its own builds them with the engine's warm-up (`compile`, EAGLE's).
-        self.compile_drafter: Callable[[], None] | None = getattr(self.drafter, "compile", None)
+        # What the drafter declares (contract.Drafter): a fixed step shape (policy: fixed mode), chains ended by
+        # its own confidence (policy: k is only the ceiling), the target layers it reads.
+        self.fixed_nodes: int | None = self.drafter.fixed_nodes
+        self.policy.gated = self.drafter.gates_chains
+        target.tap_layers(self.drafter.feature_taps)
         if self.fixed_nodes is not None:
             self.policy.reset(fixed=self.fixed_nodes)
         gpu = target.gpu
@@ -160,8 +158,7 @@ class SpeculativeEngine:
             if costs:  # nothing to measure, but "now" means every step size runs without compiling first
                 self.calibrate(context=COMPILE_CONTEXT, repeats=1, store=False)
             self._use_rows(max(self.verify_rows()), between_steps=False)
-            if self.compile_drafter is not None:
-                self.compile_drafter()
+            self.drafter.compile()
 
     def verify_rows(self) -> list[int]:
         """Every row count a step may verify: 1 (a plain step) to k_max + 1."""
@@ -178,7 +175,7 @@ class SpeculativeEngine:
                 self.target,
                 lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity),
                 self.verify_rows(),
-                also=self.compile_drafter,
+                also=self.drafter.compile,
             )
         if self.warmup_pending:
             return False

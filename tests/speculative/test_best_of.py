@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from doppler_py.speculative.best_of import BestOfDrafter
-from doppler_py.speculative.contract import NO_PROPOSAL, Proposal
+from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal
 
 
-class Scripted:
+class Scripted(NoOpHooks):
     """Proposes `count` tokens each step; records what it was told."""
 
     def __init__(self, name: str, count: int):

@@ -8,7 +8,7 @@ import pytest
 
 from doppler_py.errors import InternalError
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative import NO_PROPOSAL, Proposal, SpeculativeEngine, StepContext
+from doppler_py.speculative import NO_PROPOSAL, NoOpHooks, Proposal, SpeculativeEngine, StepContext
 from doppler_py.testing.decode import reference_decode
 
 GREEDY = SamplingParams()
@@ -16,7 +16,7 @@ PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40]
 NEW = 24
 
 
-class OracleDrafter:
+class OracleDrafter(NoOpHooks):
     """Knows the target's greedy continuation and proposes it, except that draft number `wrong_at` of every
     proposal is replaced by a wrong token; records what the engine showed it."""
 

@@ -544,6 +544,30 @@ def test_the_compile_hook_covers_every_matmul_of_the_head(models, heads, monkeyp
     assert matmul_pipelines(drafter, drafter.head.model.linears()) <= compile_requests(drafter, monkeypatch)
 
 
+def test_auto_s_pair_declares_the_heads_taps_and_pipelines_and_chains_only(models, heads, monkeypatch):
+    """What `auto` runs (`BestOfDrafter`: prompt lookup or the head, per step) declares for the whole: the fused
+    head's target layers are tapped for it, its pipelines compile with the engine's, and it drafts chains."""
+    from doppler_py.model.transformer import Transformer
+    from doppler_py.speculative import PromptLookupDrafter
+    from doppler_py.speculative.best_of import BestOfDrafter
+
+    target = models["target"]
+    head = heads("eagle-3")[1]
+    untapped = Transformer(target.weights, target.registry, max_rows=target.max_rows, max_positions=64)
+    pair = BestOfDrafter(PromptLookupDrafter(), EagleDrafter(untapped, head))
+    assert pair.feature_taps == FUSED_LAYERS and not pair.gates_chains and pair.tree_branches == 1
+    compiled = []
+    monkeypatch.setattr(EagleDrafter, "compile", lambda drafter: compiled.append(drafter))
+    engine = SpeculativeEngine(untapped, pair)
+    try:
+        assert sorted(untapped.taps) == list(FUSED_LAYERS)
+        engine.prepare(costs={1: 1.0, 2: 1.5})
+        assert compiled == [pair.head]
+    finally:
+        engine.close()
+        untapped.close()
+
+
 def test_eagle_without_a_head_says_how_to_get_one(tiny_folder):
     with load(tiny_folder(TARGET), weights="f32", progress=False) as engine:
         assert engine.heads == {}  # no head is shipped for a tiny model
