@@ -29,23 +29,14 @@ from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.best_of import BestOfDrafter
 from doppler_py.speculative.cost_cache import cost_key, load_costs, save_costs
-from doppler_py.speculative.draft_model import DraftModelDrafter, check_vocabularies
-from doppler_py.speculative.eagle import EagleDrafter, load_head
+from doppler_py.speculative.draft_model import check_vocabularies
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
 from doppler_py.speculative.head_files import head_kind
-from doppler_py.speculative.layer_skip import LayerSkipDrafter
-from doppler_py.speculative.lookahead import LookaheadDrafter
-from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
 from doppler_py.speculative.policy import trees_pay
-from doppler_py.speculative.prompt_lookup import PromptLookupDrafter
-from doppler_py.speculative.spark import SparkDrafter, load_spark
+from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DraftSources, speculative_modes
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
-SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft-model", "layer-skip", "lookahead", "eagle", "medusa", "spark")
-HEAD_KINDS = ("eagle", "medusa", "spark")  # trained draft heads, in the order "auto" prefers them
-HEAD_DRAFTERS = {"eagle": EagleDrafter, "medusa": MedusaDrafter, "spark": SparkDrafter}
-HEAD_LOADERS = {"eagle": load_head, "medusa": load_medusa, "spark": load_spark}
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 Messages = Sequence[dict]
 
@@ -153,20 +144,21 @@ class Engine:
     def _resolve_mode(self, speculative: str | None) -> str:
         if speculative in (None, "none", "off", False):
             return "none"
-        if speculative not in SPECULATIVE_MODES:
+        if speculative not in speculative_modes():
             raise GenerationOptionError(
-                f"speculative must be one of None, {', '.join(SPECULATIVE_MODES)}; got {speculative!r}"
+                f"speculative must be one of None, {', '.join(speculative_modes())}; got {speculative!r}"
             )
         if speculative == "auto":  # an explicitly loaded draft model, else a head with lookup, else lookup
             if self.draft is not None:
                 return "draft-model"
             kind = next((kind for kind in HEAD_KINDS if kind in self.heads), None)
             return f"{kind}+prompt-lookup" if kind else "prompt-lookup"
-        if speculative == "draft-model" and self.draft is None:
-            raise GenerationOptionError("speculative='draft-model' needs a draft model: load(..., draft=PATH)")
-        if speculative in HEAD_KINDS and speculative not in self.heads:
+        spec = DRAFTERS[speculative]
+        if spec.needs_draft_model and self.draft is None:
+            raise GenerationOptionError(f"speculative={speculative!r} needs a draft model: load(..., draft=PATH)")
+        if spec.head is not None and speculative not in self.heads:
             raise GenerationOptionError(
-                f"speculative={speculative!r} needs a trained {speculative} head for {self.name}",
+                f"speculative={speculative!r} needs {spec.head.article} head trained for {self.name}",
                 advice=f"train one with `doppler-py train-draft MODEL --kind {speculative} --out DIR` and load it "
                 "with load(..., draft_head=DIR) or --draft-head DIR",
             )
@@ -175,18 +167,13 @@ class Engine:
     def speculative_engine(self, mode: str) -> SpeculativeEngine:
         """The (cached) engine for a drafter; its cost model and acceptance estimate persist across calls."""
         if mode not in self._spec:
-            kind = mode.split("+")[0]  # a head kind for "eagle", "eagle+prompt-lookup", ...
-            if kind in HEAD_KINDS:
-                head = HEAD_DRAFTERS[kind](self.model, self.heads[kind])
-                drafter = BestOfDrafter(PromptLookupDrafter(), head) if mode.endswith("+prompt-lookup") else head
-            else:
-                drafter = {
-                    "none": lambda: None,
-                    "prompt-lookup": PromptLookupDrafter,
-                    "layer-skip": lambda: LayerSkipDrafter(self.model),
-                    "lookahead": lambda: LookaheadDrafter(self.model),
-                    "draft-model": lambda: DraftModelDrafter(self.draft, self.model.config.vocab_size),
-                }[mode]()
+            drafter = None
+            if mode != "none":
+                sources = DraftSources(self.model, self.draft, self.heads)
+                name, paired = mode.removesuffix("+prompt-lookup"), mode.endswith("+prompt-lookup")  # "auto"'s pair
+                drafter = DRAFTERS[name].make(sources)
+                if paired:
+                    drafter = BestOfDrafter(DRAFTERS["prompt-lookup"].make(sources), drafter)
             engine = SpeculativeEngine(self.model, drafter)
             if mode != "none":
                 self._prepare(engine)
@@ -241,9 +228,13 @@ class Engine:
         chat: bool | None = None,
         stop: str | Sequence[str] | None = None,
         logprobs: int | None = None,
-        tree: bool | int | None = None,
+        tree: bool | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
+
+        k: the draft tokens (nodes) one step may verify, whatever their shape (a chain's length, a tree's node
+        budget, lookahead's nodes; for a drafter that ends its chains by its confidence, the most it may draft);
+        None: the policy chooses per step from measured costs and acceptance.
 
         stop: up to 4 strings (or one string); generation ends at the first occurrence of any of them, which is
         not part of the text (finish_reason "stop"). Text that could be the start of a stop string is held back
@@ -266,8 +257,8 @@ class Engine:
         `speculative.dynamic_tree`). None: used when this device's measured verification costs say extra
         rows are nearly free (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft
         length as the node budget (a step the policy gives one draft proposes a chain of one) and, for
-        model-drafted trees, only the nodes worth their verification cost (`policy.tree_budget`); N: used with
-        a node budget of N (k pinned to N); False: chains only. Sampled trees are verified exactly (recursive
+        model-drafted trees, only the nodes worth their verification cost (`policy.tree_budget`); with k
+        given, k nodes; False: chains only. Sampled trees are verified exactly (recursive
         rejection over each node's children), so trees keep the target's distribution at any temperature.
         """
         if self.closed:
@@ -282,7 +273,7 @@ class Engine:
         mode = self._resolve_mode(speculative)
         engine = self.speculative_engine(mode)
         engine.policy.check_k(k)
-        k = use_trees(engine, tree, k, logprobs)
+        use_trees(engine, tree, logprobs)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         matcher = StopMatcher(stops)
@@ -547,11 +538,15 @@ def load(
 WARMUP_MODES = ("now", "background")
 
 
-def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None, logprobs):
-    """Set the engine's drafter to propose trees or chains for this generation (see `stream`); returns the draft
-    length to pin (a tree's node budget, else `k`)."""
+def use_trees(engine: SpeculativeEngine, tree: bool | None, logprobs) -> None:
+    """Set the engine's drafter to propose trees or chains for this generation (see `stream`)."""
     # Drafters that can branch (prompt lookup, a draft model, an EAGLE or Medusa head) declare how many ways
     # when trees are on (`tree_branches` > 1); "auto"'s head + lookup pair declares chains.
+    if not (tree is None or isinstance(tree, bool)):
+        raise GenerationOptionError(
+            f"tree is the shape of the drafts (None: where it pays, True: trees, False: chains), got {tree!r}; "
+            "how many nodes one step verifies is k"
+        )
     if engine.fixed_nodes is not None:  # lookahead: every step is a tree of its shape
         if tree is not None:
             raise GenerationOptionError(
@@ -560,7 +555,7 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
             )
         if logprobs is not None:
             raise GenerationOptionError("log-probs are not given for token trees, and every lookahead step is one")
-        return k
+        return
     brancher = engine.drafter if engine.drafter.tree_branches > 1 else None
     if tree is None or tree is False:
         wanted = (
@@ -570,8 +565,6 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
             and trees_pay(engine.policy.costs, engine.policy.k_max + 1)
         )
     else:
-        if not isinstance(tree, int) or (tree is not True and tree < 2):
-            raise GenerationOptionError(f"tree must be None, True, False or a node budget >= 2, got {tree!r}")
         if brancher is None:
             raise GenerationOptionError(
                 f"tree={tree!r} needs prompt-lookup, draft-model, EAGLE or Medusa drafts alone "
@@ -580,15 +573,9 @@ def use_trees(engine: SpeculativeEngine, tree: bool | int | None, k: int | None,
             )
         if logprobs is not None:
             raise GenerationOptionError("log-probs are not given for token trees: use tree=False with logprobs")
-        if tree is not True:
-            engine.policy.check_k(tree)
-            if k is not None and k != tree:
-                raise GenerationOptionError(f"tree={tree} is a node budget (k = {tree}); it conflicts with k={k}")
-            k = tree
         wanted = True
     if brancher is not None:
         brancher.branches = brancher.tree_branches if wanted else 1
-    return k
 
 
 def check_warmup(warmup: str) -> None:
@@ -610,7 +597,7 @@ def load_heads(model, draft_head, target: Transformer, weights: str, tokenizer: 
             kind = head_kind(folder)
             if kind in heads:
                 raise GenerationOptionError(f"{folder}: a second {kind} head; give at most one head of each kind")
-            heads[kind] = HEAD_LOADERS[kind](folder, target, weights, tokenizer)
+            heads[kind] = DRAFTERS[kind].head.load(folder, target, weights, tokenizer)
     except BaseException:
         for head in heads.values():
             head.close()

@@ -23,19 +23,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from doppler_py.errors import DopplerError
+from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, speculative_modes
 
 EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
-SPECULATIVE_CHOICES = (
-    "auto",
-    "prompt-lookup",
-    "draft-model",
-    "layer-skip",
-    "lookahead",
-    "eagle",
-    "medusa",
-    "spark",
-    "none",
-)
 BENCHES = ("speculative", "kernels", "model")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,15 +68,17 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation")
-    group.add_argument("--speculative", default="auto", choices=SPECULATIVE_CHOICES, help="drafter (default auto)")
+    group.add_argument(
+        "--speculative", default="auto", choices=(*speculative_modes(), "none"), help="drafter (default auto)"
+    )
     group.add_argument("--k", type=int, help="pin the draft length (default: adaptive)")
     group.add_argument(
         "--tree",
         type=_tree_option,
         default=None,
-        metavar="auto|on|off|N",
+        metavar="auto|on|off",
         help="token trees of lookup, draft-model, EAGLE or Medusa drafts: auto (default: where extra rows are "
-        "nearly free), on, off, or a node budget N",
+        "nearly free), on or off; --k gives their node budget",
     )
     group.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -98,13 +90,11 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _tree_option(text: str) -> bool | int | None:
+def _tree_option(text: str) -> bool | None:
     choices = {"auto": None, "on": True, "off": False}
     if text in choices:
         return choices[text]
-    if text.isdigit() and int(text) >= 2:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected auto, on, off or a node budget >= 2, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected auto, on or off (the node budget is --k), got {text!r}")
 
 
 def _load(args: argparse.Namespace):
@@ -428,7 +418,6 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
             f"train-draft needs torch and transformers ({exc.name} is missing)",
             advice="install them with `pip install -e .[reference]`",
         ) from exc
-    from doppler_py.training import eagle, medusa, spark
     from doppler_py.training.data import TrainOptions
 
     if args.init_from and args.kind != "eagle":
@@ -456,7 +445,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         feature_taps=feature_taps(args.feature_taps, args.kind),
     )
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
-    train = {"eagle": eagle.train, "medusa": medusa.train, "spark": spark.train}[args.kind]
+    train = importlib.import_module(DRAFTERS[args.kind].head.trainer).train
     card = train(args.model, out, work, options, say=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(card, indent=2))
     return 0
@@ -530,11 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trainer.add_argument("model", help="known model name, HF folder or .gguf file")
     trainer.add_argument(
-        "--kind", default="eagle", choices=("eagle", "medusa", "spark"), help="head design (default eagle)"
+        "--kind", default=HEAD_KINDS[0], choices=HEAD_KINDS, help=f"head design (default {HEAD_KINDS[0]})"
     )
     trainer.add_argument("--out", required=True, help="the head folder to write")
     trainer.add_argument(
-        "--work", help="data and checkpoints, kept for resuming; heads of both kinds can share it (default: OUT.work)"
+        "--work", help="data and checkpoints, kept for resuming; heads of every kind can share it (default: OUT.work)"
     )
     trainer.add_argument("--magpie-prompts", type=int, default=600, help="questions the model writes (default 600)")
     trainer.add_argument(

@@ -24,10 +24,11 @@ from doppler_py.model.config import ModelConfig
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import Proposal, StepContext
 from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS
 
-DRAFT_TYPES = ("medusa", "lookahead", "eagle", "spark")
-DRAFT_MODES = {"medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle", "spark": "spark"}
-HEAD_TYPES = ("medusa", "eagle", "spark")  # the types that need a trained head for the model
+DRAFT_TYPES = ("medusa", "lookahead", "eagle", "spark")  # A3M's names for its draft types
+DRAFT_MODES = {name: name for name in DRAFT_TYPES if name in DRAFTERS}  # each the drafter of the same name
+HEAD_TYPES = tuple(name for name in DRAFT_TYPES if name in HEAD_KINDS)  # the types that need a trained head
 
 
 @dataclass(frozen=True)

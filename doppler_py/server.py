@@ -8,9 +8,9 @@ Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/c
 Every response carries `usage` and a `doppler` object with the speculation figures of the generation.
 
 `stop` (a string or up to 4) ends the text before the first stop string, with finish_reason "stop"; streamed
-text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto", "prompt-lookup",
-"draft-model", "layer-skip", "lookahead", "eagle", "medusa", "spark", "none"), `k` (pinned draft length) and
-`tree` (true, false, "auto" or a node budget: token trees of lookup, draft-model, EAGLE or Medusa drafts,
+text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto", "none" or a drafter's name from
+`speculative.registry.DRAFTERS`), `k` (pinned draft length) and
+`tree` (true, false or "auto": token trees of lookup, draft-model, EAGLE or Medusa drafts, `k` nodes each,
 `Engine.stream`'s `tree`).
 Options a request leaves out take the server's defaults (the `serve` command's flags). Features that would
 silently change results (n > 1, penalties, tools) are refused with 400 rather than ignored.
@@ -54,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from doppler_py.api import SPECULATIVE_MODES, Engine, GenerationResult, check_stop
+from doppler_py.api import Engine, GenerationResult, check_stop
 from doppler_py.errors import (
     CapacityError,
     DopplerError,
@@ -66,6 +66,7 @@ from doppler_py.model.catalog import KNOWN_MODELS
 from doppler_py.ops.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.registry import speculative_modes
 
 # Engine errors caused by what the request asked for; any other DopplerError is the server's fault.
 _CLIENT_ERRORS = (GenerationOptionError, CapacityError, UnsupportedModelError, VocabularyMismatchError)
@@ -153,17 +154,13 @@ def _int_field(body: dict, name: str, low: int, high: int) -> int | None:
     return value
 
 
-def _tree_field(body: dict) -> bool | int | str | None:
-    """`tree`: true, false, "auto" (the server's default, as if left out) or a node budget N >= 2."""
+def _tree_field(body: dict) -> bool | str | None:
+    """`tree`: true, false or "auto" (the server's default, as if left out); `k` gives the node budget."""
     tree = body.get("tree")
     if tree is None or tree == "auto" or isinstance(tree, bool):
         return tree
-    if isinstance(tree, int) and 2 <= tree <= MAX_DRAFT_TOKENS:
-        return tree
     raise RequestError(
-        400,
-        f"'tree' must be true, false, \"auto\" or a node budget in 2..{MAX_DRAFT_TOKENS}, got {_describe(tree)}",
-        param="tree",
+        400, f"'tree' must be true, false or \"auto\" (the node budget is 'k'), got {_describe(tree)}", param="tree"
     )
 
 
@@ -202,9 +199,9 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", 1, _INT32_MAX)
     speculative = _field(body, "speculative", (str,), "a string")
-    if speculative is not None and speculative not in (*SPECULATIVE_MODES, "none"):
+    if speculative is not None and speculative not in (*speculative_modes(), "none"):
         raise RequestError(
-            400, f"'speculative' must be one of {', '.join((*SPECULATIVE_MODES, 'none'))}", param="speculative"
+            400, f"'speculative' must be one of {', '.join((*speculative_modes(), 'none'))}", param="speculative"
         )
     given = {
         "max_tokens": max_tokens,

@@ -54,7 +54,7 @@ def test_summary_is_the_geometric_mean_and_worst_prompt_per_group_and_method(ben
         ("plain", {"speculative": None, "k": None, "tree": False}),
         ("eagle", {"speculative": "eagle", "k": None, "tree": False}),
         ("eagle-k4", {"speculative": "eagle", "k": 4, "tree": False}),
-        ("eagle-tree-k8", {"speculative": "eagle", "k": 8, "tree": 8}),
+        ("eagle-tree-k8", {"speculative": "eagle", "k": 8, "tree": True}),
         ("lookup-tree", {"speculative": "prompt-lookup", "k": None, "tree": True}),
         ("auto", {"speculative": "auto", "k": None, "tree": None}),
     ],

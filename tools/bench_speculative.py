@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from doppler_py.speculative.registry import HEAD_KINDS, speculative_modes
+
 # Two labelled groups, each reported with its own geometric mean. Copy-heavy: the answer copies much of the prompt,
 # where prompt lookup is meant to help. Open-ended: what users bring most, where nothing is copied (none of these
 # is in the draft head's training seeds).
@@ -131,6 +133,12 @@ LOOKUP_METHODS = ("prompt-lookup", "lookup-tree")
 PINNED_METHODS = {"lookahead-pinned": "lookahead"}
 
 
+def base_mode(method: str) -> str:
+    """The `speculative=` mode (or "plain") a bench method runs: "eagle-tree-k4" → "eagle"."""
+    base = split_method(method)[0]
+    return TREE_METHODS.get(base, PINNED_METHODS.get(base, base))
+
+
 def split_method(method: str) -> tuple[str, int | None]:
     """ "eagle-k4" → ("eagle", 4): a method and the draft length its -kN suffix pins (None: none)."""
     base, dash, pin = method.rpartition("-k")
@@ -156,7 +164,7 @@ def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0,
     speculative = None if method == "plain" else TREE_METHODS.get(method, PINNED_METHODS.get(method, method))
     # Chains are chains even where the tree policy would switch trees on; "auto" lets the policy decide, and
     # every lookahead step is a tree of its own.
-    tree = (k or True) if method in TREE_METHODS else (None if method == "auto" or "lookahead" in method else False)
+    tree = True if method in TREE_METHODS else (None if method == "auto" or "lookahead" in method else False)
     pinned = k if speculative == "prompt-lookup" or pinned_k else None
     pinned = LookaheadShape().nodes if method in PINNED_METHODS else pinned
     result = engine.generate(
@@ -274,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     for weight in weights:
         with doppler_py.load(weights=weight, progress=False, max_seq=1024, draft_head=args.draft_head) as engine:
             methods = args.methods.split(",")
+            unknown = [m for m in methods if base_mode(m) not in ("plain", *speculative_modes())]
+            if unknown:
+                parser.error(f"unknown methods {unknown}; drafters: {', '.join(speculative_modes())} (see METHODS)")
             missing = [
                 m
                 for m in methods
-                if (kind := TREE_METHODS.get(base := split_method(m)[0], base)) in ("eagle", "medusa", "spark")
+                if (kind := TREE_METHODS.get(base := split_method(m)[0], base)) in HEAD_KINDS
                 and kind not in engine.heads
             ]
             if missing:  # heads come from the catalog (shipped with the package) or --draft-head

@@ -17,9 +17,10 @@ import numpy as np
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
 from doppler_py.model.safetensors_file import load_array, read_header
 from doppler_py.model.transformer import Transformer
+from doppler_py.speculative.registry import DRAFTERS
 from doppler_py.tokenizer import Tokenizer
 
-HEAD_NAMES = {"eagle": "an EAGLE", "medusa": "a Medusa", "spark": "a spark"}
+HEAD_NAMES = {name: spec.head.article for name, spec in DRAFTERS.items() if spec.head is not None}
 
 
 def vocabulary_digest(tokenizer: Tokenizer) -> str:

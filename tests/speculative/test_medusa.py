@@ -152,7 +152,7 @@ def test_the_api_loads_both_kinds_of_head_and_medusa_stays_exact(heads_dir, tiny
         assert sorted(engine.heads) == ["eagle", "medusa"]
         plain = engine.generate(prompt, max_tokens=30)
         medusa = engine.generate(prompt, max_tokens=30, speculative="medusa", k=2)
-        medusa_tree = engine.generate(prompt, max_tokens=30, speculative="medusa", tree=4)
+        medusa_tree = engine.generate(prompt, max_tokens=30, speculative="medusa", tree=True, k=4)
         assert engine.last_result.stats["tree_steps"] > 0
         auto = engine.generate(prompt, max_tokens=30, speculative="auto")
     assert medusa.tokens == plain.tokens == auto.tokens == medusa_tree.tokens

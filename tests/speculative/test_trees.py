@@ -288,15 +288,14 @@ def test_api_trees_keep_greedy_output_and_refuse_what_they_cannot_do(api_engine)
     assert lookup.branches == 1
     assert api_engine.generate(prompt, tree=True, **options).tokens == chains
     assert lookup.branches > 1
-    assert api_engine.generate(prompt, tree=6, **options).tokens == chains
-    # A pinned node budget: with tree=True the budget is the policy's k, which on a machine where wide verifies
+    assert api_engine.generate(prompt, tree=True, k=6, **options).tokens == chains
+    # A pinned node budget: with k unpinned the budget is the policy's k, which on a machine where wide verifies
     # cost more may be 1 (a single node, so a chain). Seeded, so which steps draft does not depend on timing.
-    api_engine.generate(prompt, tree=6, temperature=0.7, seed=0, **options)
+    api_engine.generate(prompt, tree=True, k=6, temperature=0.7, seed=0, **options)
     assert api_engine.last_result.stats["tree_steps"] > 0
-    with pytest.raises(GenerationOptionError, match="conflicts with k=3"):
-        api_engine.generate(prompt, tree=6, k=3, **options)
-    with pytest.raises(GenerationOptionError, match="node budget"):
-        api_engine.generate(prompt, tree=1, **options)
+    for budget in (6, 1):  # the node budget is k; tree is the shape only
+        with pytest.raises(GenerationOptionError, match="how many nodes one step verifies is k"):
+            api_engine.generate(prompt, tree=budget, **options)
     with pytest.raises(GenerationOptionError, match="Medusa drafts alone"):
         api_engine.generate(prompt, tree=True, max_tokens=4, speculative="layer-skip", chat=False)
     # Unmeasured or CPU-like costs: "auto" (None) stays on chains.

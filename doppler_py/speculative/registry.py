@@ -1,0 +1,116 @@
+"""The drafters by the name `speculative=` and `--speculative` give them: the one table the API, the CLI, the
+server, the router and the benchmarks read. Adding a drafter is its own file and one line in `DRAFTERS`.
+
+Besides these, `speculative="auto"` picks per model (a loaded draft model, else the first trained head in
+`HEAD_KINDS` order paired with prompt lookup, else prompt lookup) and `"none"` decodes plainly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from doppler_py.model.transformer import Transformer
+    from doppler_py.speculative.contract import Drafter
+    from doppler_py.tokenizer import Tokenizer
+
+
+def _new(path: str, *args: Any) -> Any:
+    """Call "module:name" (a drafter class, a head loader) with `args`, importing it only then: the table is read
+    by every CLI start and must stay cheap to import."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)(*args)
+
+
+@dataclass(frozen=True)
+class DraftSources:
+    """What a drafter is made from: the target, the draft model loaded beside it (or None), the trained heads
+    loaded for it by kind."""
+
+    target: Transformer
+    draft: Transformer | None
+    heads: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """A kind of trained draft head: its files are `KIND.json` and `KIND.safetensors` in one folder."""
+
+    article: str  # "an EAGLE": how messages name one
+    loader: str  # "module:function" loading one onto a target: (folder, target, weights, tokenizer) -> head
+    trainer: str  # the module whose `train()` makes one (torch; imported only by `train-draft`)
+
+    def load(self, folder: Path, target: Transformer, weights: str | None, tokenizer: Tokenizer | None) -> object:
+        return _new(self.loader, folder, target, weights, tokenizer)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str
+    make: Callable[[DraftSources], Drafter]
+    summary: str
+    needs_draft_model: bool = False
+    head: HeadKind | None = None  # the trained head it drafts with (made by `train-draft --kind NAME`)
+    trees: bool = False  # its steps can verify token trees
+    exact_when_sampling: bool = True  # sampled output keeps the target's distribution
+
+
+DRAFTERS: dict[str, DrafterSpec] = {
+    spec.name: spec
+    for spec in (
+        DrafterSpec(
+            "prompt-lookup",
+            lambda s: _new("doppler_py.speculative.prompt_lookup:PromptLookupDrafter"),
+            "n-gram matches in the prompt and answer so far",
+            trees=True,
+        ),
+        DrafterSpec(
+            "draft-model",
+            lambda s: _new("doppler_py.speculative.draft_model:DraftModelDrafter", s.draft, s.target.config.vocab_size),
+            "a smaller model with the same vocabulary (load(..., draft=PATH), --draft PATH)",
+            needs_draft_model=True,
+            trees=True,
+        ),
+        DrafterSpec(
+            "layer-skip",
+            lambda s: _new("doppler_py.speculative.layer_skip:LayerSkipDrafter", s.target),
+            "the target's first half of layers drafts",
+        ),
+        DrafterSpec(
+            "lookahead",
+            lambda s: _new("doppler_py.speculative.lookahead:LookaheadDrafter", s.target),
+            "a Jacobi window and its n-gram pool, no training; every step one tree",
+            trees=True,
+        ),
+        DrafterSpec(
+            "eagle",
+            lambda s: _new("doppler_py.speculative.eagle:EagleDrafter", s.target, s.heads["eagle"]),
+            "a trained EAGLE head on the target's features",
+            head=HeadKind("an EAGLE", "doppler_py.speculative.eagle:load_head", "doppler_py.training.eagle"),
+            trees=True,
+        ),
+        DrafterSpec(
+            "medusa",
+            lambda s: _new("doppler_py.speculative.medusa:MedusaDrafter", s.target, s.heads["medusa"]),
+            "trained Medusa heads, one per position ahead",
+            head=HeadKind("a Medusa", "doppler_py.speculative.medusa:load_medusa", "doppler_py.training.medusa"),
+            trees=True,
+        ),
+        DrafterSpec(
+            "spark",
+            lambda s: _new("doppler_py.speculative.spark:SparkDrafter", s.target, s.heads["spark"]),
+            "a trained block drafter with a confidence cut",
+            head=HeadKind("a spark", "doppler_py.speculative.spark:load_spark", "doppler_py.training.spark"),
+        ),
+    )
+}
+HEAD_KINDS = tuple(name for name, spec in DRAFTERS.items() if spec.head is not None)  # "auto" prefers this order
+
+
+def speculative_modes() -> tuple[str, ...]:
+    """What `speculative=` takes besides None / "none", read when asked (a drafter registered later counts)."""
+    return ("auto", *DRAFTERS)
