@@ -71,7 +71,9 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--speculative", default="auto", choices=(*speculative_modes(), "none"), help="drafter (default auto)"
     )
-    group.add_argument("--k", type=int, help="pin the draft length (default: adaptive)")
+    group.add_argument(
+        "--k", type=int, help="pin the draft tokens (nodes) one step verifies, chain or tree (default: adaptive)"
+    )
     group.add_argument(
         "--tree",
         type=_tree_option,
