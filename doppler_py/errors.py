@@ -41,10 +41,6 @@ class DeviceLimitError(DeviceError):
     advice = "split the tensor or use a smaller weight format or model (or a device with higher limits)"
 
 
-class DeviceLostError(DeviceError):
-    """The device was lost (driver reset, out of memory); results in flight are gone."""
-
-
 class ShaderError(DeviceError):
     """A WGSL shader failed to compile or to build a pipeline."""
 

@@ -680,10 +680,6 @@ class OpenAIServer:
             job.cancel()
 
 
-def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> Starlette:
-    return OpenAIServer(engine, config).app
-
-
 def serve(engine: Engine, config: ServerConfig = ServerConfig(), *, log_level: str = "info") -> None:
     """Serve `engine` until interrupted (Ctrl-C)."""
     import uvicorn

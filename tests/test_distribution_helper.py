@@ -1,12 +1,11 @@
-"""The shared distribution criterion (doppler_py/testing/distribution.py): it accepts exact multinomial samples
+"""The shared distribution criterion (tests/support/distribution.py): it accepts exact multinomial samples
 and rejects samples of a wrong distribution, outside the support, or too few to tell p from noise."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from doppler_py.testing.distribution import (
+from support.distribution import (
     assert_histograms_converge,
     assert_samples_follow,
     chi_square_quantile,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.distribution import assert_samples_follow
 
 from doppler_py.sampling import SamplingParams
-from doppler_py.testing.distribution import assert_samples_follow
 from doppler_py.testing.sampling_reference import filtered_probs
 from doppler_py.testing.tree_reference import greedy_walk, sampled_walk
 

@@ -115,10 +115,6 @@ class Gpu:
         return str(self.info.get("device") or self.info.get("description") or "unknown adapter")
 
     @property
-    def has_f16(self) -> bool:
-        return "shader-f16" in self.features
-
-    @property
     def has_subgroups(self) -> bool:
         return "subgroup" in self.features
 

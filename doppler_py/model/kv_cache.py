@@ -79,14 +79,6 @@ class KVCache:
         other.length = self.length
         return other
 
-    def memory_report(self) -> dict[str, int]:
-        return {
-            "bytes_per_token": self.bytes_per_token,
-            "total_bytes": self.nbytes,
-            "max_seq": self.max_seq,
-            "used_tokens": self.length,
-        }
-
     def close(self) -> None:
         if not self.closed:
             for t in self.keys + self.values:

@@ -60,16 +60,6 @@ def layout_words(parents: Sequence[int]) -> np.ndarray:
     return np.array(list(zip(row_depths(parents), ancestor_masks(parents), strict=True)), dtype=np.uint32)
 
 
-def path_rows(parents: Sequence[int], leaf_row: int) -> list[int]:
-    """The rows from the root's first child down to `leaf_row` (empty for the root itself)."""
-    path = []
-    row = leaf_row
-    while row > 0:
-        path.append(row)
-        row = parents[row - 1] + 1
-    return path[::-1]
-
-
 def compaction_moves(path: Sequence[int]) -> list[tuple[int, int]]:
     """(source row, destination row) moves that bring an accepted path's K/V to rows 1, 2, ...; rows already in
     place are left out. Applied in order, no move overwrites a row a later move reads (path rows increase)."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.distribution import assert_histograms_converge
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.sampling import Sampler
 from doppler_py.sampling import SamplingParams
-from doppler_py.testing.distribution import assert_histograms_converge
 from doppler_py.testing.sampling_reference import (
     clean_logits,
     filtered_probs,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from support.distribution import assert_histograms_converge, total_variation
+from support.float_margins import MARGIN, SWEPT_OPTIONS, draws, less_than_decisions, top_p_near_tie
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
@@ -31,8 +33,6 @@ from doppler_py.ops.speculative import (
     result_size,
 )
 from doppler_py.sampling import SamplingParams
-from doppler_py.testing.distribution import assert_histograms_converge, total_variation
-from doppler_py.testing.float_margins import MARGIN, SWEPT_OPTIONS, draws, less_than_decisions, top_p_near_tie
 from doppler_py.testing.sampling_reference import clean_logits, filtered_probs
 from doppler_py.testing.verify_reference import residual, verify_reference
 

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.distribution import assert_samples_follow
+from support.float_margins import MARGIN, SWEPT_OPTIONS, draws, less_than_decisions, top_p_near_tie
+from support.trees import path_rows
 
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.kv_compact import KVCompact
 from doppler_py.ops.speculative import STATUS_DRAFT_TOKEN_OUT_OF_RANGE, STATUS_TARGET_NONFINITE
 from doppler_py.ops.top_tokens import MAX_TOP_TOKENS, TopTokens
-from doppler_py.ops.tree import MAX_TREE_ROWS, compaction_moves, layout_words, path_rows
+from doppler_py.ops.tree import MAX_TREE_ROWS, compaction_moves, layout_words
 from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.sampling import SamplingParams
-from doppler_py.testing.distribution import assert_samples_follow
-from doppler_py.testing.float_margins import MARGIN, SWEPT_OPTIONS, draws, less_than_decisions, top_p_near_tie
 from doppler_py.testing.sampling_reference import filtered_probs
 from doppler_py.testing.tree_reference import apply_moves, greedy_walk, sampled_walk, top_tokens
 

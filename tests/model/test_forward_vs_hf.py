@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.decode import reference_decode
 
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS, TinySpec
 
 PREFILL, DECODE = 20, 20

@@ -52,10 +52,10 @@ def test_capacity_errors_say_how_much_fits(model):
         cache.truncate(6)
 
 
-def test_memory_report_counts_keys_and_values_of_every_layer(model):
+def test_the_cache_size_counts_keys_and_values_of_every_layer(model):
     spec = TINY_SPECS[NAME]
     cache = model.new_cache(20)
     model.forward([1, 2, 3], cache)
-    report = cache.memory_report()
     per_token = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * 4
-    assert report == {"bytes_per_token": per_token, "total_bytes": 20 * per_token, "max_seq": 20, "used_tokens": 3}
+    assert (cache.bytes_per_token, cache.nbytes, cache.max_seq, cache.length) == (per_token, 20 * per_token, 20, 3)
+    assert sum(t.nbytes for t in cache.keys + cache.values) == cache.nbytes

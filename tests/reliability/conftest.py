@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from reliability.support import REPORT_KEY, TINY
+from reliability.helpers import REPORT_KEY, TINY
 
 from doppler_py.testing.tiny import write_tiny_model
 

@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from reliability.support import GOOD_PROMPT, TINY, patch_tensor_info, report, write_tiny_gguf
+from reliability.helpers import GOOD_PROMPT, TINY, patch_tensor_info, report, write_tiny_gguf
 from safetensors.numpy import load_file, save_file
+from support.decode import reference_decode
 
 import doppler_py
 from doppler_py.api import Engine
@@ -46,7 +47,6 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
-from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TinySpec, draft_spec, write_tiny_model
 
 MODEL_ADVICE = "download or convert the model again"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reliability.support import ExampleTally, fuzz_settings
+from reliability.helpers import ExampleTally, fuzz_settings
 
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.sampling import Sampler

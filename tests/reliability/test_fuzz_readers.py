@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reliability.support import ExampleTally, fuzz_settings, tiny_gguf_metadata, write_tiny_gguf
+from reliability.helpers import ExampleTally, fuzz_settings, tiny_gguf_metadata, write_tiny_gguf
 
 from doppler_py.errors import DopplerError, ModelFormatError
 from doppler_py.model.config import ModelConfig

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reliability.support import ExampleTally, fuzz_settings
+from reliability.helpers import ExampleTally, fuzz_settings
+from support.decode import reference_decode
 
 from doppler_py.errors import InternalError
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TinySpec, draft_spec
 
 VOCAB = 64

@@ -17,7 +17,7 @@ import weakref
 from pathlib import Path
 
 import pytest
-from reliability.support import GOOD_PROMPT, BufferUse, buffer_use, report
+from reliability.helpers import GOOD_PROMPT, BufferUse, buffer_use, report
 from wgpu.backends.wgpu_native import GPUBuffer, GPUDevice
 
 import doppler_py

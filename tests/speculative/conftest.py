@@ -94,10 +94,10 @@ def check_two_token_joint(
     returns the number of token trees verified. Generations of `new_tokens` > 2 tokens let the first step
     verify k drafts (a step never drafts past the last token asked for)."""
     import numpy as np
+    from support.distribution import assert_samples_follow
 
     from doppler_py.sampling import SamplingParams
     from doppler_py.speculative.engine import SpeculativeEngine
-    from doppler_py.testing.distribution import assert_samples_follow
     from doppler_py.testing.sampling_reference import filtered_probs
 
     prompt = list(prompt)

@@ -5,11 +5,11 @@ the context holds at each call, how acceptance is counted, and which proposals a
 from __future__ import annotations
 
 import pytest
+from support.decode import reference_decode
 
 from doppler_py.errors import InternalError
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import NO_PROPOSAL, NoOpHooks, Proposal, SpeculativeEngine, StepContext
-from doppler_py.testing.decode import reference_decode
 
 GREEDY = SamplingParams()
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40]

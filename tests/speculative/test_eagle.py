@@ -23,6 +23,7 @@ from speculative.conftest import (
     proposal_paths,
     replay_accepted,
 )
+from support.decode import reference_decode
 
 from doppler_py.api import load
 from doppler_py.errors import GenerationOptionError, ModelFormatError, VocabularyMismatchError
@@ -30,7 +31,6 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import SpeculativeEngine
 from doppler_py.speculative.confidence import ConfidenceCalibration
 from doppler_py.speculative.eagle import EagleDrafter, load_head
-from doppler_py.testing.decode import reference_decode
 
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 from speculative.conftest import check_drafts_follow_their_reported_rows, check_two_token_joint
+from support.decode import reference_decode
 
 from doppler_py.errors import GenerationOptionError, VocabularyMismatchError
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
-from doppler_py.testing.decode import reference_decode
 
 GREEDY = SamplingParams(temperature=0.0)
 # A prompt with repeats, so prompt lookup finds matches and some drafts are accepted.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from speculative.conftest import check_drafts_follow_their_reported_rows
+from support.decode import reference_decode
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.ops.tree import row_depths
@@ -14,7 +15,6 @@ from doppler_py.speculative.contract import StepContext
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.lookahead import LookaheadDrafter, LookaheadShape
 from doppler_py.speculative.policy import CostModel, DraftLengthPolicy
-from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -20,13 +20,13 @@ from speculative.conftest import (
     matmul_pipelines,
     replay_accepted,
 )
+from support.decode import reference_decode
 
 from doppler_py.api import load
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import SpeculativeEngine
 from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
-from doppler_py.testing.decode import reference_decode
 
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 

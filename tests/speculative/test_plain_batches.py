@@ -5,11 +5,11 @@ one step per submit, for greedy and seeded sampling, whatever the batch size, wi
 from __future__ import annotations
 
 import pytest
+from support.decode import reference_decode
 
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.engine import MAX_PLAIN_BATCH, SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
-from doppler_py.testing.decode import reference_decode
 
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 5, 9, 1, 30, 3, 17]
 PARAMS = {

@@ -7,6 +7,7 @@ middle one); here each drafter's wiring meets the real model, its 30 layers, Q4_
 from __future__ import annotations
 
 import pytest
+from support.decode import reference_decode
 
 from doppler_py.model.catalog import DEFAULT_MODEL, known_head
 from doppler_py.model.transformer import Transformer
@@ -17,7 +18,6 @@ from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.lookahead import LookaheadDrafter
 from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
 from doppler_py.speculative.spark import SparkDrafter, load_spark
-from doppler_py.testing.decode import reference_decode
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 

@@ -18,6 +18,7 @@ from speculative.conftest import (
     matmul_pipelines,
     replay_accepted,
 )
+from support.decode import reference_decode
 
 from doppler_py.api import load
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
@@ -27,7 +28,6 @@ from doppler_py.speculative import SpeculativeEngine
 from doppler_py.speculative.contract import StepContext
 from doppler_py.speculative.head_files import made_for
 from doppler_py.speculative.spark import SparkDrafter, load_spark
-from doppler_py.testing.decode import reference_decode
 
 GREEDY = SamplingParams()
 BLOCK, RANK, DRAFT_VOCAB = 3, 32, 40

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from speculative.conftest import JOINT_TRIALS, check_drafts_follow_their_reported_rows, check_two_token_joint
+from support.decode import reference_decode
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.ops.tree import layout_words, row_depths
@@ -20,7 +21,6 @@ from doppler_py.speculative.draft_model import DraftModelDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.gpu_drafting import CHAIN_PRIOR_TOP1, matching_prefix
 from doppler_py.speculative.ranked_trees import chain_with_leaves, prior_rates
-from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TINY_SPECS
 
 GREEDY = SamplingParams(temperature=0.0)

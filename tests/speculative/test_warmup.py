@@ -9,6 +9,7 @@ import os
 import threading
 
 import pytest
+from support.decode import reference_decode
 
 import doppler_py
 from doppler_py.sampling import SamplingParams
@@ -16,7 +17,6 @@ from doppler_py.speculative import DraftModelDrafter
 from doppler_py.speculative.cost_cache import cost_key, load_costs, save_costs
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.policy import DraftLengthPolicy
-from doppler_py.testing.decode import reference_decode
 from doppler_py.testing.tiny import TinySpec
 
 GREEDY = SamplingParams(temperature=0.0)
