@@ -59,6 +59,19 @@ class DrafterSpec:
     exact_when_sampling: bool = True  # sampled output keeps the target's distribution
 
 
+def _head_drafter(name: str, drafter: str, loader: str, article: str, summary: str, trees: bool = True) -> DrafterSpec:
+    """A drafter with a trained head of its own kind: its code in speculative/NAME.py (the drafter class and the
+    head loader), its trainer in training/NAME.py, its head loaded as `heads[NAME]`."""
+    module = f"doppler_py.speculative.{name}"
+    return DrafterSpec(
+        name,
+        lambda s: _new(f"{module}:{drafter}", s.target, s.heads[name]),
+        summary,
+        head=HeadKind(article, f"{module}:{loader}", f"doppler_py.training.{name}"),
+        trees=trees,
+    )
+
+
 DRAFTERS: dict[str, DrafterSpec] = {
     spec.name: spec
     for spec in (
@@ -86,25 +99,19 @@ DRAFTERS: dict[str, DrafterSpec] = {
             "a Jacobi window and its n-gram pool, no training; every step one tree",
             trees=True,
         ),
-        DrafterSpec(
-            "eagle",
-            lambda s: _new("doppler_py.speculative.eagle:EagleDrafter", s.target, s.heads["eagle"]),
-            "a trained EAGLE head on the target's features",
-            head=HeadKind("an EAGLE", "doppler_py.speculative.eagle:load_head", "doppler_py.training.eagle"),
-            trees=True,
+        _head_drafter(
+            "eagle", "EagleDrafter", "load_head", "an EAGLE", "a trained EAGLE head on the target's features"
         ),
-        DrafterSpec(
-            "medusa",
-            lambda s: _new("doppler_py.speculative.medusa:MedusaDrafter", s.target, s.heads["medusa"]),
-            "trained Medusa heads, one per position ahead",
-            head=HeadKind("a Medusa", "doppler_py.speculative.medusa:load_medusa", "doppler_py.training.medusa"),
-            trees=True,
+        _head_drafter(
+            "medusa", "MedusaDrafter", "load_medusa", "a Medusa", "trained Medusa heads, one per position ahead"
         ),
-        DrafterSpec(
+        _head_drafter(
             "spark",
-            lambda s: _new("doppler_py.speculative.spark:SparkDrafter", s.target, s.heads["spark"]),
+            "SparkDrafter",
+            "load_spark",
+            "a spark",
             "a trained block drafter with a confidence cut",
-            head=HeadKind("a spark", "doppler_py.speculative.spark:load_spark", "doppler_py.training.spark"),
+            trees=False,
         ),
     )
 }

@@ -3,16 +3,6 @@
 The sampler and verification kernels compare float quantities with thresholds: a weight over a sum against a
 uniform draw, a running mass against a goal, a kept mass against top-p's target. Each is off by ~1e-6
 relatively on the GPU (WGSL's `exp` and division are a few ulp off), so a comparison within MARGIN = 1e-5
-# The option sets the verification tests sweep: greedy, plain temperatures, top-k, top-p and both.
-SWEPT_OPTIONS = [
-    {"temperature": 0.0},
-    {"temperature": 0.5},
-    {"temperature": 1.0},
-    {"temperature": 2.0},
-    {"temperature": 1.0, "top_k": 5},
-    {"temperature": 0.5, "top_p": 0.8},
-    {"temperature": 2.0, "top_k": 40, "top_p": 0.9},
-]
 (relative) of its boundary may be decided either way. These helpers list every answer those margins allow; the
 kernel tests accept any of them and count the cases with more than one, which must stay rare.
 """
