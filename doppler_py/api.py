@@ -27,12 +27,12 @@ from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.best_of import BestOfDrafter
-from doppler_py.speculative.cost_cache import cost_key, load_costs, save_costs
-from doppler_py.speculative.draft_model import check_vocabularies
+from doppler_py.speculative.drafters.best_of import BestOfDrafter
+from doppler_py.speculative.drafters.draft_model import check_vocabularies
+from doppler_py.speculative.drafters.heads.files import head_kind
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
-from doppler_py.speculative.head_files import head_kind
-from doppler_py.speculative.policy import trees_pay
+from doppler_py.speculative.policy.draft_length import trees_pay
+from doppler_py.speculative.readiness.cost_cache import cost_key, load_costs, save_costs
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DraftSources, speculative_modes
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
@@ -252,9 +252,9 @@ class Engine:
         tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward), of
         draft-model drafts (the greedy chain plus each row's second-best token as a leaf) or of Medusa heads
         (each head's best tokens), whose nodes are chosen by measured acceptance per depth and rank
-        (`speculative.ranked_trees`), or of an EAGLE head (EAGLE-2's dynamic tree: the head expands its
+        (`speculative.trees.ranked`), or of an EAGLE head (EAGLE-2's dynamic tree: the head expands its
         likeliest nodes depth by depth and the tree keeps the nodes of highest draft probability,
-        `speculative.dynamic_tree`). None: used when this device's measured verification costs say extra
+        `speculative.trees.dynamic`). None: used when this device's measured verification costs say extra
         rows are nearly free (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft
         length as the node budget (a step the policy gives one draft proposes a chain of one) and, for
         model-drafted trees, only the nodes worth their verification cost (`policy.tree_budget`); with k

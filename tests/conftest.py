@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
+from support.trained_heads import block_dir, fused_dir, head_dir, heads_dir, tiny_corpus  # noqa: F401  (shared fixtures)
 
 from doppler_py.gpu import dispatch_loop
 from doppler_py.gpu.device import default_gpu

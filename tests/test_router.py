@@ -13,7 +13,7 @@ from doppler_py.router import (
     SpeculativeDecodingWrapper,
     parameter_count,
 )
-from doppler_py.speculative.policy import CostModel
+from doppler_py.speculative.policy.draft_length import CostModel
 from doppler_py.testing.tiny import TinySpec
 
 PROMPT = "abcabdabcab"

@@ -157,7 +157,7 @@ def method_order(methods: list[str], repeat: int, prompt_index: int) -> list[str
 
 
 def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0, k: int | None = None) -> dict:
-    from doppler_py.speculative.lookahead import LookaheadShape
+    from doppler_py.speculative.drafters.lookahead import LookaheadShape
 
     method, pinned_k = split_method(method)
     k = pinned_k or k

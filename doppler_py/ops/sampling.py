@@ -3,7 +3,7 @@
 Greedy when the temperature is 0, else temperature + exact top-k + top-p sampling by inverse CDF with one
 host-drawn uniform per row; the exact contract and its numpy reference live in
 `doppler_py.testing.sampling_reference`. Only ids leave the kernel, never the distribution. Drafters sample
-with it (`speculative.gpu_drafting`); the target's tokens are chosen by the verifier (`ops.speculative`).
+with it (`speculative.drafters.gpu_drafting`); the target's tokens are chosen by the verifier (`ops.speculative`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The k largest logits of each row, in order, on the GPU (`shaders/sample.wgsl`, entry `top_tokens`).
 
 A greedy drafter's branches: its chain takes each row's best token, and a token tree adds the next best as
-sibling leaves (`speculative.draft_model`). Ties go to the lowest index and NaN ranks as -inf, the sampler's
+sibling leaves (`speculative.drafters.draft_model`). Ties go to the lowest index and NaN ranks as -inf, the sampler's
 greedy order; a row with fewer than k tokens is padded with `vocab`. The numpy reference is
 `doppler_py.testing.tree_reference.top_tokens`.
 """

@@ -13,11 +13,11 @@ _EXPORTS = {
     "NoOpHooks": "contract",
     "Proposal": "contract",
     "StepContext": "contract",
-    "DraftModelDrafter": "draft_model",
+    "DraftModelDrafter": "drafters.draft_model",
     "SpecResult": "engine",
     "SpeculativeEngine": "engine",
-    "LayerSkipDrafter": "layer_skip",
-    "PromptLookupDrafter": "prompt_lookup",
+    "LayerSkipDrafter": "drafters.layer_skip",
+    "PromptLookupDrafter": "drafters.prompt_lookup",
 }
 __all__ = sorted(_EXPORTS)
 

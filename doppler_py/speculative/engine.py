@@ -45,10 +45,10 @@ from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.policy import DraftLengthPolicy, tree_budget, worth_drafting
+from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, tree_budget, worth_drafting
+from doppler_py.speculative.readiness.warmup import COMPILE_CONTEXT, PipelineWarmup
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.timing import StepClock, StepTimes
-from doppler_py.speculative.warmup import COMPILE_CONTEXT, PipelineWarmup
 
 # While pipelines compile in the background: the verified row counts at which speculation steps up when each
 # step up must calibrate first, and the context of calibrations between steps (shorter than the 64 of a full

@@ -60,9 +60,9 @@ class DrafterSpec:
 
 
 def _head_drafter(name: str, drafter: str, loader: str, article: str, summary: str, trees: bool = True) -> DrafterSpec:
-    """A drafter with a trained head of its own kind: its code in speculative/NAME.py (the drafter class and the
-    head loader), its trainer in training/NAME.py, its head loaded as `heads[NAME]`."""
-    module = f"doppler_py.speculative.{name}"
+    """A drafter with a trained head of its own kind: its code in speculative/drafters/heads/NAME.py (the drafter
+    class and the head loader), its trainer in training/NAME.py, its head loaded as `heads[NAME]`."""
+    module = f"doppler_py.speculative.drafters.heads.{name}"
     return DrafterSpec(
         name,
         lambda s: _new(f"{module}:{drafter}", s.target, s.heads[name]),
@@ -77,25 +77,27 @@ DRAFTERS: dict[str, DrafterSpec] = {
     for spec in (
         DrafterSpec(
             "prompt-lookup",
-            lambda s: _new("doppler_py.speculative.prompt_lookup:PromptLookupDrafter"),
+            lambda s: _new("doppler_py.speculative.drafters.prompt_lookup:PromptLookupDrafter"),
             "n-gram matches in the prompt and answer so far",
             trees=True,
         ),
         DrafterSpec(
             "draft-model",
-            lambda s: _new("doppler_py.speculative.draft_model:DraftModelDrafter", s.draft, s.target.config.vocab_size),
+            lambda s: _new(
+                "doppler_py.speculative.drafters.draft_model:DraftModelDrafter", s.draft, s.target.config.vocab_size
+            ),
             "a smaller model with the same vocabulary (load(..., draft=PATH), --draft PATH)",
             needs_draft_model=True,
             trees=True,
         ),
         DrafterSpec(
             "layer-skip",
-            lambda s: _new("doppler_py.speculative.layer_skip:LayerSkipDrafter", s.target),
+            lambda s: _new("doppler_py.speculative.drafters.layer_skip:LayerSkipDrafter", s.target),
             "the target's first half of layers drafts",
         ),
         DrafterSpec(
             "lookahead",
-            lambda s: _new("doppler_py.speculative.lookahead:LookaheadDrafter", s.target),
+            lambda s: _new("doppler_py.speculative.drafters.lookahead:LookaheadDrafter", s.target),
             "a Jacobi window and its n-gram pool, no training; every step one tree",
             trees=True,
         ),

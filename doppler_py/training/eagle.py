@@ -1,5 +1,5 @@
 """Train an EAGLE head for a target by self-distillation (torch on CPU), in resumable stages
-(`doppler_py.training.data`); `out/` becomes the head folder `doppler_py.speculative.eagle` loads.
+(`doppler_py.training.data`); `out/` becomes the head folder `doppler_py.speculative.drafters.heads.eagle` loads.
 
 Training pairs, for every position p of prompt + answer (teacher forcing through the target):
     input  (f_p standardised, t_{p+1})       f = the target's last-layer output before its final norm
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from doppler_py.errors import GenerationOptionError, ModelFormatError
-from doppler_py.speculative.head_files import made_for, read_meta
+from doppler_py.speculative.drafters.heads.files import made_for, read_meta
 from doppler_py.training.data import TrainOptions, card, prepare, train_loop
 
 
@@ -78,7 +78,7 @@ class FeatureStats:
 
 
 class EagleHeadModule:
-    """The head in torch, mirroring `doppler_py.speculative.eagle` (built lazily so torch stays optional)."""
+    """The head in torch, mirroring `speculative.drafters.heads.eagle` (built lazily: torch stays optional)."""
 
     def __new__(cls, target_config, draft_vocab: int, taps: int = 0):
         import torch
@@ -392,7 +392,7 @@ def export(
     tokenizer=None,
     dtype=np.float32,
 ) -> None:
-    """Write the head folder `doppler_py.speculative.eagle.load_head` reads."""
+    """Write the head folder `doppler_py.speculative.drafters.heads.eagle.load_head` reads."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)

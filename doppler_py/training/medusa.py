@@ -1,5 +1,5 @@
 """Train Medusa heads for a target by self-distillation (torch on CPU), in resumable stages
-(`doppler_py.training.data`); `out/` becomes the folder `doppler_py.speculative.medusa` loads.
+(`doppler_py.training.data`); `out/` becomes the folder `doppler_py.speculative.drafters.heads.medusa` loads.
 
 For every position p of prompt + answer, head i (1..K) reads h_p = final_norm(f_p) and learns the target's own
 choice i places after its next token: argmax at p + i (cross-entropy over the draft vocabulary, tokens outside
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.speculative.head_files import made_for
+from doppler_py.speculative.drafters.heads.files import made_for
 from doppler_py.training.data import TrainOptions, card, prepare, train_loop
 
 
 class MedusaModule:
-    """The heads in torch, mirroring `doppler_py.speculative.medusa` (built lazily so torch stays optional)."""
+    """The heads in torch, mirroring `speculative.drafters.heads.medusa` (built lazily: torch stays optional)."""
 
     def __new__(cls, hidden: int, heads: int, draft_vocab: int):
         import torch
@@ -103,7 +103,7 @@ def top1_by_head(head, corpus, which: list[int], normed, k: int) -> list[float]:
 
 
 def export(head, target_config, k: int, draft_ids: list[int], out: Path, card: dict, tokenizer, dtype) -> None:
-    """Write the folder `doppler_py.speculative.medusa.load_medusa` reads."""
+    """Write the folder `doppler_py.speculative.drafters.heads.medusa.load_medusa` reads."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Train a spark block drafter for a target by self-distillation (torch on CPU), in resumable stages
-(`doppler_py.training.data`); `out/` becomes the folder `doppler_py.speculative.spark` loads.
+(`doppler_py.training.data`); `out/` becomes the folder `doppler_py.speculative.drafters.heads.spark` loads.
 
 For every position p of prompt + answer, block position i (0..K-1) reads h_p = final_norm(f_p) and the token
 before its own (the target's choice at p + i, teacher-forced: at drafting time it is the draft before, and only
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.speculative.head_files import made_for
+from doppler_py.speculative.drafters.heads.files import made_for
 from doppler_py.training.data import TrainOptions, card, prepare, train_loop
 
 CONFIDENCE_WEIGHT = 1.0  # of the confidence head's loss beside the drafts'
 
 
 class SparkModule:
-    """The block drafter in torch, mirroring `doppler_py.speculative.spark` (built lazily: torch stays optional)."""
+    """The block drafter in torch, mirroring `speculative.drafters.heads.spark` (built lazily: torch stays optional)."""
 
     def __new__(cls, hidden: int, block: int, draft_vocab: int, rank: int):
         import torch
@@ -223,7 +223,7 @@ def calibrate(head, corpus, normed, k: int) -> dict[str, list[float]]:
 
 
 def export(head, target_config, k: int, rank: int, draft_ids, out: Path, card: dict, tokenizer, dtype) -> None:
-    """Write the folder `doppler_py.speculative.spark.load_spark` reads."""
+    """Write the folder `doppler_py.speculative.drafters.heads.spark.load_spark` reads."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)

@@ -6,46 +6,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from support.tiny_specs import CORPUS_OPTIONS, DRAFT, PADDED_DRAFT, TARGET  # noqa: F401
 
 from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, Linear
-from doppler_py.testing.tiny import TinySpec, draft_spec
 
-TARGET = TinySpec(
-    vocab_size=48,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    weight_std=0.25,
-    seed=11,
-)
 # A weaker draft with the same vocabulary (fewer layers, other weights) and one that differs only by padding.
-DRAFT = draft_spec(vocab_size=48, seed=12)
-PADDED_DRAFT = draft_spec(vocab_size=64, seed=13)
 
 
 # The self-distilled data every head trainer's test starts from (the EAGLE, Medusa and spark fixtures): prompts,
 # the tiny target's answers and its features, made once per session and copied into each trainer's work folder.
-CORPUS_OPTIONS = {"seed_prompts": 16, "magpie_prompts": 2, "max_new_tokens": 24}
-
-
-@pytest.fixture(scope="session")
-def tiny_corpus(tmp_path_factory, tiny_folder):
-    """A function copying the session's training data for TARGET into a new work folder (returned)."""
-    pytest.importorskip("torch")
-    from doppler_py.training.data import TrainOptions, prepare
-
-    made = tmp_path_factory.mktemp("corpus") / "work"
-    prepare(tiny_folder(TARGET), made, TrainOptions(**CORPUS_OPTIONS), say=lambda _: None)
-
-    def copy(work):
-        import shutil
-
-        shutil.copytree(made, work)
-        return work
-
-    return copy
 
 
 @pytest.fixture(scope="session")
@@ -164,8 +133,8 @@ def check_drafts_follow_their_reported_rows(
 
     from doppler_py.rng import Mulberry32
     from doppler_py.sampling import SamplingParams
+    from doppler_py.speculative.drafters.gpu_drafting import DraftSampler
     from doppler_py.speculative.engine import SpeculativeEngine
-    from doppler_py.speculative.gpu_drafting import DraftSampler
 
     draws: list[float] = []
     picks: list[tuple[int, bool]] = []  # (position, greedy?) of each GPU pick, in order

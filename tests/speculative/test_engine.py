@@ -106,8 +106,8 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
 @pytest.mark.slow
 def test_two_token_joint_distribution_matches_the_target(models):
     """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target: the verification
-    of a chain with draft rows (every GPU drafter's chains; the trees' and cut chains' paths: test_trees.py and
-    test_eagle.py)."""
+    of a chain with draft rows (every GPU drafter's chains; the trees' and cut chains' paths:
+    trees/test_tree_steps.py and drafters/heads/test_eagle.py)."""
     check_two_token_joint(models["target"], drafter_for("draft-model", models))
 
 

@@ -11,7 +11,7 @@ import pytest
 from doppler_py import cli, router, server
 from doppler_py.api import load
 from doppler_py.speculative import NoOpHooks, Proposal
-from doppler_py.speculative.head_files import HEAD_NAMES
+from doppler_py.speculative.drafters.heads.files import HEAD_NAMES
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DrafterSpec, DraftSources
 from doppler_py.testing.tiny import TinySpec
 

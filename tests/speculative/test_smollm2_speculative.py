@@ -1,7 +1,8 @@
 """Greedy speculative decoding on SmolLM2-135M equals plain greedy decoding, once per drafter and per tree variant
 (the trained heads: those shipped with the package, on open-ended prompts). Every draft length is the tiny models'
-business (tests/speculative/test_engine.py, test_trees.py and each head's tests take the boundary lengths and a
-middle one); here each drafter's wiring meets the real model, its 30 layers, Q4_1 blocks and 49,152-token vocabulary.
+business (tests/speculative/test_engine.py, trees/test_tree_steps.py and each head's tests take the boundary lengths
+and a middle one); here each drafter's wiring meets the real model, its 30 layers, Q4_1 blocks and 49,152-token
+vocabulary.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from doppler_py.model.catalog import DEFAULT_MODEL, known_head
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
-from doppler_py.speculative.eagle import EagleDrafter, load_head
+from doppler_py.speculative.drafters.heads.eagle import EagleDrafter, load_head
+from doppler_py.speculative.drafters.heads.medusa import MedusaDrafter, load_medusa
+from doppler_py.speculative.drafters.heads.spark import SparkDrafter, load_spark
+from doppler_py.speculative.drafters.lookahead import LookaheadDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.speculative.lookahead import LookaheadDrafter
-from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
-from doppler_py.speculative.spark import SparkDrafter, load_spark
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 

@@ -1,6 +1,6 @@
 """Getting ready to speculate without holding up the first token: pipelines compiled in a background thread
-(`doppler_py.speculative.warmup`), drafts limited to the row counts already compiled, the calibration between
-two steps, and the on-disk cost cache (`doppler_py.speculative.cost_cache`)."""
+(`doppler_py.speculative.readiness.warmup`), drafts limited to the row counts already compiled, the calibration between
+two steps, and the on-disk cost cache (`doppler_py.speculative.readiness.cost_cache`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from support.decode import reference_decode
 import doppler_py
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter
-from doppler_py.speculative.cost_cache import cost_key, load_costs, save_costs
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.speculative.policy import DraftLengthPolicy
+from doppler_py.speculative.policy.draft_length import DraftLengthPolicy
+from doppler_py.speculative.readiness.cost_cache import cost_key, load_costs, save_costs
 from doppler_py.testing.tiny import TinySpec
 
 GREEDY = SamplingParams(temperature=0.0)

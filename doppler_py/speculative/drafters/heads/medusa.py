@@ -44,9 +44,9 @@ from doppler_py.ops.linear import InputNorm, Linear, compile_rows
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import GREEDY, Branching, DraftSampler, TreeBranches
-from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
-from doppler_py.speculative.ranked_trees import MEDUSA_TREE_TOPS, medusa_tree
+from doppler_py.speculative.drafters.gpu_drafting import GREEDY, Branching, DraftSampler, TreeBranches
+from doppler_py.speculative.drafters.heads.files import dense_format, read_meta, read_tensors
+from doppler_py.speculative.trees.ranked import MEDUSA_TREE_TOPS, medusa_tree
 from doppler_py.tokenizer import Tokenizer
 
 

@@ -12,7 +12,7 @@ from doppler_py.errors import VocabularyMismatchError
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
-from doppler_py.speculative.gpu_drafting import GREEDY, Branching, ModelDrafter, TreeBranches, matching_prefix
+from doppler_py.speculative.drafters.gpu_drafting import GREEDY, Branching, ModelDrafter, TreeBranches, matching_prefix
 
 # Draft and target vocabularies may differ by this many padding rows (e.g. 49152 vs 49280).
 MAX_VOCAB_PADDING = 1024

@@ -12,9 +12,9 @@ from doppler_py.errors import GenerationOptionError
 from doppler_py.ops.tree import row_depths
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import StepContext
+from doppler_py.speculative.drafters.lookahead import LookaheadDrafter, LookaheadShape
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.speculative.lookahead import LookaheadDrafter, LookaheadShape
-from doppler_py.speculative.policy import CostModel, DraftLengthPolicy
+from doppler_py.speculative.policy.draft_length import CostModel, DraftLengthPolicy
 from doppler_py.testing.tiny import TINY_SPECS
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -124,8 +124,8 @@ def test_the_jacobi_iterations_find_ngrams_the_target_goes_on_to_write(models):
 
 
 def test_sampled_lookahead_proposes_trees_that_ignore_the_random_stream(models, monkeypatch):
-    """Its trees are verified as deterministic nodes (the tree path's joint distribution: test_trees.py), which
-    holds only if drawing them took nothing from the generation's random numbers."""
+    """Its trees are verified as deterministic nodes (the tree path's joint distribution:
+    trees/test_tree_steps.py), which holds only if drawing them took nothing from the generation's random numbers."""
     drafter = LookaheadDrafter(models["target"])
     seen = check_drafts_follow_their_reported_rows(models["target"], drafter, monkeypatch)
     assert seen["sampled"] == 0 and seen["trees"] > 0

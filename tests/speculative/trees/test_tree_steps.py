@@ -17,10 +17,10 @@ from doppler_py.ops.tree import layout_words, row_depths
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import PromptLookupDrafter
 from doppler_py.speculative.contract import NoOpHooks, Proposal
-from doppler_py.speculative.draft_model import DraftModelDrafter
+from doppler_py.speculative.drafters.draft_model import DraftModelDrafter
+from doppler_py.speculative.drafters.gpu_drafting import CHAIN_PRIOR_TOP1, matching_prefix
 from doppler_py.speculative.engine import SpeculativeEngine
-from doppler_py.speculative.gpu_drafting import CHAIN_PRIOR_TOP1, matching_prefix
-from doppler_py.speculative.ranked_trees import chain_with_leaves, prior_rates
+from doppler_py.speculative.trees.ranked import chain_with_leaves, prior_rates
 from doppler_py.testing.tiny import TINY_SPECS
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -251,7 +251,7 @@ def test_lookup_trie_keeps_the_likeliest_continuation_as_its_first_chain():
     drafter = PromptLookupDrafter(branches=3)
     tokens = [5, 6, 1, 2, 5, 6, 3, 4, 5, 6, 7, 8, 5, 6]
     assert drafter.continuations(tokens, 4, 3) == [[7, 8, 5, 6], [3, 4, 5, 6], [1, 2, 5, 6]]
-    from doppler_py.speculative.prompt_lookup import trie_proposal
+    from doppler_py.speculative.drafters.prompt_lookup import trie_proposal
 
     tree = trie_proposal(drafter.continuations(tokens, 8, 3), 8)
     assert tree.tokens[:4] == [7, 8, 5, 6] and tree.parents[:4] == [-1, 0, 1, 2]
@@ -262,7 +262,7 @@ def test_lookup_trie_keeps_the_likeliest_continuation_as_its_first_chain():
 
 # -- the policy and the API ------------------------------------------------------------------------------------
 def test_trees_pay_only_where_extra_rows_are_nearly_free():
-    from doppler_py.speculative.policy import CostModel, trees_pay
+    from doppler_py.speculative.policy.draft_length import CostModel, trees_pay
 
     gpu_like = CostModel(verify={1: 1.0e-3, 9: 1.1e-3, 17: 1.3e-3})
     cpu_like = CostModel(verify={1: 1.0e-3, 9: 3.2e-3, 17: 6.0e-3})

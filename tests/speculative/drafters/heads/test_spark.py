@@ -10,7 +10,6 @@ import shutil
 import numpy as np
 import pytest
 from speculative.conftest import (
-    CORPUS_OPTIONS,
     TARGET,
     check_drafts_follow_their_reported_rows,
     compile_requests,
@@ -19,6 +18,7 @@ from speculative.conftest import (
     replay_accepted,
 )
 from support.decode import reference_decode
+from support.trained_heads import BLOCK, DRAFT_VOCAB, RANK
 
 from doppler_py.api import load
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
@@ -26,11 +26,10 @@ from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import SpeculativeEngine
 from doppler_py.speculative.contract import StepContext
-from doppler_py.speculative.head_files import made_for
-from doppler_py.speculative.spark import SparkDrafter, load_spark
+from doppler_py.speculative.drafters.heads.files import made_for
+from doppler_py.speculative.drafters.heads.spark import SparkDrafter, load_spark
 
 GREEDY = SamplingParams()
-BLOCK, RANK, DRAFT_VOCAB = 3, 32, 40
 
 
 def write_random_head(folder, target, rng) -> dict[str, np.ndarray]:
@@ -108,62 +107,8 @@ def test_the_gpu_block_drafts_what_the_reference_math_gives(models, tmp_path, rn
 
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 
-from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
-from doppler_py.training.spark import import_block, platt, prev_slots, sigmoid, train  # noqa: E402
-
-OPTIONS = TrainOptions(
-    **CORPUS_OPTIONS,
-    draft_vocab=DRAFT_VOCAB,
-    steps=150,
-    save_every=75,
-    spark_block=BLOCK,
-    spark_rank=RANK,
-    holdout=0.25,  # several held-out sequences: the confidence head is calibrated on them
-)
-
-
-@pytest.fixture(scope="module")
-def block_dir(tmp_path_factory, tiny_folder, tiny_corpus):
-    out = tmp_path_factory.mktemp("spark")
-    tiny_corpus(out / "work")
-    card = train(tiny_folder(TARGET), out / "block", out / "work", OPTIONS, say=lambda _: None)
-    assert card["kind"] == "spark" and card["steps"] == OPTIONS.steps
-    assert len(card["validation_top1_by_position"]) == BLOCK and card["held_in_top1_by_position"][0] > 1.5 / 40
-    assert all(0 < c < 1 for c in card["held_in_confidence_by_position"])
-    return out / "block"
-
-
-def test_platt_scaling_recovers_a_known_calibration():
-    rng = np.random.default_rng(0)
-    z = rng.normal(0.0, 2.0, 20000)
-    right = (rng.random(z.size) < sigmoid(0.5 * z - 1.0)).astype(np.float64)
-    a, b = platt(z, right)
-    assert a == pytest.approx(0.5, abs=0.05) and b == pytest.approx(-1.0, abs=0.05)
-    a, b = platt(z[:10], np.ones(10))  # one class only: finite, still increasing in z
-    assert np.isfinite([a, b]).all() and a > 0
-    # A head far too sure (logits around 2.5, right 37% of the time): a full Newton step from (1, 0) overshoots
-    # to a ~ 1000; the fitted map must bring the mean confidence down to the rate.
-    z = rng.normal(2.5, 1.0, 1600)
-    right = (rng.random(z.size) < 0.37).astype(np.float64)
-    a, b = platt(z, right)
-    assert abs(a) < 1 and sigmoid(a * z + b).mean() == pytest.approx(right.mean(), abs=0.02)
-
-
-def test_the_confidence_head_is_rescaled_on_the_held_out_sequences(block_dir):
-    """The exported confidence head is the trained one (the work folder's checkpoint) with the card's
-    per-position affine map folded in, fitted on the held-out split; the card reports the cross-fitted result."""
-    from safetensors.numpy import load_file
-
-    card = json.loads((block_dir / "training_card.json").read_text())
-    trained = torch.load(block_dir.parent / "work" / "spark.pt")["head"]
-    exported = load_file(str(block_dir / "spark.safetensors"))
-    scale, shift = np.array(card["confidence_scale"]), np.array(card["confidence_shift"])
-    assert card["validation_sequences"] >= 2 and scale.shape == shift.shape == (BLOCK,)
-    assert (scale != 1).any() and (shift != 0).any()
-    raw_w, raw_b = trained["confidence.weight"].numpy(), trained["confidence.bias"].numpy()
-    np.testing.assert_allclose(exported["confidence.weight"], scale[:, None] * raw_w, rtol=2e-3, atol=2e-4)
-    np.testing.assert_allclose(exported["confidence.bias"], scale * raw_b + shift, rtol=2e-3, atol=2e-3)
-    assert all(0 < c < 1 for c in card["validation_calibrated_confidence_by_position"])
+from doppler_py.training.data import load_target, target_features  # noqa: E402
+from doppler_py.training.spark import import_block, prev_slots  # noqa: E402
 
 
 @pytest.fixture(scope="module")

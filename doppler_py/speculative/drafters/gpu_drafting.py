@@ -22,7 +22,7 @@ from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.ops.top_tokens import TopTokens
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.ranked_trees import RankAcceptance, chain_with_leaves
+from doppler_py.speculative.trees.ranked import RankAcceptance, chain_with_leaves
 
 
 class DraftSampler:

@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 from speculative.conftest import (
-    CORPUS_OPTIONS,
     TARGET,
     check_drafts_follow_their_reported_rows,
     compile_requests,
@@ -26,26 +25,14 @@ from doppler_py.api import load
 from doppler_py.errors import ModelFormatError, VocabularyMismatchError
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import SpeculativeEngine
-from doppler_py.speculative.medusa import MedusaDrafter, load_medusa
+from doppler_py.speculative.drafters.heads.medusa import MedusaDrafter, load_medusa
 
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 
 from doppler_py.training.data import TrainOptions, load_target, target_features  # noqa: E402
-from doppler_py.training.medusa import import_heads, train  # noqa: E402
+from doppler_py.training.medusa import import_heads  # noqa: E402
 
 GREEDY = SamplingParams()
-OPTIONS = TrainOptions(**CORPUS_OPTIONS, draft_vocab=40, steps=150, save_every=75, medusa_heads=3)
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tmp_path_factory, tiny_folder, tiny_corpus):
-    out = tmp_path_factory.mktemp("medusa")
-    tiny_corpus(out / "work")
-    card = train(tiny_folder(TARGET), out / "heads", out / "work", OPTIONS, say=lambda _: None)
-    assert card["kind"] == "medusa" and card["steps"] == OPTIONS.steps
-    # A random tiny target is hard to foresee two tokens ahead: better than chance (1/40) is what is asked.
-    assert len(card["validation_top1_by_head"]) == 3 and card["held_in_top1_by_head"][0] > 1.5 / 40
-    return out / "heads"
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from doppler_py.speculative.best_of import BestOfDrafter
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal
+from doppler_py.speculative.drafters.best_of import BestOfDrafter
 
 
 class Scripted(NoOpHooks):

@@ -11,9 +11,9 @@ import pytest
 from doppler_py.errors import ModelFormatError
 from doppler_py.ops.tree import row_depths
 from doppler_py.speculative.contract import Proposal
-from doppler_py.speculative.medusa import card_top1
-from doppler_py.speculative.policy import CostModel, tree_budget
-from doppler_py.speculative.ranked_trees import (
+from doppler_py.speculative.drafters.heads.medusa import card_top1
+from doppler_py.speculative.policy.draft_length import CostModel, tree_budget
+from doppler_py.speculative.trees.ranked import (
     PRIOR_WEIGHT,
     RankAcceptance,
     chain_with_leaves,

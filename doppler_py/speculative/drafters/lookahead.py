@@ -38,7 +38,7 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.ops.top_tokens import TopTokens
 from doppler_py.speculative.contract import NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.trie import Trie
+from doppler_py.speculative.trees.trie import Trie
 
 POOL_PER_KEY = 8  # n-grams kept per first token, the most recently found first
 INIT_SEED = 0  # the window's first guesses: tokens of the prompt picked by a fixed seed

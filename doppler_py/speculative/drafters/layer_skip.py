@@ -11,7 +11,7 @@ from doppler_py.errors import GenerationOptionError
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.speculative.contract import StepContext
-from doppler_py.speculative.gpu_drafting import ModelDrafter
+from doppler_py.speculative.drafters.gpu_drafting import ModelDrafter
 
 
 class LayerSkipDrafter(ModelDrafter):

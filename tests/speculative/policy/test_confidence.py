@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.confidence import (
+from doppler_py.speculative.policy.confidence import (
     BINS,
     DECAY,
     DEPTHS,

@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic tree on the host (`speculative/dynamic_tree.py`), held to a brute-force reference: a
+"""EAGLE-2's dynamic tree on the host (`speculative/trees/dynamic.py`), held to a brute-force reference: a
 synthetic draft whose row for every path is a seeded random function of the path."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from speculative.conftest import proposal_paths
 
 from doppler_py.ops.tree import MAX_TREE_ROWS
-from doppler_py.speculative.dynamic_tree import DraftTree, log_softmax
+from doppler_py.speculative.trees.dynamic import DraftTree, log_softmax
 
 VOCAB = 7
 

@@ -16,7 +16,7 @@ import numpy as np
 from doppler_py.errors import GenerationOptionError
 from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.trie import Trie
+from doppler_py.speculative.trees.trie import Trie
 
 
 class PromptLookupDrafter(NoOpHooks):

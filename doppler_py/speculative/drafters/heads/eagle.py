@@ -52,11 +52,11 @@ from doppler_py.ops.linear import Linear, compile_rows
 from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.ops.vocab_scatter import VocabScatter
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.confidence import ConfidenceCalibration, draft_confidence
 from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.dynamic_tree import DYNAMIC_TREE_WIDTH, DraftTree
-from doppler_py.speculative.gpu_drafting import DraftSampler, checked_branches
-from doppler_py.speculative.head_files import dense_format, read_meta, read_tensors
+from doppler_py.speculative.drafters.gpu_drafting import DraftSampler, checked_branches
+from doppler_py.speculative.drafters.heads.files import dense_format, read_meta, read_tensors
+from doppler_py.speculative.policy.confidence import ConfidenceCalibration, draft_confidence
+from doppler_py.speculative.trees.dynamic import DYNAMIC_TREE_WIDTH, DraftTree
 from doppler_py.tokenizer import Tokenizer
 
 

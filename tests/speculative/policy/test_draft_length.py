@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.speculative.policy import CostModel, DraftLengthPolicy, expected_tokens, tree_budget, worth_drafting
+from doppler_py.speculative.policy.draft_length import (
+    CostModel,
+    DraftLengthPolicy,
+    expected_tokens,
+    tree_budget,
+    worth_drafting,
+)
 
 # Verify costs shaped like lavapipe's (seconds by rows): T=5 ~2x T=1, T=9 ~4x.
 CPU_COSTS = {1: 0.040, 2: 0.044, 3: 0.052, 5: 0.074, 9: 0.170}
