@@ -296,7 +296,7 @@ class Engine:
         try:
             for new in self.plain_costs.watch(steps, stats):
                 if logprobs is not None:
-                    token_logprobs.extend(engine.last_logprobs[: len(new)])
+                    token_logprobs.extend(engine.steps.last_logprobs[: len(new)])
                 piece = ""
                 for token in new:
                     tokens.append(token)
@@ -423,7 +423,7 @@ class StopMatcher:
 
 class PlainStepCosts:
     """Seconds per token of live plain decoding measured in this process, for `time_saved_s`: one sample per
-    single plain step, and one per batch of plain steps (`SpeculativeEngine.plain_batch`: its time / tokens,
+    single plain step, and one per batch of plain steps (`Stepper.step`'s plain_steps: its time / tokens,
     what plain decoding costs a token there).
 
     Excluded: calibration (it never goes through `watch`), each generation's first step, and the first

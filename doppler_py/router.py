@@ -211,7 +211,7 @@ class SpeculativeDecoding:
         params = SamplingParams(temperature=self.config.temperature)
         step = spec.open_context(ids, k + 1, params, k=k)
         try:
-            proposal = spec.propose(step, k)
+            proposal = spec.steps.propose(step, k)
             tokens = proposal_tokens(spec, proposal)
         except BaseException:
             spec.close_context(step)
@@ -225,7 +225,7 @@ class SpeculativeDecoding:
         if not draft.open or draft is not self._draft:
             raise GenerationOptionError("this draft was verified or replaced by a newer one; generate a new draft")
         try:
-            outcome = draft.engine.verify(draft.step, draft.proposal, draft.window)
+            outcome = draft.engine.steps.step(draft.step, draft.window, proposal=draft.proposal)
         finally:
             self.close_draft()
         return Verification(outcome.accepted, outcome.drafted, outcome.new)

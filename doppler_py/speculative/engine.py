@@ -1,29 +1,9 @@
-"""Speculative decoding on the GPU: draft k tokens, verify them with ONE target forward, keep the longest
-accepted prefix plus one token from the target.
-
-One step, as the GPU sees it (n = drafts, m = position of the last committed token):
-
-    spec_tokens = [last, d_0 .. d_{n-1}]          drafted on the GPU (or uploaded from a host drafter's list)
-    target.forward(spec_tokens, pos=m)  → logits [n+1, V]          one command encoder, T = n+1
-    spec_verify(logits, draft_logits, randoms) → [accepted, token, status, d_0..d_{n-1}]   one small readback
-    target cache truncated to m+1+accepted (O(1)); the drafter rolls itself back (`Drafter.commit`)
-
-The accept test is u < p(d)/q(d) with p and q at the SAME temperature/top-k/top-p; a rejection samples the
-residual max(0, p − q), full acceptance samples the bonus token from p's last row; temperature 0 reduces to
-"accept while equal to the target's argmax". So the output is distributed exactly as the target's own
-sampling and, greedy, identical to plain decoding. A plain step is the same step with n = 0: the verifier
-samples row 0 exactly as the sampler contract says (`doppler_py.testing.sampling_reference`) — the only way
-a target token is chosen.
-
-Random numbers come from the seeded mulberry32 stream in a fixed order per step: one per GPU-sampled draft
-token while drafting (the drafter draws them), then n accept draws and one final draw uploaded with the
-verification. The same seed therefore reproduces the same tokens.
-
-Token trees (a proposal with `parents`, `ops/tree.py`): the forward runs the n + 1 tree rows at once, each
-seeing the cache and its own ancestors; `ops.tree_verify` walks the tree on the GPU (one readback): greedily,
-or by recursive rejection over each row's children (deterministic drafts: one uniform per node, then the final
-draw), which keeps the target's distribution exactly. The accepted path's K/V are moved into place
-(`ops.kv_compact`, no readback) and the cache truncated.
+"""Generation with speculative decoding: the step (`step.py`: propose → verify → commit) in a loop, wrapped by
+what measures and decides around it. Each step is timed (`timing.StepClock`), recorded (`stats.SpecStats`) and
+priced: its time says what verifying its rows and drafting cost on this device, which the draft-length policy
+(`policy/`) weighs against the drafter's acceptance to choose the next step's k, or a pause of plain steps.
+Plain steps are batched several per submit, sized by their measured cost. Before a generation can speculate at
+full width, the verification pipelines are compiled and their costs measured (`prepare`, `readiness/`).
 """
 
 from __future__ import annotations
@@ -32,22 +12,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError, InternalError, NumericalError
-from doppler_py.gpu.kernels import Recorder
+from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError, InternalError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
-from doppler_py.ops.logprobs import LogProbs, check_top_logprobs
-from doppler_py.ops.speculative import MAX_DRAFT_TOKENS, STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
-from doppler_py.ops.tree import MAX_TREE_ROWS, check_parents, compaction_moves, is_chain, layout_words
-from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
+from doppler_py.ops.logprobs import check_top_logprobs
+from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, tree_budget, worth_drafting
+from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
 from doppler_py.speculative.readiness.warmup import COMPILE_CONTEXT, PipelineWarmup
 from doppler_py.speculative.stats import SpecStats
+from doppler_py.speculative.step import MAX_PLAIN_STEPS, StepOutcome, Stepper
 from doppler_py.speculative.timing import StepClock, StepTimes
 
 # While pipelines compile in the background: the verified row counts at which speculation steps up when each
@@ -55,8 +31,7 @@ from doppler_py.speculative.timing import StepClock, StepTimes
 # one: the stream pauses less).
 CALIBRATION_STAGES = (3, 5)
 QUICK_CONTEXT = 32
-# Plain decoding: at most this many steps per submit, sized to take about BATCH_TARGET_S.
-MAX_PLAIN_BATCH = 16
+# Plain decoding: steps per submit (at most MAX_PLAIN_STEPS) sized to take about BATCH_TARGET_S.
 BATCH_TARGET_S = 0.2
 
 
@@ -65,16 +40,6 @@ class SpecResult:
     tokens: list[int]
     stats: SpecStats
     stopped_by: str
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    new: list[int]  # the committed tokens: accepted drafts, then the target's own token
-    drafted: int
-    accepted: int
-    on_gpu: bool  # the drafts came from GPU work (else from the host)
-    tree: bool = False  # the drafts were a token tree
-    made: int = 0  # drafts made, verified or not (more than `drafted` where the engine cut the proposal)
 
 
 class SpeculativeEngine:
@@ -87,7 +52,6 @@ class SpeculativeEngine:
     def __init__(self, target: Transformer, drafter: Drafter | None, *, capacity: int = MAX_DRAFT_TOKENS):
         self.target = target
         self.speculative = drafter is not None
-        self.drafter: Drafter = drafter if drafter is not None else _NoDrafter()
         self.registry = target.registry
         self.capacity = min(capacity, MAX_DRAFT_TOKENS, target.max_logit_rows - 1)
         if self.capacity < 1:
@@ -95,43 +59,15 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(capacity=self.capacity)
         # What the drafter declares (contract.Drafter): a fixed step shape (policy: fixed mode), chains ended by
         # its own confidence (policy: k is only the ceiling), the target layers it reads.
-        self.fixed_nodes: int | None = self.drafter.fixed_nodes
-        self.policy.gated = self.drafter.gates_chains
-        target.tap_layers(self.drafter.feature_taps)
+        declared = drafter if drafter is not None else _NoDrafter()
+        self.fixed_nodes: int | None = declared.fixed_nodes
+        self.policy.gated = declared.gates_chains
+        target.tap_layers(declared.feature_taps)
         if self.fixed_nodes is not None:
             self.policy.reset(fixed=self.fixed_nodes)
-        gpu = target.gpu
-        self.spec_tokens = Tensor.empty(gpu, self.capacity + 1, "u32", "spec_tokens")
-        self.randoms = Tensor.empty(gpu, 2 * self.capacity + 1, "f32", "spec_randoms")
-        self.result = Tensor.empty(gpu, self.capacity + 3, "u32", "spec_result")
-        # Plain decoding in batches (`plain_batch`): each step's random number, and its (token, status) pair.
-        self.batch_randoms = Tensor.empty(gpu, MAX_PLAIN_BATCH, "f32", "batch randoms")
-        self.batch_out = Tensor.empty(gpu, 2 * MAX_PLAIN_BATCH, "u32", "batch tokens")
+        self.steps = Stepper(target, drafter if drafter is not None else _NoDrafter(), self.policy, self.capacity)
+        self.clock = StepClock(target.gpu)
         self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
-        # One verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
-        self._verifiers: dict[int | None, tuple[Tensor | None, _Verifier]] = {}
-        # Made now, not at the first token tree: the tree policy may switch trees on mid-session, and a steady
-        # engine allocates nothing per generation (tests/reliability/test_resources.py).
-        self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
-        # Feature rows on their way into target.x and its taps (a copy may not read and write one buffer): a
-        # tree's accepted path's, to rows 1, 2, ...; a plain batch's, one per step, to rows 0..n-1. MAX_TREE_ROWS
-        # rows per feature buffer (`_scratch`).
-        self.feature_scratch = Tensor.empty(
-            gpu, (MAX_TREE_ROWS * len(target.feature_buffers), target.config.hidden_size), "f32", "feature rows"
-        )
-        self._tree_verify = TreeVerify(
-            self.registry,
-            target.logits,
-            self.spec_tokens,
-            target.tree,
-            self.randoms,
-            self.tree_result,
-            vocab=target.config.vocab_size,
-        )
-        self.clock = StepClock(gpu)
-        self.logprobs: int | None = None  # top alternatives per token while a generation asks for log-probs
-        self.last_logprobs = None  # the last step's committed tokens' TokenLogprobs (None when not asked)
-        self._logprob_op: LogProbs | None = None
         # Getting ready to speculate (see `prepare`): pipelines compiling in the background, a calibration due,
         # and who wants the measured costs (the on-disk cost cache).
         self.warmup: PipelineWarmup | None = None
@@ -140,6 +76,10 @@ class SpeculativeEngine:
         self.needs_calibration = False
         self.on_calibrated: Callable[[dict[int, float]], None] | None = None
         self.closed = False
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.steps.drafter
 
     # -- getting ready ------------------------------------------------------------------------------------
     def prepare(self, *, costs: dict[int, float] | None = None, background: bool = False) -> None:
@@ -230,157 +170,6 @@ class SpeculativeEngine:
             rec.submit()
             self.registry.release_tensors(saved)
 
-    # -- the algorithm ------------------------------------------------------------------------------------
-    def step(self, ctx: StepContext, k: int) -> StepOutcome:
-        """draft → one target forward over the proposal → verify on the GPU → one readback → truncate and commit."""
-        return self.verify(ctx, self.propose(ctx, k), k)
-
-    def propose(self, ctx: StepContext, k: int) -> Proposal:
-        """The drafter's proposal of at most k tokens, cut to the nodes worth verifying (values given)."""
-        proposal = self.drafter.propose(ctx, k) if k else NO_PROPOSAL
-        if proposal.values is not None and self.policy.adaptive and self.policy.cost_aware:
-            # The node budget from this device's verify costs and the drafter's measured acceptance. Not in a
-            # seeded sampled generation: its tokens must not depend on timing. A GPU chain valued by the drafter's
-            # confidence may be cut to nothing (a plain step) where even its first draft is unlikely to pay.
-            least = 0 if proposal.on_gpu and proposal.parents is None else 1
-            proposal = proposal.leading(tree_budget(proposal.values, self.policy.costs, least))
-        return proposal
-
-    def verify(self, ctx: StepContext, proposal: Proposal, k: int) -> StepOutcome:
-        """The second half of `step`: `proposal` (asked with k) verified by one target forward, then committed."""
-        target, params, cache = self.target, ctx.params, ctx.target_cache
-        pos = len(ctx.tokens) - 1  # the last committed token's position: its K/V are written now
-        n = self._check(proposal, k)
-        if proposal.parents is not None and not is_chain(proposal.parents):
-            return self._tree_step(ctx, proposal, n, pos)
-        self.clock.drafted()
-        # u: one accept draw per draft, then the final draw (the residual, the bonus token, or a plain sample).
-        u = np.array([ctx.rng.random() for _ in range(n + 1)], dtype=np.float32)
-        self.randoms.view((n + 1,), offset_bytes=4 * n).write(u)
-        host_drafts = [] if proposal.on_gpu else list(proposal.tokens)
-        self.spec_tokens.view((1 + len(host_drafts),)).write(np.array([ctx.tokens[-1], *host_drafts], np.uint32))
-        rec = self.registry.recorder()
-        self.clock.stamp_verify(rec, done=False)
-        if proposal.on_gpu:
-            rec.copy(proposal.tokens, self.spec_tokens, 4 * n, dst_offset=4)
-        rec.copy(self.spec_tokens, target.ids, 4 * (n + 1))
-        # logits [n+1, V]: row i scores d_i (i < n), row n gives the token after the last accepted draft
-        target.record_forward(rec, n + 1, cache, pos, logits="all" if n else "last")
-        self._verifier(proposal.draft_logits).record(rec, n, params)
-        if self.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
-            self._logprobs().record(rec, n + 1, params, self.logprobs)
-        self.clock.stamp_verify(rec, done=True)
-        rec.submit()
-        accepted, final, status, *drafts = np.frombuffer(
-            self.registry.gpu.queue.read_buffer(self.result.buffer, 0, 4 * (3 + n)), np.uint32
-        ).tolist()
-        check_status(status, pos, n)
-        self.last_logprobs = None if self.logprobs is None else self._logprobs().read(accepted + 1, self.logprobs)
-        cache.truncate(pos + 1 + accepted)  # rejected drafts' K/V stay behind the length, overwritten later
-        new = [*drafts[:accepted], final]
-        ctx.tokens.extend(new)
-        ctx.hidden_rows = accepted + 1
-        self.drafter.commit(ctx, accepted)
-        return StepOutcome(new, n, accepted, proposal.on_gpu, made=proposal.drafts_made)
-
-    def _check(self, proposal: Proposal, k: int) -> int:
-        """The number of drafts, after refusing a proposal the verification cannot take."""
-        n = proposal.count
-        if not 0 <= n <= k:
-            raise InternalError(f"drafter {self.drafter.name!r} proposed {n} tokens when asked for at most {k}")
-        if proposal.parents is not None:
-            check_parents(proposal.parents, n)
-        return n
-
-    def _tree_step(self, ctx: StepContext, proposal: Proposal, n: int, pos: int) -> StepOutcome:
-        """`step` for a token tree: one forward over its rows, the walk on the GPU, one readback, then the
-        accepted path's K/V moved into place."""
-        name = self.drafter.name
-        if proposal.draft_logits is not None:
-            raise InternalError(
-                f"drafter {name!r} proposed a tree with draft logits; tree nodes are verified as deterministic drafts"
-            )
-        if self.logprobs is not None:
-            raise GenerationOptionError(f"drafter {name!r} proposed a token tree; log-probs are not given for trees")
-        if proposal.on_gpu:
-            raise InternalError(f"drafter {name!r} proposed a tree on the GPU; tree tokens come from the host so far")
-        target, cache = self.target, ctx.target_cache
-        self.clock.drafted()
-        rows = n + 1
-        if not ctx.params.greedy:  # one test per node, then the final draw, whatever path the walk takes
-            u = np.array([ctx.rng.random() for _ in range(random_words(rows))], dtype=np.float32)
-            self.randoms.view((u.size,)).write(u)
-        self.spec_tokens.view((rows,)).write(np.array([ctx.tokens[-1], *proposal.tokens], np.uint32))
-        target.tree.view((rows, 2)).write(layout_words(proposal.parents))
-        rec = self.registry.recorder()
-        self.clock.stamp_verify(rec, done=False)
-        rec.copy(self.spec_tokens, target.ids, 4 * rows)
-        target.record_forward(rec, rows, cache, pos, logits="all", tree=True)
-        self._tree_verify.record(rec, rows, ctx.params)
-        self.clock.stamp_verify(rec, done=True)
-        rec.submit()
-        words = np.frombuffer(
-            self.registry.gpu.queue.read_buffer(self.tree_result.buffer, 0, 4 * result_words(rows)), np.uint32
-        ).tolist()
-        accepted, final, status = words[:3]
-        check_status(status, pos, n)
-        path_tokens, path = words[3 : 3 + 2 * accepted : 2], words[4 : 4 + 2 * accepted : 2]
-        moves = compaction_moves(path)
-        if moves:
-            rec = self.registry.recorder()
-            target.compact(rec, cache, pos, moves)
-            self._compact_features(rec, moves)
-            rec.submit()
-        cache.truncate(pos + 1 + accepted)
-        new = [*path_tokens, final]
-        ctx.tokens.extend(new)
-        ctx.hidden_rows = accepted + 1  # the root's and the accepted path's features, as after a chain
-        self.drafter.commit(ctx, accepted)
-        return StepOutcome(new, n, accepted, False, tree=True, made=proposal.drafts_made)
-
-    def _scratch(self) -> Tensor:
-        """`feature_scratch`, grown once if a drafter made since tapped more of the target's layers."""
-        rows = MAX_TREE_ROWS * len(self.target.feature_buffers)
-        if self.feature_scratch.shape[0] < rows:
-            self.registry.release_tensors(self.feature_scratch)
-            h = self.target.config.hidden_size
-            self.feature_scratch = Tensor.empty(self.target.gpu, (rows, h), "f32", "feature rows")
-        return self.feature_scratch
-
-    def _compact_features(self, rec: Recorder, moves: list[tuple[int, int]]) -> None:
-        """Move the accepted path's rows of target.x (the final residual stream a head drafts from) and of its
-        taps into place, through `feature_scratch`, as the K/V rows are moved."""
-        row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
-        for b, features in enumerate(self.target.feature_buffers):
-            base = b * MAX_TREE_ROWS * row_bytes
-            for src, dst in moves:
-                rec.copy(features, scratch, row_bytes, src_offset=src * row_bytes, dst_offset=base + dst * row_bytes)
-            for _, dst in moves:
-                rec.copy(scratch, features, row_bytes, src_offset=base + dst * row_bytes, dst_offset=dst * row_bytes)
-
-    def _verifier(self, draft_logits: Tensor | None) -> _Verifier:
-        key = None if draft_logits is None else id(draft_logits.buffer)
-        if key not in self._verifiers:
-            op = SpecVerify(
-                self.registry,
-                self.target.logits,
-                draft_logits,
-                self.spec_tokens,
-                self.randoms,
-                self.result,
-                vocab=self.target.config.vocab_size,
-                max_k=self.capacity,
-            )
-            # The tensor is kept so that its buffer's id, the key, cannot be reused by another buffer.
-            self._verifiers[key] = (draft_logits, _Verifier(op, onehot=draft_logits is None))
-        return self._verifiers[key][1]
-
-    def _logprobs(self) -> LogProbs:
-        if self._logprob_op is None:
-            vocab, rows = self.target.config.vocab_size, self.capacity + 1
-            self._logprob_op = LogProbs(self.registry, self.target.logits, self.result, vocab=vocab, max_rows=rows)
-        return self._logprob_op
-
     # -- generation and bookkeeping -----------------------------------------------------------------------
     def generate(
         self,
@@ -423,7 +212,7 @@ class SpeculativeEngine:
         ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k)
         stats.prefill_s = time.perf_counter() - start
         stats.drafter = self.drafter.name
-        self.logprobs = logprobs
+        self.steps.logprobs = logprobs
         produced = 0
         try:
             while produced < max_new_tokens:
@@ -431,15 +220,11 @@ class SpeculativeEngine:
                 if self.speculative:
                     speculate = self._ready(ctx, first_step=produced == 0)
                     stats.warmup_steps += not speculate
-                    draft_len = self.policy.next_k(remaining) if speculate else 0
-                    paused = self._paused_batch(remaining) if speculate and draft_len == 0 else 1
-                    if paused > 1:
-                        new = self._measured_batch(ctx, paused, stats)
-                        self.drafter.commit(ctx, 0)
-                    else:
-                        new = self._measured_step(ctx, draft_len, stats)[:remaining]
+                    k_step = self.policy.next_k(remaining) if speculate else 0
+                    plain_steps = self._paused_batch(remaining) if speculate and k_step == 0 else 1
                 else:
-                    new = self._measured_batch(ctx, self._batch_size(remaining, first=produced == 0), stats)
+                    k_step, plain_steps = 0, self._batch_size(remaining, first=produced == 0)
+                new = self._measured_step(ctx, k_step, stats, plain_steps)[:remaining]
                 for j, token in enumerate(new):
                     if token in stop_ids:
                         new, stats.stopped_by = new[: j + 1], "eos"
@@ -452,7 +237,7 @@ class SpeculativeEngine:
                     break
         finally:
             stats.total_s = time.perf_counter() - start
-            self.logprobs = None
+            self.steps.logprobs = None
             self.close_context(ctx)
 
     def open_context(
@@ -494,9 +279,9 @@ class SpeculativeEngine:
         """Plain steps for the next submit: one for a generation's first token (it shows at once), then as many
         as take about BATCH_TARGET_S by the measured cost per token, so the stream still moves several times a
         second; one when log-probs are asked for (they are read per step)."""
-        if first or self.logprobs is not None or self._plain_token_s is None:
+        if first or self.steps.logprobs is not None or self._plain_token_s is None:
             return 1
-        most = min(remaining, MAX_PLAIN_BATCH, self.target.max_rows)  # target.x keeps every step's row
+        most = min(remaining, MAX_PLAIN_STEPS, self.target.max_rows)  # target.x keeps every step's row
         return max(1, min(most, int(BATCH_TARGET_S / self._plain_token_s)))
 
     def _paused_batch(self, remaining: int) -> int:
@@ -506,77 +291,30 @@ class SpeculativeEngine:
         self.policy.pause_steps -= n - 1
         return n
 
-    def _measured_batch(self, ctx: StepContext, n: int, stats: SpecStats) -> list[int]:
-        """`n` plain steps (one submit, one readback) with their statistics and the KV-cache invariant check."""
-        if n == 1:
-            return self._measured_step(ctx, 0, stats)
-        self._check_open()
-        start = time.perf_counter()
-        new = self.plain_batch(ctx, n)
-        seconds = (time.perf_counter() - start) / n
-        for _ in new:
-            stats.record(0, 0, StepTimes(0.0, seconds, None, None))
-        self._check_cache(ctx)
-        self._observe_plain(seconds)
-        return new
-
     def _observe_plain(self, seconds: float) -> None:
         """A plain token's measured cost, for sizing plain batches."""
         self._plain_token_s = seconds if self._plain_token_s is None else 0.7 * self._plain_token_s + 0.3 * seconds
 
-    def plain_batch(self, ctx: StepContext, n: int) -> list[int]:
-        """`n` plain steps in ONE submit: each step's token, chosen on the GPU exactly as a plain step chooses it,
-        is copied into the next step's input id, and the n tokens come back in one readback. The same random
-        numbers are drawn in the same order as n single steps, so the tokens are the same. Tokens after a stop
-        token are the caller's to drop (the generation ends there). Each step's row of target.x (the final
-        residual stream) and of its taps is kept, so ctx.hidden then holds all n rows for a drafter, as after a chain
-        step."""
-        if not 1 <= n <= MAX_PLAIN_BATCH:
-            raise InternalError(f"a plain batch holds 1..{MAX_PLAIN_BATCH} steps, got {n}")
-        target, cache = self.target, ctx.target_cache
-        pos = len(ctx.tokens) - 1
-        row_bytes = 4 * target.config.hidden_size
-        self.batch_randoms.view((n,)).write(np.array([ctx.rng.random() for _ in range(n)], np.float32))
-        self.spec_tokens.view((1,)).write(np.array([ctx.tokens[-1]], np.uint32))
-        verifier = self._verifier(None)
-        features, scratch = target.feature_buffers, self._scratch()
-        rec = self.registry.recorder()
-        rec.copy(self.spec_tokens, target.ids, 4)
-        for j in range(n):
-            # Each step's ops set their own positions: per-step uniform slots. Phase 0 (the ops' own slots) is not
-            # used, since the last values set there would be the ones its dispatches run with.
-            rec.phase = j + 1
-            if j:
-                rec.copy(self.result, target.ids, 4, src_offset=4)  # the last step's token is this one's input
-            rec.copy(self.batch_randoms, self.randoms, 4, src_offset=4 * j)
-            target.record_forward(rec, 1, cache, pos + j, logits="last")
-            verifier.record(rec, 0, ctx.params)
-            rec.copy(self.result, self.batch_out, 8, src_offset=4, dst_offset=8 * j)  # (token, status)
-            for b, buffer in enumerate(features):
-                rec.copy(buffer, scratch, row_bytes, dst_offset=(b * MAX_TREE_ROWS + j) * row_bytes)
-        for b, buffer in enumerate(features):  # a copy may not read and write one buffer
-            rec.copy(scratch, buffer, n * row_bytes, src_offset=b * MAX_TREE_ROWS * row_bytes)
-        rec.submit()
-        out = np.frombuffer(self.registry.gpu.queue.read_buffer(self.batch_out.buffer, 0, 8 * n), np.uint32)
-        tokens, statuses = out[0::2].tolist(), out[1::2].tolist()
-        for j, status in enumerate(statuses):
-            check_status(status, pos + j, 0)
-        ctx.tokens.extend(tokens)
-        ctx.hidden_rows = n
-        return tokens
-
-    def _measured_step(self, ctx: StepContext, k: int, stats: SpecStats) -> list[int]:
-        """One step with its timing, statistics, policy update and the KV-cache invariant check around it."""
+    def _measured_step(self, ctx: StepContext, k: int, stats: SpecStats, plain_steps: int = 1) -> list[int]:
+        """One step (or `plain_steps` plain steps in one submit) with its timing, statistics, pricing, policy update
+        and the KV-cache invariant check around it."""
         self._check_open()
         pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
-        outcome = self.step(ctx, k)
+        outcome = self.steps.step(ctx, k, plain_steps=plain_steps, marks=self.clock)
         times = self.clock.stop()
+        if plain_steps > 1:
+            per_token = times.total_s / plain_steps
+            for _ in outcome.new:
+                stats.record(0, 0, StepTimes(0.0, per_token, None, None))
+            self._observe_plain(per_token)
+            self._check_cache(ctx)
+            return outcome.new
         stats.record(outcome.drafted, outcome.accepted, times, outcome.made)
         stats.tree_steps += outcome.tree
         # A step that compiled a pipeline (its own, or one a background warmup finished meanwhile on the same
-        # CPU) timed the compiler, not the device: the first EAGLE step on lavapipe read 98 ms a draft against
-        # 2 ms, and the policy paused speculation for most of a generation while that estimate decayed.
+        # CPU) timed the compiler, not the device, and would leave the policy pausing speculation while that
+        # estimate decayed.
         if self.registry.cache_sizes["pipelines"] == pipelines:
             self._price(outcome, times)
         if outcome.drafted:
@@ -639,8 +377,9 @@ class SpeculativeEngine:
         cache = target.new_cache(context + max(rows) + 1)
         tokens = [0] * (context + 1)
         ctx = StepContext(tokens, target, cache, SamplingParams(), Mulberry32(0), cache.max_seq)
-        drafter, self.drafter = self.drafter, _Replay()
-        logprobs, self.logprobs = self.logprobs, None  # between two steps of a generation that asked for them
+        steps = self.steps
+        drafter, steps.drafter = steps.drafter, _Replay()
+        logprobs, steps.logprobs = steps.logprobs, None  # between two steps of a generation that asked for them
         try:
             target.forward(tokens[:-1], cache, 0, logits="none")
             target.gpu.wait_idle()  # else the first row count's first step would wait for this prefill too
@@ -648,14 +387,14 @@ class SpeculativeEngine:
                 best = float("inf")
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    self.step(ctx, n - 1)
+                    steps.step(ctx, n - 1)
                     best = min(best, time.perf_counter() - t0)
                     del tokens[context + 1 :]
                     cache.truncate(context)
                 if store:
                     self.policy.costs.verify[n] = best  # a deliberate measurement replaces what steps estimated
         finally:
-            self.drafter, self.logprobs = drafter, logprobs
+            steps.drafter, steps.logprobs = drafter, logprobs
             target.release_cache(cache)
 
     def close(self) -> None:
@@ -666,35 +405,9 @@ class SpeculativeEngine:
             self.warmup.cancel()
             self.warmup = None
         self.drafter.close()
-        for _, verifier in self._verifiers.values():
-            verifier.op.release(self.registry)
-        if self._logprob_op is not None:
-            self._logprob_op.release(self.registry)
-        self._tree_verify.release(self.registry)
-        self.registry.release_tensors(
-            self.spec_tokens,
-            self.randoms,
-            self.result,
-            self.batch_randoms,
-            self.batch_out,
-            self.tree_result,
-            self.feature_scratch,
-        )
+        self.steps.close()
         self.clock.close()
         self.closed = True
-
-
-@dataclass(frozen=True)
-class _Verifier:
-    op: SpecVerify
-    onehot: bool
-
-    def record(self, rec: Recorder, n: int, params: SamplingParams) -> None:
-        options = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        if n == 0:
-            self.op.record_plain(rec, **options)
-        else:
-            self.op.record(rec, k=n, onehot=self.onehot, **options)
 
 
 class _NoDrafter(NoOpHooks):
@@ -728,18 +441,4 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the context of {context} "
             f"tokens; at most {max(0, context - prompt_tokens)} new tokens fit after this prompt",
             advice="shorten the prompt or max_tokens, or load the model with a larger max_seq",
-        )
-
-
-def check_status(status: int, pos: int, n_draft: int) -> None:
-    """Raise `NumericalError` for the NaN/inf bits of a verification's status word (positions pos..pos+n_draft)."""
-    if status & STATUS_TARGET_NONFINITE:
-        raise NumericalError(
-            f"the target model produced NaN/inf logits at positions {pos}..{pos + n_draft}",
-            advice="its weights or activations overflow: check the model file, or load it with weights='f32'",
-        )
-    if status & STATUS_DRAFT_NONFINITE:
-        raise NumericalError(
-            f"the draft model produced NaN/inf logits at positions {pos}..{pos + n_draft - 1}",
-            advice="check the draft model file, or load it with f32 weights, or use another speculative mode",
         )

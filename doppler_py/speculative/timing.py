@@ -64,12 +64,15 @@ class StepClock:
     def drafted(self) -> None:
         self._marks.append(time.perf_counter())
 
-    def stamp_verify(self, rec: Recorder, done: bool) -> None:
-        """The verification's first (done=False) and last (done=True) commands."""
-        if not self._stamping:
-            return
-        rec.write_timestamp(self._query_set, 2 if done else 1)
-        if done:
+    def verify_begins(self, rec: Recorder) -> None:
+        """Before the verification's first command (`step.StepMarks`)."""
+        if self._stamping:
+            rec.write_timestamp(self._query_set, 1)
+
+    def verify_ends(self, rec: Recorder) -> None:
+        """After the verification's last command."""
+        if self._stamping:
+            rec.write_timestamp(self._query_set, 2)
             rec.resolve_timestamps(self._query_set, _STAMPS, self._resolved)
 
     def stop(self) -> StepTimes:

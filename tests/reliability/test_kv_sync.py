@@ -56,9 +56,9 @@ def make_drafter(name: str, models):
 
 
 def checked_steps(engine: SpeculativeEngine, vocab: int, log: list[int]):
-    """Wrap the engine's step and its batch of plain steps so the caches are checked after every one (log:
-    committed tokens after each)."""
-    step, plain_batch = engine.step, engine.plain_batch
+    """Wrap the engine's step (plain steps batched in one submit too) so the caches are checked after every one
+    (log: committed tokens after each)."""
+    step = engine.steps.step
 
     def check(ctx, new):
         committed = len(ctx.tokens)
@@ -69,17 +69,12 @@ def checked_steps(engine: SpeculativeEngine, vocab: int, log: list[int]):
         assert all(0 <= t < vocab for t in new)
         log.append(committed)
 
-    def run(ctx, k):
-        outcome = step(ctx, k)
+    def run(ctx, k, **options):
+        outcome = step(ctx, k, **options)
         check(ctx, outcome.new)
         return outcome
 
-    def run_batch(ctx, n):
-        new = plain_batch(ctx, n)
-        check(ctx, new)
-        return new
-
-    engine.step, engine.plain_batch = run, run_batch
+    engine.steps.step = run
 
 
 PROMPTS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24).map(

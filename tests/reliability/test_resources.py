@@ -22,7 +22,8 @@ from wgpu.backends.wgpu_native import GPUBuffer, GPUDevice
 
 import doppler_py
 from doppler_py.errors import DeviceLimitError, DopplerError, VocabularyMismatchError
-from doppler_py.speculative.engine import MAX_PLAIN_BATCH, SpeculativeEngine
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.step import MAX_PLAIN_STEPS
 from doppler_py.testing.tiny import TinySpec, write_tiny_model
 
 MODES = [None, "prompt-lookup", "layer-skip"]
@@ -68,7 +69,7 @@ def full_plain_batches(monkeypatch):
     """Plain batches as large as allowed whatever the machine's speed: memory is flat once the largest batch
     has run (its per-step uniform copies are made once per batch size and kept), and it must run first."""
     monkeypatch.setattr(
-        SpeculativeEngine, "_batch_size", lambda self, remaining, first: 1 if first else min(remaining, MAX_PLAIN_BATCH)
+        SpeculativeEngine, "_batch_size", lambda self, remaining, first: 1 if first else min(remaining, MAX_PLAIN_STEPS)
     )
 
 
@@ -78,7 +79,7 @@ def exercise(engine, tokens: int = 8, *, full_batches: bool = False) -> None:
     for mode in MODES:
         engine.generate(GOOD_PROMPT, max_tokens=tokens, speculative=mode, k=3 if mode else None)
     if full_batches:
-        engine.generate(GOOD_PROMPT, max_tokens=2 + MAX_PLAIN_BATCH)
+        engine.generate(GOOD_PROMPT, max_tokens=2 + MAX_PLAIN_STEPS)
 
 
 def test_close_destroys_every_buffer_the_engine_made(tiny_dir, gpu, ledger, request):

@@ -1,5 +1,5 @@
 """Plain decoding in batches: several steps per submit, each step's token (chosen on the GPU) fed to the next
-step on the GPU, the tokens read back once per batch (`SpeculativeEngine.plain_batch`). Tokens must be those of
+step on the GPU, the tokens read back once per batch (`Stepper.step` with plain_steps). Tokens must be those of
 one step per submit, for greedy and seeded sampling, whatever the batch size, with stop tokens inside a batch."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import pytest
 from support.decode import reference_decode
 
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.engine import MAX_PLAIN_BATCH, SpeculativeEngine
+from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
+from doppler_py.speculative.step import MAX_PLAIN_STEPS
 
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 5, 9, 1, 30, 3, 17]
 PARAMS = {
@@ -33,7 +34,7 @@ def batched(target, params, new_tokens, batch, stop_ids=()):
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
-@pytest.mark.parametrize("batch", [2, 5, MAX_PLAIN_BATCH])
+@pytest.mark.parametrize("batch", [2, 5, MAX_PLAIN_STEPS])
 def test_batched_plain_steps_give_the_tokens_of_single_steps(models, params, batch):
     expected = reference_decode(models["target"], PROMPT, 37, PARAMS[params])
     tokens, stats = batched(models["target"], PARAMS[params], 37, batch)
@@ -57,12 +58,12 @@ def test_the_batch_size_follows_the_measured_step_cost(models):
         engine._plain_token_s = 0.2 / 3
         assert engine._batch_size(100, first=False) == 3
         engine._plain_token_s = 1e-6
-        assert engine._batch_size(100, first=False) == MAX_PLAIN_BATCH
+        assert engine._batch_size(100, first=False) == MAX_PLAIN_STEPS
         assert engine._batch_size(4, first=False) == 4
-        engine.logprobs = 2  # log-probs are read per step
+        engine.steps.logprobs = 2  # log-probs are read per step
         assert engine._batch_size(100, first=False) == 1
     finally:
-        engine.logprobs = None
+        engine.steps.logprobs = None
         engine.close()
 
 

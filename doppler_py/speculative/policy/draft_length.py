@@ -36,8 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from doppler_py.errors import GenerationOptionError
+
+if TYPE_CHECKING:
+    from doppler_py.speculative.contract import Proposal
 
 START_K = 4  # the first draft length of an unpinned generation
 K_CEILING = 8  # an unpinned k never grows past this (nor past the engine's capacity)
@@ -299,6 +303,16 @@ class DraftLengthPolicy:
         if plain is None or verify is None or self.tokens_per_step is None:
             return None
         return self.tokens_per_step * plain / (verify + self.k * (self.costs.draft_per_token or 0.0))
+
+    def trim(self, proposal: Proposal) -> Proposal:
+        """The leading nodes of a valued proposal worth verifying, by this device's verification costs and the
+        drafter's values (`tree_budget`); the whole proposal with a pinned k or in a seeded sampled generation (its
+        tokens must not depend on timing). A GPU chain valued by the drafter's confidence may be cut to nothing (a
+        plain step) where even its first draft is unlikely to pay."""
+        if proposal.values is None or not (self.adaptive and self.cost_aware):
+            return proposal
+        least = 0 if proposal.on_gpu and proposal.parents is None else 1
+        return proposal.leading(tree_budget(proposal.values, self.costs, least))
 
     def should_speculate(self) -> bool:
         """The `auto` decision: speculate unless measured costs and acceptance predict a slowdown."""

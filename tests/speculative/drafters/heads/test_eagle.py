@@ -168,7 +168,7 @@ def test_a_tree_steps_compaction_moves_the_tapped_layers_rows_with_the_final_one
     for b, buffer in enumerate(buffers):
         buffer.view((8, h)).write(rows + 1000 * b)
     rec = target.registry.recorder()
-    engine._compact_features(rec, [(3, 1), (5, 2)])
+    engine.steps.move_feature_rows(rec, [(3, 1), (5, 2)])
     rec.submit()
     for b, buffer in enumerate(buffers):
         got = buffer.view((8, h)).numpy()
@@ -196,10 +196,13 @@ def test_plain_steps_batched_while_speculation_pauses_keep_every_feature_for_the
             policy.pause_steps = 5
 
         engine.policy.observe = pause_after_each_step
-        plain_batch = engine.plain_batch
-        engine.plain_batch = lambda ctx, n, plain_batch=plain_batch, batches=batches: (
-            batches.append(n) or plain_batch(ctx, n)
-        )
+
+        def counted(ctx, k, step=engine.steps.step, batches=batches, plain_steps=1, **options):
+            if plain_steps > 1:
+                batches.append(plain_steps)
+            return step(ctx, k, plain_steps=plain_steps, **options)
+
+        engine.steps.step = counted
         if not batched:
             engine._paused_batch = lambda remaining: 1
         result = engine.generate(prompt, 40, GREEDY, k=3)

@@ -90,10 +90,10 @@ def test_greedy_medusa_trees_equal_plain_greedy(models, heads, heads_dir, k):
 
 def test_an_unpinned_tree_verifies_the_node_budget_the_policy_chooses(models, heads, heads_dir, monkeypatch):
     """The engine cuts a best-first tree to `policy.tree_budget`'s leading nodes unless k is pinned."""
-    import doppler_py.speculative.engine as engine_module
+    import doppler_py.speculative.policy.draft_length as policy_module
 
     asked = []
-    monkeypatch.setattr(engine_module, "tree_budget", lambda values, costs, least=1: asked.append(len(values)) or 2)
+    monkeypatch.setattr(policy_module, "tree_budget", lambda values, costs, least=1: asked.append(len(values)) or 2)
     target = models["target"]
     drafter = MedusaDrafter(target, heads)
     drafter.branches = drafter.tree_branches

@@ -174,10 +174,10 @@ def test_prev_slots_are_the_target_choices_before_each_position():
 
 
 def test_unpinned_the_confidence_head_decides_how_much_is_verified(models, block, block_dir, monkeypatch):
-    import doppler_py.speculative.engine as engine_module
+    import doppler_py.speculative.policy.draft_length as policy_module
 
     asked = []
-    monkeypatch.setattr(engine_module, "tree_budget", lambda values, costs, least=1: asked.append(list(values)) or 1)
+    monkeypatch.setattr(policy_module, "tree_budget", lambda values, costs, least=1: asked.append(list(values)) or 1)
     target = models["target"]
     engine = SpeculativeEngine(target, SparkDrafter(target, block))
     engine.policy.costs.verify.update({1: 1.0e-3, 17: 1.0e-3})

@@ -1,0 +1,354 @@
+"""The speculative step: propose → verify → commit, one body for chains, token trees and plain steps.
+
+    proposal = drafter.propose(ctx, k), trimmed by the policy       d_0..d_{n-1}: host ids or a GPU buffer
+    target.forward([last, d_0..d_{n-1}], pos=m) → logits [n+1, V]    ONE command encoder, T = n + 1 rows
+    verify on the GPU → accepted, the target's own token, a status   ONE small readback
+    cache truncated to the committed tokens (a tree's accepted path's K/V moved into place first); the drafter
+    rolls itself back (`Drafter.commit`)
+
+m is the last committed token's position. A chain is verified by `ops.speculative` (u < p(d)/q(d) with p and q
+at the same temperature/top-k/top-p, a rejection sampling the residual max(0, p − q), full acceptance the bonus
+token from p's last row; temperature 0 reduces to "accept while equal to the target's argmax"); a tree by
+`ops.tree_verify` (each row sees the cache and its own ancestors; greedy, or recursive rejection over each row's
+children, one uniform per node then the final draw). Either way the output is distributed exactly as the
+target's own sampling and, greedy, equals plain decoding. A plain step is the same step with n = 0: the
+verifier samples row 0 exactly as the sampler contract says (`doppler_py.testing.sampling_reference`) — the
+only way a target token is chosen. Several plain steps may share one submit (`plain_steps`): each one's token
+is copied on the GPU into the next one's input, and all come back in one readback.
+
+Random numbers come from the generation's seeded mulberry32 stream in a fixed order: one per GPU-sampled draft
+token while drafting (the drafter draws them), then the verification's (a chain: n accept draws and the final
+draw; a sampled tree: one per node and the final draw; a plain step: one). The same seed gives the same tokens.
+
+The step has no clock: `StepMarks` lets whoever wraps it (the engine's timing, `timing.StepClock`) mark the end
+of drafting and the verification's first and last GPU commands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from doppler_py.errors import GenerationOptionError, InternalError, NumericalError
+from doppler_py.gpu.kernels import Recorder
+from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.transformer import Transformer
+from doppler_py.ops.logprobs import LogProbs, TokenLogprob
+from doppler_py.ops.speculative import STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
+from doppler_py.ops.tree import MAX_TREE_ROWS, check_parents, compaction_moves, is_chain, layout_words
+from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, Proposal, StepContext
+from doppler_py.speculative.policy.draft_length import DraftLengthPolicy
+
+# Plain steps one submit may hold (`Stepper.step`'s plain_steps).
+MAX_PLAIN_STEPS = 16
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    new: list[int]  # the committed tokens: accepted drafts, then the target's own token (per plain step)
+    drafted: int
+    accepted: int
+    on_gpu: bool  # the drafts came from GPU work (else from the host)
+    tree: bool = False  # the drafts were a token tree
+    made: int = 0  # drafts made, verified or not (more than `drafted` where the policy trimmed the proposal)
+
+
+class StepMarks(Protocol):
+    """What a step tells whoever times it."""
+
+    def drafted(self) -> None:
+        """The proposal is made (its GPU work submitted, maybe not run)."""
+
+    def verify_begins(self, rec: Recorder) -> None:
+        """`rec` will hold the verification's commands: its first is next."""
+
+    def verify_ends(self, rec: Recorder) -> None:
+        """The verification's last command was recorded; `rec` is submitted next."""
+
+
+class _Unmarked:
+    def drafted(self) -> None:
+        pass
+
+    def verify_begins(self, rec: Recorder) -> None:
+        pass
+
+    def verify_ends(self, rec: Recorder) -> None:
+        pass
+
+
+UNMARKED = _Unmarked()
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """One verification's readback: the accepted drafts, the target's token after them, the NaN/inf status bits,
+    and (a tree) the rows of the accepted path."""
+
+    accepted: list[int]
+    token: int
+    status: int
+    path: list[int]
+
+
+class Stepper:
+    """The step for one target: its GPU buffers and verification ops, the drafter and the policy that trims
+    proposals. `capacity` bounds the drafts of one step."""
+
+    def __init__(self, target: Transformer, drafter: Drafter, policy: DraftLengthPolicy, capacity: int):
+        self.target, self.drafter, self.policy, self.capacity = target, drafter, policy, capacity
+        self.registry = target.registry
+        self.logprobs: int | None = None  # top alternatives per token while a generation asks for log-probs
+        self.last_logprobs: list[TokenLogprob] | None = None  # the last step's committed tokens' (None: not asked)
+        gpu = target.gpu
+        self.spec_tokens = Tensor.empty(gpu, capacity + 1, "u32", "spec_tokens")
+        self.randoms = Tensor.empty(gpu, 2 * capacity + 1, "f32", "spec_randoms")
+        self.result = Tensor.empty(gpu, capacity + 3, "u32", "spec_result")
+        # Plain steps: each one's random number, and its (token, status) pair.
+        self.plain_randoms = Tensor.empty(gpu, MAX_PLAIN_STEPS, "f32", "plain randoms")
+        self.plain_out = Tensor.empty(gpu, 2 * MAX_PLAIN_STEPS, "u32", "plain tokens")
+        # Made now, not at the first token tree: the policy may switch trees on mid-session, and a steady engine
+        # allocates nothing per generation (tests/reliability/test_resources.py).
+        self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
+        # Feature rows on their way into target.x and its taps (a copy may not read and write one buffer): a
+        # tree's accepted path's, to rows 1, 2, ...; plain steps', one per step, to rows 0..n-1. MAX_TREE_ROWS rows
+        # per feature buffer (`_scratch`).
+        self.feature_scratch = Tensor.empty(
+            gpu, (MAX_TREE_ROWS * len(target.feature_buffers), target.config.hidden_size), "f32", "feature rows"
+        )
+        vocab = target.config.vocab_size
+        self.tree_verify = TreeVerify(
+            self.registry, target.logits, self.spec_tokens, target.tree, self.randoms, self.tree_result, vocab=vocab
+        )
+        # One chain verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
+        self._verifiers: dict[int | None, tuple[Tensor | None, _ChainVerify]] = {}
+        self._logprob_op: LogProbs | None = None
+
+    def propose(self, ctx: StepContext, k: int) -> Proposal:
+        """The drafter's proposal of at most k tokens, trimmed to the nodes worth verifying."""
+        return self.policy.trim(self.drafter.propose(ctx, k)) if k else NO_PROPOSAL
+
+    def step(
+        self,
+        ctx: StepContext,
+        k: int,
+        *,
+        plain_steps: int = 1,
+        proposal: Proposal | None = None,
+        marks: StepMarks = UNMARKED,
+    ) -> StepOutcome:
+        """Draft at most k tokens (or verify `proposal`, made earlier for this ctx with this k), verify them with one
+        target forward on the GPU, commit what was accepted. `plain_steps` > 1 (with k = 0): that many plain steps
+        in one submit."""
+        proposal = self.propose(ctx, k) if proposal is None else proposal
+        n, tree = self._check(proposal, k, plain_steps)
+        marks.drafted()
+        target, cache, params = self.target, ctx.target_cache, ctx.params
+        pos, rows = len(ctx.tokens) - 1, n + 1
+        verifier = self.tree_verify if tree else self._verifier(proposal.draft_logits)
+        self._upload(ctx, proposal, tree, plain_steps)
+        rec = self.registry.recorder()
+        marks.verify_begins(rec)
+        if proposal.on_gpu:
+            rec.copy(proposal.tokens, self.spec_tokens, 4 * n, dst_offset=4)
+        rec.copy(self.spec_tokens, target.ids, 4 * rows)
+        for j in range(plain_steps):
+            if plain_steps > 1:  # per-step uniform slots; phase 0's would hold the last step's values
+                rec.phase = j + 1
+            if n == 0:
+                self._plain_inputs(rec, j)
+            target.record_forward(rec, rows, cache, pos + j, logits="all" if n else "last", tree=tree)
+            verifier.record(rec, rows, params)
+            if self.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
+                self._logprobs().record(rec, rows, params, self.logprobs)
+            if n == 0:
+                self._plain_outputs(rec, j, keep_features=plain_steps > 1)
+        if plain_steps > 1:
+            self._restore_features(rec, plain_steps)
+        marks.verify_ends(rec)
+        rec.submit()
+        verdicts = self._read(n, tree, plain_steps)
+        for j, verdict in enumerate(verdicts):
+            check_status(verdict.status, pos + j, n)
+        accepted = len(verdicts[0].accepted)
+        if self.logprobs is not None:
+            self.last_logprobs = self._logprobs().read(accepted + 1, self.logprobs)
+        if tree and compaction_moves(verdicts[0].path):
+            self._compact(ctx, pos, compaction_moves(verdicts[0].path))
+        new = [token for verdict in verdicts for token in (*verdict.accepted, verdict.token)]
+        cache.truncate(pos + len(new))  # rejected drafts' K/V stay behind the length, overwritten later
+        ctx.tokens.extend(new)
+        ctx.hidden_rows = len(new)  # the rows verified and kept: the root's and the accepted path's, or each step's
+        self.drafter.commit(ctx, accepted)
+        return StepOutcome(new, n, accepted, proposal.on_gpu, tree, proposal.drafts_made)
+
+    def _check(self, proposal: Proposal, k: int, plain_steps: int) -> tuple[int, bool]:
+        """The number of drafts and whether they are a tree, after refusing what the verification cannot take."""
+        n, name = proposal.count, self.drafter.name
+        if not 0 <= n <= k:
+            raise InternalError(f"drafter {name!r} proposed {n} tokens when asked for at most {k}")
+        if not 1 <= plain_steps <= MAX_PLAIN_STEPS or (plain_steps > 1 and (k or self.logprobs is not None)):
+            raise InternalError(f"{plain_steps} plain steps in one submit (k = {k}, log-probs {self.logprobs})")
+        if proposal.parents is None:
+            return n, False
+        check_parents(proposal.parents, n)
+        if is_chain(proposal.parents):
+            return n, False
+        if proposal.draft_logits is not None:
+            raise InternalError(f"drafter {name!r} proposed a tree with draft logits; tree nodes are deterministic")
+        if proposal.on_gpu:
+            raise InternalError(f"drafter {name!r} proposed a tree on the GPU; tree tokens come from the host")
+        if self.logprobs is not None:
+            raise GenerationOptionError(f"drafter {name!r} proposed a token tree; log-probs are not given for trees")
+        return n, True
+
+    def _upload(self, ctx: StepContext, proposal: Proposal, tree: bool, plain_steps: int) -> None:
+        """The last committed token and the host's drafts, a tree's layout, and the verification's random numbers
+        (drawn now, in the order the module docstring gives)."""
+        n = proposal.count
+        host_drafts = [] if proposal.on_gpu else list(proposal.tokens)
+        self.spec_tokens.view((1 + len(host_drafts),)).write(np.array([ctx.tokens[-1], *host_drafts], np.uint32))
+        if tree:
+            self.target.tree.view((n + 1, 2)).write(layout_words(proposal.parents))
+            if not ctx.params.greedy:
+                u = np.array([ctx.rng.random() for _ in range(random_words(n + 1))], np.float32)
+                self.randoms.view((u.size,)).write(u)
+        elif n:
+            u = np.array([ctx.rng.random() for _ in range(n + 1)], np.float32)  # after the drafts' own draws
+            self.randoms.view((n + 1,), offset_bytes=4 * n).write(u)
+        else:
+            u = np.array([ctx.rng.random() for _ in range(plain_steps)], np.float32)
+            self.plain_randoms.view((plain_steps,)).write(u)
+
+    def _plain_inputs(self, rec: Recorder, j: int) -> None:
+        """Plain step j's random number, and (after the first) its input: the token step j - 1 chose."""
+        if j:
+            rec.copy(self.result, self.target.ids, 4, src_offset=4)
+        rec.copy(self.plain_randoms, self.randoms, 4, src_offset=4 * j)
+
+    def _plain_outputs(self, rec: Recorder, j: int, *, keep_features: bool) -> None:
+        """Plain step j's (token, status), and with more steps to come its row of target.x and of its taps (the next
+        step's forward overwrites row 0)."""
+        rec.copy(self.result, self.plain_out, 8, src_offset=4, dst_offset=8 * j)
+        if keep_features:
+            row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
+            for b, buffer in enumerate(self.target.feature_buffers):
+                rec.copy(buffer, scratch, row_bytes, dst_offset=(b * MAX_TREE_ROWS + j) * row_bytes)
+
+    def _restore_features(self, rec: Recorder, plain_steps: int) -> None:
+        """Every plain step's feature rows back into target.x and its taps, as rows 0..plain_steps-1."""
+        row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
+        for b, buffer in enumerate(self.target.feature_buffers):
+            rec.copy(scratch, buffer, plain_steps * row_bytes, src_offset=b * MAX_TREE_ROWS * row_bytes)
+
+    def _read(self, n: int, tree: bool, plain_steps: int) -> list[_Verdict]:
+        """The step's one readback: a verdict per verification."""
+        queue = self.registry.gpu.queue
+        if n == 0:
+            out = np.frombuffer(queue.read_buffer(self.plain_out.buffer, 0, 8 * plain_steps), np.uint32).tolist()
+            return [_Verdict([], token, status, []) for token, status in zip(out[0::2], out[1::2], strict=True)]
+        if tree:
+            words = np.frombuffer(queue.read_buffer(self.tree_result.buffer, 0, 4 * result_words(n + 1)), np.uint32)
+            accepted, token, status, *path_words = words.tolist()
+            return [_Verdict(path_words[0 : 2 * accepted : 2], token, status, path_words[1 : 2 * accepted : 2])]
+        words = np.frombuffer(queue.read_buffer(self.result.buffer, 0, 4 * (3 + n)), np.uint32)
+        accepted, token, status, *drafts = words.tolist()
+        return [_Verdict(drafts[:accepted], token, status, [])]
+
+    def _compact(self, ctx: StepContext, pos: int, moves: list[tuple[int, int]]) -> None:
+        """Move a tree's accepted path's K/V rows and feature rows into place."""
+        rec = self.registry.recorder()
+        self.target.compact(rec, ctx.target_cache, pos, moves)
+        self.move_feature_rows(rec, moves)
+        rec.submit()
+
+    def move_feature_rows(self, rec: Recorder, moves: list[tuple[int, int]]) -> None:
+        """Rows of target.x (the final residual stream a head drafts from) and of its taps moved (src, dst), through
+        `feature_scratch`."""
+        row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
+        for b, features in enumerate(self.target.feature_buffers):
+            base = b * MAX_TREE_ROWS * row_bytes
+            for src, dst in moves:
+                rec.copy(features, scratch, row_bytes, src_offset=src * row_bytes, dst_offset=base + dst * row_bytes)
+            for _, dst in moves:
+                rec.copy(scratch, features, row_bytes, src_offset=base + dst * row_bytes, dst_offset=dst * row_bytes)
+
+    def _scratch(self) -> Tensor:
+        """`feature_scratch`, grown once if a drafter made since tapped more of the target's layers."""
+        rows = MAX_TREE_ROWS * len(self.target.feature_buffers)
+        if self.feature_scratch.shape[0] < rows:
+            self.registry.release_tensors(self.feature_scratch)
+            h = self.target.config.hidden_size
+            self.feature_scratch = Tensor.empty(self.target.gpu, (rows, h), "f32", "feature rows")
+        return self.feature_scratch
+
+    def _verifier(self, draft_logits: Tensor | None) -> _ChainVerify:
+        key = None if draft_logits is None else id(draft_logits.buffer)
+        if key not in self._verifiers:
+            op = SpecVerify(
+                self.registry,
+                self.target.logits,
+                draft_logits,
+                self.spec_tokens,
+                self.randoms,
+                self.result,
+                vocab=self.target.config.vocab_size,
+                max_k=self.capacity,
+            )
+            # The tensor is kept so that its buffer's id, the key, cannot be reused by another buffer.
+            self._verifiers[key] = (draft_logits, _ChainVerify(op, onehot=draft_logits is None))
+        return self._verifiers[key][1]
+
+    def _logprobs(self) -> LogProbs:
+        if self._logprob_op is None:
+            vocab, rows = self.target.config.vocab_size, self.capacity + 1
+            self._logprob_op = LogProbs(self.registry, self.target.logits, self.result, vocab=vocab, max_rows=rows)
+        return self._logprob_op
+
+    def close(self) -> None:
+        """Free the step's buffers and ops (the drafter is its owner's to close)."""
+        for _, verifier in self._verifiers.values():
+            verifier.op.release(self.registry)
+        if self._logprob_op is not None:
+            self._logprob_op.release(self.registry)
+        self.tree_verify.release(self.registry)
+        self.registry.release_tensors(
+            self.spec_tokens,
+            self.randoms,
+            self.result,
+            self.plain_randoms,
+            self.plain_out,
+            self.tree_result,
+            self.feature_scratch,
+        )
+
+
+@dataclass(frozen=True)
+class _ChainVerify:
+    op: SpecVerify
+    onehot: bool
+
+    def record(self, rec: Recorder, rows: int, params: SamplingParams) -> None:
+        options = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        if rows == 1:
+            self.op.record_plain(rec, **options)
+        else:
+            self.op.record(rec, k=rows - 1, onehot=self.onehot, **options)
+
+
+def check_status(status: int, pos: int, n_draft: int) -> None:
+    """Raise `NumericalError` for the NaN/inf bits of a verification's status word (positions pos..pos+n_draft)."""
+    if status & STATUS_TARGET_NONFINITE:
+        raise NumericalError(
+            f"the target model produced NaN/inf logits at positions {pos}..{pos + n_draft}",
+            advice="its weights or activations overflow: check the model file, or load it with weights='f32'",
+        )
+    if status & STATUS_DRAFT_NONFINITE:
+        raise NumericalError(
+            f"the draft model produced NaN/inf logits at positions {pos}..{pos + n_draft - 1}",
+            advice="check the draft model file, or load it with f32 weights, or use another speculative mode",
+        )
