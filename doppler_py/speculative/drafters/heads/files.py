@@ -105,6 +105,16 @@ def read_tensors(path: Path, shapes: dict[str, tuple[int, ...]], vocab: int) -> 
     return tensors
 
 
+def require_shapes(path: Path, tensors: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse `tensors` (read from `path`) unless each of `shapes` is there with its shape: the tensors whose
+    shapes depend on the draft vocabulary's size, known only once `read_tensors` has read draft_to_target."""
+    for name, shape in shapes.items():
+        if name not in tensors or tensors[name].shape != shape:
+            raise ModelFormatError(
+                f"{path}: tensor {name} must have shape {shape}, got {getattr(tensors.get(name), 'shape', None)}"
+            )
+
+
 def dense_format(precision: str, stored: np.dtype) -> str:
     """The format of a head's small matrices: f16 for the target's compact formats (block formats would cost
     more than they save at these sizes), f32 for f32; "keep": as the head stores them."""

@@ -5,7 +5,7 @@ are worth verifying.
 With h = final_norm(f), f the target's final residual stream at the last row it verified (whose logits gave the
 last committed token t), position i (0..K-1) proposes the token i + 1 places after t:
 
-    y_i = h + silu(W_i·h + b_i)                  a ResBlock per position (Medusa's; zero-initialised in training)
+    y_i = h + silu(W_i·h + b_i)                  a ResBlock per position (Medusa's: `resblock`; zero-initialised)
     z_i = lm_head(y_i) + P·E[prev_i]             over a reduced draft vocabulary of N tokens; prev_0 = t and
                                                  prev_i = d_{i-1}: a rank-r bias from the token before it
     c_i = sigmoid(C_i·h + cb_i)                  the chance that d_i is accepted once d_0..d_{i-1} were
@@ -36,13 +36,11 @@ from doppler_py.errors import ModelFormatError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.transformer import Transformer
-from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.embedding import Embedding
-from doppler_py.ops.linear import InputNorm, Linear, compile_rows
-from doppler_py.ops.vocab_scatter import VocabScatter
-from doppler_py.speculative.contract import NO_PROPOSAL, NoOpHooks, Proposal, StepContext
-from doppler_py.speculative.drafters.gpu_drafting import DraftSampler
-from doppler_py.speculative.drafters.heads.files import dense_format, read_meta, read_tensors
+from doppler_py.ops.linear import Linear
+from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
+from doppler_py.speculative.drafters.heads.files import dense_format, read_meta, require_shapes
+from doppler_py.speculative.drafters.heads.resblock import ResBlockDrafter, ResBlocks, read_resblocks, upload_resblocks
 from doppler_py.tokenizer import Tokenizer
 
 
@@ -51,20 +49,16 @@ class SparkHead:
     """A spark head folder loaded on the GPU for one target."""
 
     folder: Path
-    block: int
-    gate_up: Weight  # [2KH, H]: the K ResBlock matrices, then K·H zero rows (SwiGLU's "up" half, bias one)
-    gate_up_bias: Tensor  # [2KH]
-    lm_head: Weight  # [N, H]
+    blocks: ResBlocks  # one per block position
     prev_embed: Weight  # [V_target, r]: prev.embed's row for each target id (its draft slot, or row N)
     prev_proj: Weight  # [N, r]
     confidence: Weight  # [K, H]
     confidence_bias: Tensor  # [K]
-    draft_to_target: np.ndarray
 
     def close(self) -> None:
-        for weight in (self.gate_up, self.lm_head, self.prev_embed, self.prev_proj, self.confidence):
+        self.blocks.close()
+        for weight in (self.prev_embed, self.prev_proj, self.confidence):
             weight.destroy()
-        self.gate_up_bias.destroy()
         self.confidence_bias.destroy()
 
 
@@ -82,25 +76,12 @@ def load_spark(
             raise ModelFormatError(f"{folder / 'spark.json'}: {name!r} must be a positive integer, got {value!r}")
     if rank % 32:  # the matmul kernels' blocks along K
         raise ModelFormatError(f"{folder / 'spark.json'}: 'rank' must be a multiple of 32, got {rank}")
-    shapes = {
-        "resblock.weight": (block, h, h),
-        "resblock.bias": (block, h),
-        "confidence.weight": (block, h),
-        "confidence.bias": (block,),
-    }
-    tensors = read_tensors(path, shapes, vocab)
-    draft_to_target = tensors["draft_to_target"].astype(np.int64)
-    n = draft_to_target.size
-    for name, shape in (("lm_head.weight", (n, h)), ("prev.embed", (n + 1, rank)), ("prev.proj", (n, rank))):
-        if name not in tensors or tensors[name].shape != shape:
-            raise ModelFormatError(
-                f"{path}: tensor {name} must have shape {shape}, got {getattr(tensors.get(name), 'shape', None)}"
-            )
+    tensors = read_resblocks(path, block, target, {"confidence.weight": (block, h), "confidence.bias": (block,)})
+    n = tensors["draft_to_target"].size
+    require_shapes(path, tensors, {"prev.embed": (n + 1, rank), "prev.proj": (n, rank)})
     fmt = dense_format(precision, tensors["lm_head.weight"].dtype)
     slots = np.full(vocab, n, np.int64)
-    slots[draft_to_target] = np.arange(n)
-    gate_up = np.concatenate([tensors["resblock.weight"].reshape(block * h, h), np.zeros((block * h, h))])
-    bias = np.concatenate([tensors["resblock.bias"].reshape(-1), np.ones(block * h)]).astype(np.float32)
+    slots[tensors["draft_to_target"]] = np.arange(n)
     gpu = target.gpu
 
     def dense(name: str, array: np.ndarray) -> Weight:
@@ -108,76 +89,48 @@ def load_spark(
 
     return SparkHead(
         folder=folder,
-        block=block,
-        gate_up=dense("resblocks", gate_up),
-        gate_up_bias=Tensor.from_numpy(gpu, bias, "f32", "spark resblock bias"),
-        lm_head=dense("lm_head", tensors["lm_head.weight"]),
+        blocks=upload_resblocks(target, tensors, fmt, "spark"),
         prev_embed=dense("prev.embed", tensors["prev.embed"].astype(np.float32)[slots]),
         prev_proj=dense("prev.proj", tensors["prev.proj"]),
         confidence=dense("confidence", tensors["confidence.weight"]),
         confidence_bias=Tensor.from_numpy(gpu, tensors["confidence.bias"].astype(np.float32), "f32", "spark cb"),
-        draft_to_target=draft_to_target,
     )
 
 
-class SparkDrafter(NoOpHooks):
+class SparkDrafter(ResBlockDrafter):
     """Drafts a block of up to K tokens with a `SparkHead` (see the module docstring)."""
 
     name = "spark"
 
     def __init__(self, target: Transformer, head: SparkHead):
-        self.target, self.head = target, head
-        registry, gpu, cfg = target.registry, target.gpu, target.config
-        k, h, n = head.block, cfg.hidden_size, head.draft_to_target.size
-        rank = head.prev_proj.shape[1]
-        self.features = Tensor.empty(gpu, (k, h), "f32", "spark features")  # f of the verified row, K times
-        self.gate_up_out = Tensor.empty(gpu, (1, 2 * k * h), "f32", "spark gate_up")
-        self.act = Tensor.empty(gpu, (k, h), "f32", "spark silu")
-        self.logits = Tensor.empty(gpu, (k, n), "f32", "spark logits")
+        super().__init__(target, head.blocks)
+        self.head = head
+        registry, gpu = target.registry, target.gpu
+        k, rank = head.blocks.count, head.prev_proj.shape[1]
         self.conf = Tensor.empty(gpu, (1, k), "f32", "spark confidence logits")
-        self.row = Tensor.empty(gpu, (1, n), "f32", "spark row")
         self.prev = Tensor.empty(gpu, 1, "u32", "spark previous token")
         self.prev_vec = Tensor.empty(gpu, (1, rank), "f32", "spark previous-token vector")
-        self.scratch = Tensor.empty(gpu, (k, h), "f32", "spark norm scratch")
-        norm = InputNorm(target.weights.norm, cfg.rms_norm_eps, self.scratch)
-        self.resblocks = Linear(
-            registry, head.gate_up, self.features, self.gate_up_out, max_rows=1, bias=head.gate_up_bias, norm=norm
-        )
-        self.silu = SwiGLU(registry, self.gate_up_out, self.act, ffn_dim=k * h, max_rows=1)
-        self.lm_act = Linear(registry, head.lm_head, self.act, self.logits, max_rows=k)
-        self.lm_h = Linear(registry, head.lm_head, self.features, self.logits, max_rows=k, accumulate=True, norm=norm)
         self.confidence = Linear(
-            registry, head.confidence, self.features, self.conf, max_rows=1, bias=head.confidence_bias, norm=norm
+            registry, head.confidence, self.features, self.conf, max_rows=1, bias=head.confidence_bias, norm=self.norm
         )
         self.gather = Embedding(registry, head.prev_embed, self.prev, self.prev_vec, max_rows=1)
         self.bias = Linear(registry, head.prev_proj, self.prev_vec, self.row, max_rows=1, accumulate=True)
-        self.sampling = DraftSampler(target, cfg.vocab_size)
-        self.scatter = VocabScatter(registry, self.row, head.draft_to_target, self.sampling.row)
 
-    def compile(self) -> None:
-        """Compile the heads' matmul pipelines ahead of use (`compile_rows`): the engine runs it beside its own
-        warm-up; on first use with `--weights keep` they compiled mid-generation (4-5 pipelines on lavapipe)."""
-        compile_rows((self.resblocks, self.lm_act, self.lm_h, self.confidence, self.bias))
+    def matmuls(self) -> tuple[Linear, ...]:
+        return (*super().matmuls(), self.confidence, self.bias)
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
-        depth = min(k, self.head.block, self.sampling.max_drafts)
+        depth = min(k, self.blocks.count, self.sampling.max_drafts)
         if ctx.hidden_rows == 0 or depth == 0:
             return NO_PROPOSAL
-        h, n = self.target.config.hidden_size, self.head.draft_to_target.size
         rec = self.target.registry.recorder()
-        last = (ctx.hidden_rows - 1) * h * 4
-        for i in range(depth):  # the verified row, once per position (the LM head's h term reads one per row)
-            rec.copy(ctx.hidden, self.features, h * 4, src_offset=last, dst_offset=i * h * 4)
         self.prev.write(np.array([ctx.tokens[-1]], np.uint32))
-        self.resblocks.record(rec, rows=1)  # matmul: [W_i·h + b_i | 1] for every position
-        self.silu.record(rec, rows=1)
-        self.lm_act.record(rec, rows=depth)  # LM·silu_i
-        self.lm_h.record(rec, rows=depth)  # += LM·h
+        self.record_resblocks(rec, ctx, depth)  # LM·(h + silu(W_i·h + b_i)) for every position
         self.confidence.record(rec, rows=1)  # C·h + cb
         for i in range(depth):
             if i > 0:
                 rec = self.target.registry.recorder()
-            rec.copy(self.logits, self.row, n * 4, src_offset=i * n * 4)
+            self.record_row(rec, i)
             self.gather.record(rec, rows=1)  # E[prev_i]
             self.bias.record(rec, rows=1)  # z_i += P·E[prev_i]
             self.scatter.record(rec)
@@ -189,17 +142,5 @@ class SparkDrafter(NoOpHooks):
         return Proposal(depth, self.sampling.tokens, self.sampling.logits, values=values)
 
     def close(self) -> None:
-        registry = self.target.registry
-        self.scatter.release(registry)
-        self.sampling.close()
-        registry.release_tensors(
-            self.features,
-            self.gate_up_out,
-            self.act,
-            self.logits,
-            self.conf,
-            self.row,
-            self.prev,
-            self.prev_vec,
-            self.scratch,
-        )
+        super().close()
+        self.target.registry.release_tensors(self.conf, self.prev, self.prev_vec)
