@@ -250,6 +250,19 @@ class Corpus:
     def tokens(self) -> int:
         return int(sum(len(s) for s in self.sequences))
 
+    def draft_rows(self):
+        """The target's output rows of the draft vocabulary [N, H]: where a head's LM head starts."""
+        import torch
+
+        return self.hf.get_output_embeddings().weight.detach()[torch.tensor(self.draft_ids)]
+
+    def normed(self, i: int):
+        """h = final_norm(f) of sequence i [T, H], what Medusa and spark heads read (no gradient)."""
+        import torch
+
+        with torch.no_grad():
+            return self.hf.model.norm(self.data[i][0])
+
     def answer_positions(self, i: int, length: int):
         """Of positions p = 0..length-1 of sequence i, those where the next token is part of the answer (bool):
         the positions drafting happens at."""
@@ -366,10 +379,10 @@ def split(n: int, holdout: float) -> tuple[list[int], list[int]]:
 
 def train_loop(
     head, sequence_loss: Callable[[int], object], corpus: Corpus, checkpoint: Path, options: TrainOptions, say
-) -> tuple[int, list[float], float]:
+) -> tuple[int, list[float]]:
     """AdamW with a cosine schedule over `options.steps`, `sequences_per_step` training sequences a step;
-    resumes from `checkpoint` (when made for the same draft vocabulary). Returns (steps, losses, seconds of
-    training over all runs that built the checkpoint)."""
+    resumes from `checkpoint` (when made for the same draft vocabulary). Returns (steps, losses); the seconds of
+    training over all runs that built the checkpoint go to the corpus's stage times as train_s."""
     import torch
 
     opt = torch.optim.AdamW(head.parameters(), lr=options.lr)
@@ -401,7 +414,8 @@ def train_loop(
             seconds = earlier_s + time.perf_counter() - t0
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "losses": losses,
                         "draft_ids": corpus.draft_ids, "seconds": seconds}, checkpoint)  # fmt: skip
-    return step, losses, earlier_s + time.perf_counter() - t0
+    corpus.times["train_s"] = earlier_s + time.perf_counter() - t0
+    return step, losses
 
 
 def card(kind: str, model, options: TrainOptions, corpus: Corpus, steps: int, losses: list[float], **extra) -> dict:

@@ -163,8 +163,7 @@ def train(
     head, stats, sequence_loss = new_head(corpus, options, start)
     embed = hf.get_input_embeddings().weight.detach()
     checkpoint = Path(work) / ("eagle.pt" if start is None else f"eagle-from-{Path(options.init_from).name}.pt")
-    steps, losses, seconds = train_loop(head, sequence_loss, corpus, checkpoint, options, say)
-    corpus.times["train_s"] = seconds
+    steps, losses = train_loop(head, sequence_loss, corpus, checkpoint, options, say)
     top1 = {name: top1_agreement(head, corpus, which, embed, stats) for name, which in
             (("held_in_top1", corpus.train), ("validation_top1", corpus.valid))}  # fmt: skip
     chains = chain_acceptance(head, corpus, corpus.valid, embed, stats, CHAIN_K)
@@ -209,7 +208,7 @@ def new_head(corpus, options: TrainOptions, start=None):
 
     hf, data, sequences, to_draft = corpus.hf, corpus.data, corpus.sequences, corpus.to_draft
     embed = hf.get_input_embeddings().weight.detach()
-    draft_rows = hf.get_output_embeddings().weight.detach()[torch.tensor(corpus.draft_ids)]
+    draft_rows = corpus.draft_rows()
     if start is not None:
         head, stats = start[0].train(), start[1]
     else:

@@ -14,7 +14,6 @@ head from the target's output rows of the draft vocabulary.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,24 +22,23 @@ import numpy as np
 
 from doppler_py.speculative.drafters.heads.files import made_for
 from doppler_py.training.data import TrainOptions, card, prepare, train_loop
+from doppler_py.training.resblock import export_folder, import_folder, resblock_module
 
 CONFIDENCE_WEIGHT = 1.0  # of the confidence head's loss beside the drafts'
 
 
 class SparkModule:
-    """The block drafter in torch, mirroring `speculative.drafters.heads.spark` (built lazily: torch stays optional)."""
+    """The block drafter in torch, mirroring `speculative.drafters.heads.spark`: `resblock_module`'s ResBlocks and
+    LM head (`lm_head` [N, H]: its first rows), the previous-token bias and the confidence head."""
 
-    def __new__(cls, hidden: int, block: int, draft_vocab: int, rank: int):
+    def __new__(cls, block: int, lm_head, rank: int):
         import torch
-        import torch.nn.functional as F
         from torch import nn
 
-        class Block(nn.Module):
+        class Block(resblock_module()):
             def __init__(self):
-                super().__init__()
-                self.resblock_weight = nn.Parameter(torch.zeros(block, hidden, hidden))
-                self.resblock_bias = nn.Parameter(torch.zeros(block, hidden))
-                self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+                super().__init__(block, lm_head)
+                draft_vocab, hidden = lm_head.shape
                 self.prev_embed = nn.Parameter(torch.randn(draft_vocab + 1, rank) * 0.1)
                 self.prev_proj = nn.Parameter(torch.zeros(draft_vocab, rank))
                 self.confidence = nn.Linear(hidden, block)
@@ -48,9 +46,16 @@ class SparkModule:
                 nn.init.zeros_(self.confidence.bias)
 
             def forward(self, h, prev_slots):  # h [T, H], prev_slots [K, T] -> logits [K, T, N], conf [T, K]
-                gate = torch.einsum("koh,th->kto", self.resblock_weight, h) + self.resblock_bias[:, None, :]
-                logits = self.lm_head(h[None] + F.silu(gate))
+                logits = super().forward(h)
                 return logits + self.prev_embed[prev_slots] @ self.prev_proj.T, self.confidence(h)
+
+            def tensors(self) -> dict:
+                return super().tensors() | {
+                    "prev.embed": self.prev_embed,
+                    "prev.proj": self.prev_proj,
+                    "confidence.weight": self.confidence.weight,
+                    "confidence.bias": self.confidence.bias,
+                }
 
         return Block()
 
@@ -82,47 +87,45 @@ def train(
 
     options = options or TrainOptions()
     corpus = prepare(model, Path(work), options, say)
-    hf, data, to_draft, k = corpus.hf, corpus.data, corpus.to_draft, options.spark_block
-    final_norm = hf.model.norm
-    head = SparkModule(hf.config.hidden_size, k, len(corpus.draft_ids), options.spark_rank)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(hf.get_output_embeddings().weight.detach()[torch.tensor(corpus.draft_ids)])
-
-    def normed(i: int):
-        with torch.no_grad():
-            return final_norm(data[i][0])
+    k = options.spark_block
+    head = SparkModule(k, corpus.draft_rows(), options.spark_rank)
 
     def sequence_loss(i: int):
-        argmax = data[i][1]
-        logits, conf = head(normed(i), prev_slots(corpus, argmax, k))
+        argmax = corpus.data[i][1]
+        logits, conf = head(corpus.normed(i), prev_slots(corpus, argmax, k))
         loss = torch.zeros(())
         for j in range(k):  # position j at p: the target's choice at p + j + 1
             if argmax.numel() > j + 1:
-                labels = to_draft[argmax[j + 1 :]]
+                labels = corpus.to_draft[argmax[j + 1 :]]
                 rows = logits[j, : -(j + 1)]
                 loss = loss + options.unroll_weight**j * F.cross_entropy(rows, labels, ignore_index=-100)
                 right = (rows.argmax(-1) == labels).float().detach()
                 loss = loss + CONFIDENCE_WEIGHT * F.binary_cross_entropy_with_logits(conf[: -(j + 1), j], right)
         return loss
 
-    steps, losses, seconds = train_loop(head, sequence_loss, corpus, Path(work) / "spark.pt", options, say)
-    corpus.times["train_s"] = seconds
+    steps, losses = train_loop(head, sequence_loss, corpus, Path(work) / "spark.pt", options, say)
     figures = {
-        "held_in": block_figures(block_evidence(head, corpus, corpus.train, normed, k)),
-        "validation": block_figures(block_evidence(head, corpus, corpus.valid, normed, k)),
+        "held_in": block_figures(block_evidence(head, corpus, corpus.train, k)),
+        "validation": block_figures(block_evidence(head, corpus, corpus.valid, k)),
     }
     extra = {f"{split}_{name}": value for split, named in figures.items() for name, value in named.items()}
     started = time.perf_counter()
-    extra |= calibrate(head, corpus, normed, k)
+    extra |= calibrate(head, corpus, k)
     corpus.times["calibrate_s"] = time.perf_counter() - started
     record = card("spark", model, options, corpus, steps, losses, **extra)
-    export(head, hf.config, k, options.spark_rank, corpus.draft_ids, Path(out), record, corpus.tokenizer,
-           np.dtype(options.head_dtype))  # fmt: skip
+    meta = {
+        "kind": "spark",
+        "block": k,
+        "rank": options.spark_rank,
+        "target": made_for(corpus.hf.config, corpus.tokenizer),
+        "draft_vocab": len(corpus.draft_ids),
+    }
+    export_folder(head, corpus.draft_ids, Path(out), meta, record, np.dtype(options.head_dtype))
     say(f"block written to {out} (validation top-1 by position {figures['validation']['top1_by_position']})")
     return record
 
 
-def block_evidence(head, corpus, which: list[int], normed, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def block_evidence(head, corpus, which: list[int], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per block position, at the answer positions of the sequences `which` (where drafting happens): the
     confidence head's logits and whether the block's top draft is the target's choice (the drafts before it
     teacher-forced)."""
@@ -132,7 +135,7 @@ def block_evidence(head, corpus, which: list[int], normed, k: int) -> list[tuple
     with torch.no_grad():
         for i in which:
             argmax = corpus.data[i][1]
-            logits, conf = head(normed(i), prev_slots(corpus, argmax, k))
+            logits, conf = head(corpus.normed(i), prev_slots(corpus, argmax, k))
             kept = corpus.answer_positions(i, argmax.numel())
             for j in range(min(k, argmax.numel() - 1)):
                 labels, at = corpus.to_draft[argmax[j + 1 :]], kept[: -(j + 1)]
@@ -188,7 +191,7 @@ def platt(z: np.ndarray, right: np.ndarray, iterations: int = 100) -> tuple[floa
     return float(w[0]), float(w[1])
 
 
-def calibrate(head, corpus, normed, k: int) -> dict[str, list[float]]:
+def calibrate(head, corpus, k: int) -> dict[str, list[float]]:
     """Fit the confidence head to sequences the block never trained on (the held-out split): per position an
     affine map of its logit (Platt scaling), folded into the head's weights. The head learnt its confidence on
     the sequences the block fits, where it is right far more often than on new text. The reported calibrated
@@ -199,7 +202,7 @@ def calibrate(head, corpus, normed, k: int) -> dict[str, list[float]]:
     if len(corpus.valid) < 2:
         return {}
     halves = [corpus.valid[0::2], corpus.valid[1::2]]
-    evidence = [block_evidence(head, corpus, half, normed, k) for half in halves]
+    evidence = [block_evidence(head, corpus, half, k) for half in halves]
     crossed: list[tuple[np.ndarray, np.ndarray]] = []
     for j in range(k):
         parts = []
@@ -222,52 +225,13 @@ def calibrate(head, corpus, normed, k: int) -> dict[str, list[float]]:
     }
 
 
-def export(head, target_config, k: int, rank: int, draft_ids, out: Path, card: dict, tokenizer, dtype) -> None:
-    """Write the folder `doppler_py.speculative.drafters.heads.spark.load_spark` reads."""
-    from safetensors.numpy import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        "resblock.weight": head.resblock_weight,
-        "resblock.bias": head.resblock_bias,
-        "lm_head.weight": head.lm_head.weight,
-        "prev.embed": head.prev_embed,
-        "prev.proj": head.prev_proj,
-        "confidence.weight": head.confidence.weight,
-        "confidence.bias": head.confidence.bias,
-    }
-    arrays = {name: np.ascontiguousarray(t.detach().numpy().astype(dtype)) for name, t in tensors.items()}
-    arrays["draft_to_target"] = np.asarray(draft_ids, dtype=np.int64)
-    save_file(arrays, str(out / "spark.safetensors"))
-    meta = {
-        "kind": "spark",
-        "block": k,
-        "rank": rank,
-        "target": made_for(target_config, tokenizer),
-        "draft_vocab": len(draft_ids),
-    }
-    (out / "spark.json").write_text(json.dumps(meta, indent=2))
-    (out / "training_card.json").write_text(json.dumps(card, indent=2))
-
-
 def import_block(folder: str | Path):
-    """The inverse of `export`: (torch block drafter, draft→target ids)."""
+    """The inverse of `train`'s export: (torch block drafter, draft→target ids)."""
     import torch
-    from safetensors.numpy import load_file
 
-    tensors = load_file(str(Path(folder) / "spark.safetensors"))
-    k, hidden, _ = tensors["resblock.weight"].shape
-    n, rank = tensors["prev.proj"].shape
-    head = SparkModule(hidden, k, n, rank)
-    with torch.no_grad():
-        for name, param in (
-            ("resblock.weight", head.resblock_weight),
-            ("resblock.bias", head.resblock_bias),
-            ("lm_head.weight", head.lm_head.weight),
-            ("prev.embed", head.prev_embed),
-            ("prev.proj", head.prev_proj),
-            ("confidence.weight", head.confidence.weight),
-            ("confidence.bias", head.confidence.bias),
-        ):
-            param.copy_(torch.tensor(tensors[name].astype(np.float32)))
-    return head.eval(), tensors["draft_to_target"].astype(np.int64)
+    def make_head(arrays: dict[str, np.ndarray]):
+        k, hidden, _ = arrays["resblock.weight"].shape
+        n, rank = arrays["prev.proj"].shape
+        return SparkModule(k, torch.zeros(n, hidden), rank)
+
+    return import_folder(folder, "spark", make_head)
