@@ -261,11 +261,17 @@ def proposal_tokens(spec: SpeculativeEngine, proposal: Proposal) -> list[int]:
 
 class SpeculativeDecodingWrapper:
     """A3M's wrapper: `generate(prompt, max_tokens, ...)` → (text, SpeculationResult), speculating when the
-    router says so (or `use_spec_dec` decides)."""
+    router says so (or `use_spec_dec` decides). Built over a router, or from settings of a new one as A3M's is
+    (`SpeculativeDecodingWrapper(engine, enabled=False, draft_model_type="lookahead")`; the rest defaults)."""
 
-    def __init__(self, engine: Engine, router: SpeculativeDecoding | None = None):
+    def __init__(self, engine: Engine, router: SpeculativeDecoding | None = None, **config: Any):
+        unknown = set(config) - set(SpeculationConfig.__dataclass_fields__)
+        if unknown:
+            raise GenerationOptionError(f"unknown setting(s) {', '.join(sorted(unknown))}")
+        if router is not None and config:
+            raise GenerationOptionError("give the wrapper a router or the settings of a new one, not both")
         self.engine = engine
-        self.router = router or SpeculativeDecoding(engine)
+        self.router = router or SpeculativeDecoding(engine, **config)
 
     def generate(
         self,

@@ -23,7 +23,9 @@ PROMPT = "abcabdabcab"
 def tiny_engine(tiny_folder):
     from doppler_py.api import load
 
-    with load(tiny_folder(TinySpec(num_hidden_layers=2, seed=5)), weights="f32", progress=False) as engine:
+    with load(
+        tiny_folder(TinySpec(num_hidden_layers=2, seed=5)), weights="f32", progress=False, warmup="now"
+    ) as engine:
         yield engine
 
 
@@ -122,6 +124,13 @@ def test_the_wrapper_generates_the_plain_text_and_reports_what_it_measured(tiny_
     text, off = wrapper.generate(PROMPT, 24, use_spec_dec=False, chat=False)
     assert text == plain.text and not off.used and off.draft_tokens == 0 and off.estimated_time_saved == 0.0
     assert router.calculate_speedup(off) == 1.0
+    # A3M's way: the wrapper makes its router from a partial config; settings beside a router are refused.
+    configured = SpeculativeDecodingWrapper(tiny_engine, draft_model_type="lookahead", enabled=False)
+    assert configured.router.get_config()["draft_model_type"] == "lookahead" and not configured.router.config.enabled
+    assert not configured.generate(PROMPT, 8, chat=False)[1].used
+    for wrong in ({"router": router, "enabled": False}, {"window": 3}):
+        with pytest.raises(GenerationOptionError, match=r"not both|unknown setting"):
+            SpeculativeDecodingWrapper(tiny_engine, **wrong)
     # Measured: the plain cost per token needs live plain steps first (none yet here: None, not a guess).
     speedup = router.calculate_speedup(result)
     saved = result.estimated_time_saved

@@ -1,7 +1,8 @@
-"""Plain decoding of this checkout against another one, side by side in one run: did a change make it slower?
+"""Decoding of this checkout against another one, side by side in one run: did a change make it slower?
 
     git worktree add /tmp/before <commit>
     python tools/bench_ab.py --before /tmp/before --weights q4_1,f16 --rounds 14 --json ab.json
+    python tools/bench_ab.py --before /tmp/before --weights q4_1 --modes prompt-lookup,eagle --rounds 10
 
 Each checkout's SmolLM2 loads once, in a process of its own (its tree first on the import path), and the two
 take turns: one measurement each per round, the order alternating between rounds. Both then see the same phase
@@ -11,7 +12,9 @@ rounds read worse.
 
 Per measurement: plain greedy decode tokens/s of one generation of --new-tokens tokens (its end included, as a
 user waits for it), and the median wall ms of 8 bare T = 1 forwards with the last row's logits read back (the
-model's kernels with little of the engine around them). Both checkouts load without draft heads.
+model's kernels with little of the engine around them). With --modes, also each speculative mode's tokens/s
+(greedy, the policy choosing k) on a chat prompt, its engine prepared before the first round. Without --modes
+both checkouts load without draft heads.
 """
 
 from __future__ import annotations
@@ -29,16 +32,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FORWARDS = 8  # bare forwards per measurement
 MEASURES = {"decode_tok_s": True, "forward_ms": False}  # name -> whether higher is better
+CHAT_PROMPT = "Explain how a bicycle's gears make climbing a hill easier, in a few short paragraphs."
 
 
-def worker(weights: str, new_tokens: int) -> None:
+def worker(weights: str, new_tokens: int, modes: list[str]) -> None:
     """Load this tree's model, then answer each line on stdin with one measurement (a JSON line)."""
     import numpy as np
 
     import doppler_py
     from doppler_py.sampling import SamplingParams
 
-    options = {"draft_head": False} if "draft_head" in inspect.signature(doppler_py.load).parameters else {}
+    has_heads = "draft_head" in inspect.signature(doppler_py.load).parameters
+    options = {"draft_head": False} if has_heads and not modes else {}
     engine = doppler_py.load(weights=weights, progress=False, max_seq=256, **options)
     model = engine.model
     ids = np.random.default_rng(0).integers(100, 30000, size=16 + FORWARDS).tolist()
@@ -46,6 +51,8 @@ def worker(weights: str, new_tokens: int) -> None:
     cache = model.new_cache(256)
     model.forward(ids[:8], cache, 0, logits="none")  # compile the pipelines outside the timings
     plain.generate(ids[:8], 4, SamplingParams())
+    chat = engine.encode_prompt(CHAT_PROMPT, chat=True)
+    speculative = {mode: engine.speculative_engine(mode) for mode in modes}  # prepared (compiled, calibrated) now
     print(json.dumps({"ready": doppler_py.__file__}), flush=True)
     for _ in sys.stdin:
         stats = plain.generate(ids[:16], new_tokens, SamplingParams()).stats
@@ -57,6 +64,9 @@ def worker(weights: str, new_tokens: int) -> None:
             model.forward([ids[16 + i]], cache, 16 + i, logits="last")
             forward_s.append(time.perf_counter() - start)
         row = {"decode_tok_s": stats.generated / stats.decode_s, "forward_ms": 1e3 * statistics.median(forward_s)}
+        for mode, spec in speculative.items():
+            mode_stats = spec.generate(chat, new_tokens, SamplingParams()).stats
+            row[f"{mode}_tok_s"] = mode_stats.generated / mode_stats.decode_s
         print(json.dumps(row), flush=True)
     model.release_cache(cache)
     engine.close()
@@ -65,9 +75,11 @@ def worker(weights: str, new_tokens: int) -> None:
 class Side:
     """One checkout's worker process."""
 
-    def __init__(self, tree: Path, weights: str, new_tokens: int):
+    def __init__(self, tree: Path, weights: str, new_tokens: int, modes: list[str]):
         env = dict(os.environ, PYTHONPATH=str(tree))
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", weights, "--new-tokens", str(new_tokens)]
+        script = str(Path(__file__).resolve())
+        command = [sys.executable, script, "--worker", weights, "--new-tokens", str(new_tokens)]
+        command += ["--modes", ",".join(modes)] if modes else []
         self.proc = subprocess.Popen(
             command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -104,8 +116,8 @@ def paired_summary(before: list[float], after: list[float], higher_is_better: bo
     }
 
 
-def compare(before_tree: Path, weights: str, rounds: int, new_tokens: int) -> dict:
-    sides = {"before": Side(before_tree, weights, new_tokens), "after": Side(ROOT, weights, new_tokens)}
+def compare(before_tree: Path, weights: str, rounds: int, new_tokens: int, modes: list[str]) -> dict:
+    sides = {"before": Side(before_tree, weights, new_tokens, modes), "after": Side(ROOT, weights, new_tokens, modes)}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     try:
         for r in range(rounds):
@@ -115,9 +127,10 @@ def compare(before_tree: Path, weights: str, rounds: int, new_tokens: int) -> di
     finally:
         for side in sides.values():
             side.close()
+    measures = {**MEASURES, **{f"{mode}_tok_s": True for mode in modes}}
     summary = {
         measure: paired_summary([r[measure] for r in runs["before"]], [r[measure] for r in runs["after"]], higher)
-        for measure, higher in MEASURES.items()
+        for measure, higher in measures.items()
     }
     return {"weights": weights, "summary": summary, "runs": runs}
 
@@ -128,23 +141,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="q4_1,f16")
     parser.add_argument("--rounds", type=int, default=14)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--modes", default="", help="speculative modes to time too, comma-separated (e.g. eagle)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    modes = [mode for mode in args.modes.split(",") if mode]
     if args.worker:
-        worker(args.worker, args.new_tokens)
+        worker(args.worker, args.new_tokens, modes)
         return 0
     if args.before is None or not (args.before / "doppler_py").is_dir():
         parser.error("--before must name another checkout of this repository (a folder holding doppler_py/)")
-    results = [compare(args.before, w, args.rounds, args.new_tokens) for w in args.weights.split(",")]
+    results = [compare(args.before, w, args.rounds, args.new_tokens, modes) for w in args.weights.split(",")]
     print(
-        f"{'weights':8s} {'measure':13s} {'before':>8s} {'after':>8s} {'after/before: median':>21s} {'geo-mean':>9s} "
+        f"{'weights':8s} {'measure':22s} {'before':>8s} {'after':>8s} {'after/before: median':>21s} {'geo-mean':>9s} "
         f"{'range':>12s} {'rounds worse':>13s}"
     )
     for result in results:
         for measure, s in result["summary"].items():
             print(
-                f"{result['weights']:8s} {measure:13s} {s['before_median']:8.2f} {s['after_median']:8.2f} "
+                f"{result['weights']:8s} {measure:22s} {s['before_median']:8.2f} {s['after_median']:8.2f} "
                 f"{s['ratio_median']:21.3f} {s['ratio_geomean']:9.3f} {s['ratio_min']:5.2f}-{s['ratio_max']:<6.2f} "
                 f"{s['rounds_worse']:>9d}/{s['rounds']}"
             )
