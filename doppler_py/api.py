@@ -2,7 +2,7 @@
 
     import doppler_py
     with doppler_py.load("smollm2-135m-instruct", weights="q4_1") as engine:
-        result = engine.generate([{"role": "user", "content": "Hi!"}], max_tokens=64, speculative="auto")
+        result = engine.generate([{"role": "user", "content": "Hi!"}], max_tokens=64)  # speculative="auto"
         print(result.text, result.acceptance_rate, result.tokens_per_s)
 
 The CLI and the HTTP server are thin layers over `Engine`; nothing lives only there.
@@ -14,10 +14,12 @@ import bisect
 import math
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from doppler_py import defaults
 from doppler_py.errors import DopplerError, GenerationOptionError, VocabularyMismatchError
 from doppler_py.gpu.device import Gpu, default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
@@ -36,6 +38,9 @@ from doppler_py.speculative.readiness.cost_cache import cost_key, load_costs, sa
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DraftSources, speculative_modes
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from doppler_py.constraints.matcher import GrammarMatcher
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 Messages = Sequence[dict]
@@ -94,7 +99,7 @@ class Engine:
         heads: dict | None = None,
         owns_registry: bool = False,
         folder: Path | None = None,
-        warmup: str = "now",
+        warmup: str = defaults.WARMUP,
     ):
         """`heads`: trained draft heads for `model` by kind ("eagle", "medusa", "spark"); `owns_registry`: the
         models' kernel registry was made for this engine and is closed with it; `folder`: the model's files,
@@ -218,19 +223,26 @@ class Engine:
         self,
         prompt: str | Messages,
         *,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        max_tokens: int = defaults.MAX_TOKENS,
+        temperature: float = defaults.TEMPERATURE,
+        top_k: int = defaults.TOP_K,
+        top_p: float = defaults.TOP_P,
         seed: int | None = None,
-        speculative: str | None = None,
-        k: int | None = None,
+        speculative: str | None = defaults.SPECULATIVE,
+        k: int | None = defaults.K,
         chat: bool | None = None,
         stop: str | Sequence[str] | None = None,
         logprobs: int | None = None,
-        tree: bool | None = None,
+        tree: bool | None = defaults.TREE,
+        response_format: Mapping[str, Any] | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
+        Defaults (`doppler_py.defaults`, the same in the CLI and the server): speculative "auto", greedy.
+
+        speculative: "auto" (per model: a loaded draft model, else a trained head with prompt lookup, else prompt
+        lookup), a drafter's name (`registry.DRAFTERS`), or None / "none" for plain decoding.
 
         k: the draft tokens (nodes) one step may verify, whatever their shape (a chain's length, a tree's node
         budget, lookahead's nodes; for a drafter that ends its chains by its confidence, the most it may draft);
@@ -260,6 +272,13 @@ class Engine:
         model-drafted trees, only the nodes worth their verification cost (`policy.tree_budget`); with k
         given, k nodes; False: chains only. Sampled trees are verified exactly (recursive
         rejection over each node's children), so trees keep the target's distribution at any temperature.
+
+        response_format / regex / grammar (at most one): the output follows a constraint. OpenAI's shapes
+        ({"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema",
+        "strict"}}), a regular expression, or a Lark grammar (llguidance's dialect). Every token is sampled from
+        the model's distribution renormalised over the tokens the constraint allows (masked on the GPU), with
+        any drafter; tokens the constraint forces are drafted for free (`stats["forced_tokens"]`). The answer
+        ends when the constraint is complete (or at max_tokens, finish_reason "length", possibly unfinished).
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
@@ -267,6 +286,7 @@ class Engine:
         stops = check_stop(stop)
         check_top_logprobs(logprobs)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        constraint = self._constraint(response_format, regex, grammar)
         ids = self.encode_prompt(prompt, chat)
         self.model.check_ids(ids)
         check_fits(len(ids), max_tokens, self.model.max_positions)
@@ -292,7 +312,9 @@ class Engine:
             return entries
 
         start = time.perf_counter()
-        steps = engine.iter_generate(ids, max_tokens, params, stats=stats, k=k, stop_ids=eos_ids, logprobs=logprobs)
+        steps = engine.iter_generate(
+            ids, max_tokens, params, stats=stats, k=k, stop_ids=eos_ids, logprobs=logprobs, grammar=constraint
+        )
         try:
             for new in self.plain_costs.watch(steps, stats):
                 if logprobs is not None:
@@ -326,6 +348,22 @@ class Engine:
         self.last_result = self._result(tokens, ids, stats, mode, elapsed=time.perf_counter() - start, stop=matcher)
         if logprobs is not None:
             self.last_result.logprobs = token_logprobs
+
+    def _constraint(
+        self, response_format: Mapping[str, Any] | None, regex: str | None, grammar: str | None
+    ) -> GrammarMatcher | None:
+        """A matcher for the constraint asked for, or None (llguidance is imported only when one is)."""
+        if response_format is None and regex is None and grammar is None:
+            return None
+        from doppler_py.constraints.grammar import constraint_from_options
+        from doppler_py.constraints.matcher import GrammarMatcher
+        from doppler_py.constraints.tokenizer_bridge import ll_tokenizer
+
+        ll = ll_tokenizer(self.tokenizer)
+        constraint = constraint_from_options(
+            response_format=response_format, regex=regex, grammar=grammar, tokenizer=ll
+        )
+        return None if constraint is None else GrammarMatcher(ll, constraint, self.model.config.vocab_size)
 
     def generate(self, prompt: str | Messages, **options) -> GenerationResult:
         """Generate to completion; same options as `stream`."""
@@ -470,7 +508,7 @@ def load(
     browser_limits: bool = False,
     progress: bool = True,
     gpu: Gpu | None = None,
-    warmup: str = "now",
+    warmup: str = defaults.WARMUP,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -482,8 +520,8 @@ def load(
     warmup: how a speculative mode gets ready on first use. "now": compile its pipelines and measure this
     device's verification costs before its first generation starts (its step structure is then the same from
     the first token). "background": compile them in a background thread while the first generations stream
-    plain tokens, then switch speculation on (what the CLI and the server use: the first token comes as fast
-    as without speculation). Either way measured costs are cached on disk per device, model and precision,
+    plain tokens, then switch speculation on (the default, as in the CLI and the server: the first token comes
+    as fast as without speculation). Either way measured costs are cached on disk per device, model and precision,
     so later processes skip the measuring.
     """
     check_warmup(warmup)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from doppler_py import defaults
 from doppler_py.errors import DopplerError
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, speculative_modes
 
@@ -60,7 +61,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--warmup",
         choices=("background", "now"),
-        default="background",
+        default=defaults.WARMUP,
         help="speculation's pipelines compile while the first tokens stream plainly (background, the default) "
         "or before the first token (now)",
     )
@@ -69,7 +70,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation")
     group.add_argument(
-        "--speculative", default="auto", choices=(*speculative_modes(), "none"), help="drafter (default auto)"
+        "--speculative",
+        default=defaults.SPECULATIVE,
+        choices=(*speculative_modes(), "none"),
+        help=f"drafter (default {defaults.SPECULATIVE})",
     )
     group.add_argument(
         "--k", type=int, help="pin the draft tokens (nodes) one step verifies, chain or tree (default: adaptive)"
@@ -77,15 +81,17 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tree",
         type=_tree_option,
-        default=None,
+        default=defaults.TREE,
         metavar="auto|on|off",
         help="token trees of lookup, draft-model, EAGLE or Medusa drafts: auto (default: where extra rows are "
         "nearly free), on or off; --k gives their node budget",
     )
-    group.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = all)")
+    group.add_argument(
+        "--max-tokens", type=int, default=defaults.MAX_TOKENS, help=f"new tokens at most ({defaults.MAX_TOKENS})"
+    )
+    group.add_argument("--temperature", type=float, default=defaults.TEMPERATURE, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=defaults.TOP_K, help="keep the k most likely tokens (0 = all)")
+    group.add_argument("--top-p", type=float, default=defaults.TOP_P, help="nucleus mass to keep (1 = all)")
     group.add_argument("--seed", type=int, help="seed of the sampling random numbers")
     group.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable, up to 4)"

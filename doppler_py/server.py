@@ -93,8 +93,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     model_id: str | None = None  # the name clients use; default: derived from the engine's model
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
-    # Engine.stream options for requests that leave them out (max_tokens, temperature, speculative, ...).
-    defaults: dict[str, Any] = field(default_factory=lambda: {"max_tokens": 256, "speculative": "auto"})
+    # Engine.stream options for requests that leave them out, over `doppler_py.defaults` (which Engine.stream has).
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 class RequestError(Exception):

@@ -108,7 +108,7 @@ def smollm2_engine(smollm2_gguf):
     from doppler_py.api import load
     from doppler_py.model.catalog import DEFAULT_MODEL
 
-    with load(DEFAULT_MODEL, weights="q4_1", progress=False, max_seq=512) as engine:
+    with load(DEFAULT_MODEL, weights="q4_1", progress=False, warmup="now", max_seq=512) as engine:
         yield engine
 
 

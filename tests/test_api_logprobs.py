@@ -20,7 +20,9 @@ TOL = 2e-4  # the step's T-row forward and the reference's whole-sequence forwar
 @pytest.fixture(scope="module")
 def engine(tiny_folder):
     folder = tiny_folder(TinySpec())
-    with load(folder, weights="f32", draft=folder, progress=False) as engine:  # the target drafts for itself
+    with load(
+        folder, weights="f32", draft=folder, progress=False, warmup="now"
+    ) as engine:  # the target drafts for itself
         yield engine
 
 

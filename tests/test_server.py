@@ -45,7 +45,7 @@ class GatedEngine:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     folder = write_tiny_model(tmp_path_factory.mktemp("tiny-chat"))
-    with load(folder, weights="f32", progress=False) as engine:
+    with load(folder, weights="f32", progress=False, warmup="now") as engine:
         # The first prompt-lookup generation compiles every verification size and measures this device's costs
         # (load's warmup="now"): done here, so that no request waits for it within the clients' timeouts on a
         # slow or busy machine (it took over 60 s on a loaded 2-core one).

@@ -16,7 +16,7 @@ PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
 @pytest.fixture(scope="module")
 def engine(tiny_folder):
-    with load(tiny_folder(TinySpec()), weights="f32", progress=False) as engine:
+    with load(tiny_folder(TinySpec()), weights="f32", progress=False, warmup="now") as engine:
         yield engine
 
 
@@ -98,7 +98,7 @@ def test_stop_string_spanning_tokens_ends_the_text_and_the_generation(engine, mo
 def test_stop_string_ending_inside_a_run_of_accepted_drafts(tiny_folder):
     # The target drafting for itself: greedy, every draft is accepted, so each step commits k + 1 tokens.
     folder = tiny_folder(TinySpec())
-    with load(folder, weights="f32", draft=folder, progress=False) as engine:
+    with load(folder, weights="f32", draft=folder, progress=False, warmup="now") as engine:
         options = dict(max_tokens=48, speculative="draft-model", k=4, chat=False)
         seen = spy_steps(engine, "draft-model")
         full = engine.generate(PROMPT, **options)

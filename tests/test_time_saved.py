@@ -24,7 +24,7 @@ def step_seconds(result) -> float:
 
 
 def test_saving_matches_the_measured_difference_and_is_negative_when_speculation_is_slower(tiny_folder, monkeypatch):
-    with load(tiny_folder(TinySpec()), weights="f32", progress=False) as engine:
+    with load(tiny_folder(TinySpec()), weights="f32", progress=False, warmup="now") as engine:
         now = [0.0]
 
         def clock() -> float:
@@ -44,7 +44,7 @@ def test_saving_matches_the_measured_difference_and_is_negative_when_speculation
         assert early.drafted > 0 and early.time_saved_s is None  # no live plain step measured yet: no guess
         # Plain decoding runs in batches (one sample each) after a generation's first token: enough of them.
         for _ in range(12):
-            plain = engine.generate(PROMPT, max_tokens=40, chat=False)
+            plain = engine.generate(PROMPT, max_tokens=40, chat=False, speculative=None)
             assert plain.time_saved_s is None and plain.speculative is None  # nothing to save in plain decoding
             if len(engine.plain_costs.samples) >= PlainStepCosts.MIN_SAMPLES:
                 break

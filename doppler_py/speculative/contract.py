@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
@@ -33,6 +33,9 @@ from doppler_py.model.transformer import Transformer
 from doppler_py.ops.tree import is_chain
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from doppler_py.constraints.matcher import GrammarMatcher
 
 
 @dataclass
@@ -56,6 +59,9 @@ class StepContext:
                     the values (`Proposal.values`) of a chain drafted so far, whether its newest draft paid for
                     its drafting and its verified row on this device. A drafter that can value its drafts as it
                     goes (EAGLE, by its confidence) stops its chain at the first that did not; None: draft k.
+    grammar         the generation's constraint (`constraints.GrammarMatcher`, at the committed tokens), or None.
+                    The step masks every verified row by it and drafts the tokens it forces itself; a drafter
+                    may ignore it (a draft the grammar refuses is cut before verification).
     """
 
     tokens: list[int]
@@ -66,6 +72,7 @@ class StepContext:
     capacity: int
     hidden_rows: int = 0
     worth_drafting: Callable[[Sequence[float]], bool] | None = None
+    grammar: GrammarMatcher | None = None
 
     @property
     def hidden(self) -> Tensor:
@@ -92,6 +99,7 @@ class Proposal:
                     verify only a leading run (`policy.tree_budget`); None: all n nodes are verified.
     made            drafts the drafter made for this proposal, when the engine cut it shorter (`leading`): their
                     drafting is a cost of the step all the same; None: count
+    forced          the tokens a grammar forces, drafted by the step itself (`StepContext.grammar`), not the drafter
     """
 
     count: int
@@ -100,6 +108,7 @@ class Proposal:
     parents: Sequence[int] | None = None
     values: Sequence[float] | None = None
     made: int | None = None
+    forced: bool = False
 
     @property
     def drafts_made(self) -> int:

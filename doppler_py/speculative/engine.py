@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError, InternalError
 from doppler_py.gpu.tensor import Tensor
@@ -25,6 +26,9 @@ from doppler_py.speculative.readiness.warmup import COMPILE_CONTEXT, PipelineWar
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.step import MAX_PLAIN_STEPS, StepOutcome, Stepper
 from doppler_py.speculative.timing import StepClock, StepTimes
+
+if TYPE_CHECKING:
+    from doppler_py.constraints.matcher import GrammarMatcher
 
 # While pipelines compile in the background: the verified row counts at which speculation steps up when each
 # step up must calibrate first, and the context of calibrations between steps (shorter than the 64 of a full
@@ -179,14 +183,18 @@ class SpeculativeEngine:
         *,
         k: int | None = None,
         stop_ids: Sequence[int] = (),
+        grammar: GrammarMatcher | None = None,
     ) -> SpecResult:
         """Generate up to `max_new_tokens` tokens after `prompt_ids` (stopping after any of `stop_ids`).
 
-        `k` pins the draft length; None lets the policy choose it.
+        `k` pins the draft length; None lets the policy choose it. `grammar`: see `iter_generate`.
         """
         stats = SpecStats()
         tokens: list[int] = []
-        for new in self.iter_generate(prompt_ids, max_new_tokens, params, stats=stats, k=k, stop_ids=stop_ids):
+        steps = self.iter_generate(
+            prompt_ids, max_new_tokens, params, stats=stats, k=k, stop_ids=stop_ids, grammar=grammar
+        )
+        for new in steps:
             tokens.extend(new)
         return SpecResult(tokens, stats, stats.stopped_by)
 
@@ -200,16 +208,18 @@ class SpeculativeEngine:
         k: int | None = None,
         stop_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> Iterator[list[int]]:
         """Yield each step's new tokens as soon as they are verified; `stats` is filled in as it goes.
 
         logprobs: top alternatives per token (0..20; None: off); each step's log-probs are then in
         `last_logprobs` when its tokens are yielded (`doppler_py.ops.logprobs`). Closing the generator early
-        (a cancelled stream) releases the step's KV caches.
+        (a cancelled stream) releases the step's KV caches. grammar: the constraint the output follows (every
+        step's rows masked by it, its forced tokens drafted; `step.py`), at no committed token yet.
         """
         check_top_logprobs(logprobs)
         start = time.perf_counter()
-        ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k)
+        ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k, grammar=grammar)
         stats.prefill_s = time.perf_counter() - start
         stats.drafter = self.drafter.name
         self.steps.logprobs = logprobs
@@ -217,13 +227,16 @@ class SpeculativeEngine:
         try:
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
+                # Under a grammar each step's masks come from the tokens before it: one step per submit.
+                batching = grammar is None
                 if self.speculative:
                     speculate = self._ready(ctx, first_step=produced == 0)
                     stats.warmup_steps += not speculate
                     k_step = self.policy.next_k(remaining) if speculate else 0
-                    plain_steps = self._paused_batch(remaining) if speculate and k_step == 0 else 1
+                    plain_steps = self._paused_batch(remaining) if speculate and k_step == 0 and batching else 1
                 else:
-                    k_step, plain_steps = 0, self._batch_size(remaining, first=produced == 0)
+                    k_step = 0
+                    plain_steps = self._batch_size(remaining, first=produced == 0) if batching else 1
                 new = self._measured_step(ctx, k_step, stats, plain_steps)[:remaining]
                 for j, token in enumerate(new):
                     if token in stop_ids:
@@ -241,7 +254,13 @@ class SpeculativeEngine:
             self.close_context(ctx)
 
     def open_context(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, *, k: int | None = None
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        *,
+        k: int | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> StepContext:
         """A generation's start: the checks, the policy reset (`k` pins the draft length), a KV cache, the
         drafter started, and the prefill of every prompt token but the last (the first step feeds it). Steps
@@ -252,7 +271,7 @@ class SpeculativeEngine:
         self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
         capacity = len(tokens) + max_new_tokens + self.capacity + 1
         cache = target.new_cache(capacity)
-        ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity)
+        ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity, grammar=grammar)
         if self.policy.adaptive and self.policy.cost_aware:
             ctx.worth_drafting = lambda values: worth_drafting(values, self.policy.costs)
         try:
@@ -312,12 +331,13 @@ class SpeculativeEngine:
             return outcome.new
         stats.record(outcome.drafted, outcome.accepted, times, outcome.made)
         stats.tree_steps += outcome.tree
+        stats.forced_tokens += outcome.accepted if outcome.forced else 0
         # A step that compiled a pipeline (its own, or one a background warmup finished meanwhile on the same
         # CPU) timed the compiler, not the device, and would leave the policy pausing speculation while that
         # estimate decayed.
         if self.registry.cache_sizes["pipelines"] == pipelines:
             self._price(outcome, times)
-        if outcome.drafted:
+        if outcome.drafted and not outcome.forced:  # the grammar's drafts say nothing of the drafter's
             self.policy.observe(outcome.drafted, outcome.accepted)
         self._check_cache(ctx)
         return outcome.new

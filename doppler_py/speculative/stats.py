@@ -20,6 +20,7 @@ class SpecStats:
     drafter: str = ""
     steps: int = 0  # speculative steps (draft + one batched verification)
     tree_steps: int = 0  # of those, steps that verified a token tree (drafted counts its nodes)
+    forced_tokens: int = 0  # drafts a grammar forced (drafted and accepted count them too)
     plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
     warmup_steps: int = 0  # of those, steps taken because speculation was not ready yet (pipelines compiling)
     drafted: int = 0
@@ -101,6 +102,7 @@ class SpecStats:
             "drafter": self.drafter,
             "steps": self.steps,
             "tree_steps": self.tree_steps,
+            "forced_tokens": self.forced_tokens,
             "plain_steps": self.plain_steps,
             "warmup_steps": self.warmup_steps,
             "drafted": self.drafted,

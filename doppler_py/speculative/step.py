@@ -20,6 +20,12 @@ Random numbers come from the generation's seeded mulberry32 stream in a fixed or
 token while drafting (the drafter draws them), then the verification's (a chain: n accept draws and the final
 draw; a sampled tree: one per node and the final draw; a plain step: one). The same seed gives the same tokens.
 
+Under a constraint (`ctx.grammar`), every verified row is masked to the tokens the grammar allows after the
+drafts before it (`ops.token_mask`: -inf before any softmax, top-k or top-p), so the output is the target's
+distribution renormalised over the allowed tokens, for every drafter and shape; a draft the grammar refuses is
+cut (with its subtree) before verification, and the tokens the grammar forces are drafted by the step itself
+(always accepted, exact either way). The matcher then advances by the committed tokens only.
+
 The step has no clock: `StepMarks` lets whoever wraps it (the engine's timing, `timing.StepClock`) mark the end
 of drafting and the verification's first and last GPU commands.
 """
@@ -37,6 +43,7 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import LogProbs, TokenLogprob
 from doppler_py.ops.speculative import STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
+from doppler_py.ops.token_mask import TokenMask
 from doppler_py.ops.tree import MAX_TREE_ROWS, check_parents, compaction_moves, is_chain, layout_words
 from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.sampling import SamplingParams
@@ -55,6 +62,7 @@ class StepOutcome:
     on_gpu: bool  # the drafts came from GPU work (else from the host)
     tree: bool = False  # the drafts were a token tree
     made: int = 0  # drafts made, verified or not (more than `drafted` where the policy trimmed the proposal)
+    forced: bool = False  # the drafts were the tokens a grammar forces (the step's own, not the drafter's)
 
 
 class StepMarks(Protocol):
@@ -127,10 +135,17 @@ class Stepper:
         # One chain verifier per draft-logits buffer a drafter proposes from (None: one-hot proposals, plain steps).
         self._verifiers: dict[int | None, tuple[Tensor | None, _ChainVerify]] = {}
         self._logprob_op: LogProbs | None = None
+        self._token_mask: TokenMask | None = None  # made at the first constrained step
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
-        """The drafter's proposal of at most k tokens, trimmed to the nodes worth verifying."""
-        return self.policy.trim(self.drafter.propose(ctx, k)) if k else NO_PROPOSAL
+        """The drafter's proposal of at most k tokens, trimmed to the nodes worth verifying; under a grammar that
+        forces the next tokens, those instead."""
+        if not k:
+            return NO_PROPOSAL
+        forced = ctx.grammar.forced_tokens()[:k] if ctx.grammar is not None else []
+        if forced:
+            return Proposal(len(forced), forced, forced=True)
+        return self.policy.trim(self.drafter.propose(ctx, k))
 
     def step(
         self,
@@ -145,7 +160,9 @@ class Stepper:
         target forward on the GPU, commit what was accepted. `plain_steps` > 1 (with k = 0): that many plain steps
         in one submit."""
         proposal = self.propose(ctx, k) if proposal is None else proposal
-        n, tree = self._check(proposal, k, plain_steps)
+        if ctx.grammar is not None:
+            proposal = self._mask_rows(ctx, proposal)
+        n, tree = self._check(proposal, k, plain_steps, ctx.grammar is not None)
         marks.drafted()
         target, cache, params = self.target, ctx.target_cache, ctx.params
         pos, rows = len(ctx.tokens) - 1, n + 1
@@ -162,6 +179,8 @@ class Stepper:
             if n == 0:
                 self._plain_inputs(rec, j)
             target.record_forward(rec, rows, cache, pos + j, logits="all" if n else "last", tree=tree)
+            if ctx.grammar is not None:
+                self._masks().record(rec, rows)
             verifier.record(rec, rows, params)
             if self.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
                 self._logprobs().record(rec, rows, params, self.logprobs)
@@ -183,16 +202,21 @@ class Stepper:
         cache.truncate(pos + len(new))  # rejected drafts' K/V stay behind the length, overwritten later
         ctx.tokens.extend(new)
         ctx.hidden_rows = len(new)  # the rows verified and kept: the root's and the accepted path's, or each step's
-        self.drafter.commit(ctx, accepted)
-        return StepOutcome(new, n, accepted, proposal.on_gpu, tree, proposal.drafts_made)
+        if ctx.grammar is not None:
+            ctx.grammar.advance(new)
+        # Forced tokens are none of the drafter's: it catches up as after plain steps.
+        self.drafter.commit(ctx, 0 if proposal.forced else accepted)
+        return StepOutcome(new, n, accepted, proposal.on_gpu, tree, proposal.drafts_made, proposal.forced)
 
-    def _check(self, proposal: Proposal, k: int, plain_steps: int) -> tuple[int, bool]:
+    def _check(self, proposal: Proposal, k: int, plain_steps: int, constrained: bool) -> tuple[int, bool]:
         """The number of drafts and whether they are a tree, after refusing what the verification cannot take."""
         n, name = proposal.count, self.drafter.name
         if not 0 <= n <= k:
             raise InternalError(f"drafter {name!r} proposed {n} tokens when asked for at most {k}")
-        if not 1 <= plain_steps <= MAX_PLAIN_STEPS or (plain_steps > 1 and (k or self.logprobs is not None)):
-            raise InternalError(f"{plain_steps} plain steps in one submit (k = {k}, log-probs {self.logprobs})")
+        # Log-probs are read, and a grammar's next mask computed, after each step.
+        one_at_a_time = k or self.logprobs is not None or constrained
+        if not 1 <= plain_steps <= MAX_PLAIN_STEPS or (plain_steps > 1 and one_at_a_time):
+            raise InternalError(f"{plain_steps} plain steps in one submit (k = {k}, constrained {constrained})")
         if proposal.parents is None:
             return n, False
         check_parents(proposal.parents, n)
@@ -223,6 +247,49 @@ class Stepper:
         else:
             u = np.array([ctx.rng.random() for _ in range(plain_steps)], np.float32)
             self.plain_randoms.view((plain_steps,)).write(u)
+
+    def _mask_rows(self, ctx: StepContext, proposal: Proposal) -> Proposal:
+        """Upload each row's mask (the grammar's allowed tokens after the drafts before it) and return the proposal
+        without the drafts the grammar refuses: a chain cut at the first, a tree without their subtrees. GPU drafts
+        are read back for it."""
+        grammar = ctx.grammar
+        tokens = [int(t) for t in (proposal.tokens.numpy()[: proposal.count] if proposal.on_gpu else proposal.tokens)]
+        parents = list(proposal.parents) if proposal.parents is not None else list(range(-1, len(tokens) - 1))
+        if is_chain(parents):
+            rows, valid = grammar.draft_masks(tokens)
+            self._masks().write(rows[: valid + 1])
+            return proposal if valid == proposal.count else _leading_chain(proposal, valid)
+        masks, keep = [grammar.mask()], []  # a tree: each node's row after its own path
+        for node in range(len(tokens)):
+            path = [node]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            if any(p not in keep for p in path[1:]):
+                continue
+            rows, valid = grammar.draft_masks([tokens[p] for p in reversed(path)])
+            if valid == len(path):
+                keep.append(node)
+                masks.append(rows[-1])
+        self._masks().write(np.stack(masks))
+        if len(keep) == len(tokens):
+            return proposal
+        index = {node: i for i, node in enumerate(keep)}
+        kept_parents = [index[parents[node]] if parents[node] >= 0 else -1 for node in keep]
+        values = None if proposal.values is None else [proposal.values[node] for node in keep]
+        return Proposal(
+            len(keep),
+            [tokens[node] for node in keep],
+            parents=None if is_chain(kept_parents) else kept_parents,
+            values=values,
+            made=proposal.drafts_made,
+        )
+
+    def _masks(self) -> TokenMask:
+        if self._token_mask is None:
+            target = self.target
+            vocab, rows = target.config.vocab_size, target.max_logit_rows
+            self._token_mask = TokenMask(self.registry, target.logits, vocab=vocab, max_rows=rows)
+        return self._token_mask
 
     def _plain_inputs(self, rec: Recorder, j: int) -> None:
         """Plain step j's random number, and (after the first) its input: the token step j - 1 chose."""
@@ -315,6 +382,8 @@ class Stepper:
             verifier.op.release(self.registry)
         if self._logprob_op is not None:
             self._logprob_op.release(self.registry)
+        if self._token_mask is not None:
+            self._token_mask.release(self.registry)
         self.tree_verify.release(self.registry)
         self.registry.release_tensors(
             self.spec_tokens,
@@ -338,6 +407,14 @@ class _ChainVerify:
             self.op.record_plain(rec, **options)
         else:
             self.op.record(rec, k=rows - 1, onehot=self.onehot, **options)
+
+
+def _leading_chain(proposal: Proposal, n: int) -> Proposal:
+    """A chain's first n drafts (a GPU chain's are the first n entries of its buffers)."""
+    values = None if proposal.values is None else list(proposal.values)[:n]
+    tokens = proposal.tokens if proposal.on_gpu else list(proposal.tokens)[:n]
+    logits = proposal.draft_logits if n else None
+    return Proposal(n, tokens if n else (), logits, values=values, made=proposal.drafts_made, forced=proposal.forced)
 
 
 def check_status(status: int, pos: int, n_draft: int) -> None:

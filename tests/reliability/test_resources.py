@@ -61,7 +61,7 @@ def ledger(monkeypatch, gpu):
 
 
 def load(folder: Path, gpu, **options):
-    return doppler_py.load(folder, weights="f32", gpu=gpu, max_seq=None, progress=False, **options)
+    return doppler_py.load(folder, weights="f32", gpu=gpu, max_seq=None, progress=False, **{"warmup": "now", **options})
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def exercise(engine, tokens: int = 8, *, full_batches: bool = False) -> None:
     for mode in MODES:
         engine.generate(GOOD_PROMPT, max_tokens=tokens, speculative=mode, k=3 if mode else None)
     if full_batches:
-        engine.generate(GOOD_PROMPT, max_tokens=2 + MAX_PLAIN_STEPS)
+        engine.generate(GOOD_PROMPT, max_tokens=2 + MAX_PLAIN_STEPS, speculative=None)
 
 
 def test_close_destroys_every_buffer_the_engine_made(tiny_dir, gpu, ledger, request):

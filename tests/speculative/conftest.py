@@ -57,12 +57,14 @@ JOINT_TRIALS = 500
 
 
 def check_two_token_joint(
-    target, drafter, prompt=(3, 17, 5), trials: int = JOINT_TRIALS, new_tokens: int = 2, k: int = 2
+    target, drafter, prompt=(3, 17, 5), trials: int = JOINT_TRIALS, new_tokens: int = 2, k: int = 2, grammar=None
 ) -> int:
     """Speculative samples of (t1, t2) against the exact joint p(t1) p(t2 | t1) of the target (T = 1.5, top-6);
     returns the number of token trees verified. Generations of `new_tokens` > 2 tokens let the first step
-    verify k drafts (a step never drafts past the last token asked for)."""
+    verify k drafts (a step never drafts past the last token asked for). `grammar` (a function making a fresh
+    `GrammarMatcher`): p is the target's distribution renormalised over the tokens the grammar allows."""
     import numpy as np
+    from support.decode import allowed
     from support.distribution import assert_samples_follow
 
     from doppler_py.sampling import SamplingParams
@@ -73,18 +75,27 @@ def check_two_token_joint(
     params = SamplingParams(temperature=1.5, top_k=6)
     vocab = target.config.vocab_size
     cache = target.new_cache(len(prompt) + 2)
-    p1 = filtered_probs(target.forward(prompt, cache, 0), params)
+
+    def masked(logits, after: list[int]):
+        if grammar is None:
+            return logits
+        matcher = grammar()
+        matcher.advance(after)
+        return np.where(allowed(matcher.mask(), vocab), logits, np.float32(-np.inf))
+
+    p1 = filtered_probs(masked(target.forward(prompt, cache, 0), []), params)
     joint = np.zeros((vocab, vocab))
     for t1 in np.flatnonzero(p1):
         cache.truncate(len(prompt))
-        joint[t1] = p1[t1] * filtered_probs(target.forward([int(t1)], cache), params)
+        joint[t1] = p1[t1] * filtered_probs(masked(target.forward([int(t1)], cache), [int(t1)]), params)
     target.release_cache(cache)
 
     engine = SpeculativeEngine(target, drafter)
     counts = np.zeros_like(joint)
     trees = 0
     for seed in range(trials):
-        result = engine.generate(prompt, new_tokens, SamplingParams(temperature=1.5, top_k=6, seed=seed), k=k)
+        seeded = SamplingParams(temperature=1.5, top_k=6, seed=seed)
+        result = engine.generate(prompt, new_tokens, seeded, k=k, grammar=None if grammar is None else grammar())
         t1, t2 = result.tokens[:2]
         counts[t1, t2] += 1
         trees += result.stats.tree_steps

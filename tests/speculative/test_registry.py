@@ -30,9 +30,9 @@ class EchoDrafter(NoOpHooks):
 def test_a_drafter_added_to_the_table_alone_runs_by_its_name_in_the_api_cli_and_server(gpu, tiny_folder, monkeypatch):
     monkeypatch.setitem(DRAFTERS, "echo", DrafterSpec("echo", lambda sources: EchoDrafter(), "echoes its last token"))
     with load(
-        tiny_folder(TinySpec(num_hidden_layers=1, seed=3)), "f32", gpu=gpu, max_seq=128, progress=False
+        tiny_folder(TinySpec(num_hidden_layers=1, seed=3)), "f32", gpu=gpu, max_seq=128, progress=False, warmup="now"
     ) as engine:
-        plain = engine.generate(PROMPT, max_tokens=12, chat=False)
+        plain = engine.generate(PROMPT, max_tokens=12, chat=False, speculative=None)
         echoed = engine.generate(PROMPT, max_tokens=12, chat=False, speculative="echo", k=3)
     assert echoed.tokens == plain.tokens and echoed.drafted > 0 and echoed.speculative == "echo"
     assert cli.build_parser().parse_args(["generate", "hi", "--speculative", "echo"]).speculative == "echo"

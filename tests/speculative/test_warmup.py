@@ -163,7 +163,7 @@ def test_a_second_engine_for_the_same_model_skips_the_calibration(gpu, tiny_fold
     monkeypatch.setattr(SpeculativeEngine, "calibrate", spy)
     folder = tiny_folder(MODEL)
     for expected in ((1, 0), (1, 1)):
-        with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=False) as engine:
+        with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=False, warmup="now") as engine:
             engine.generate("hello", max_tokens=4, speculative="prompt-lookup")
         assert (len(measured), len(compiled)) == expected
     (path,) = cost_dir.iterdir()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from doppler_py.model.transformer import Transformer
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
@@ -19,8 +21,11 @@ def reference_decode(
     params: SamplingParams,
     *,
     stop_ids: Sequence[int] = (),
+    grammar=None,
 ) -> list[int]:
     """Decode one token per forward, stopping after any of `stop_ids` (u drawn as the engine's plain step).
+    `grammar` (a fresh `constraints.GrammarMatcher`): each row's disallowed tokens are set to -inf on the host
+    before the pick, and the matcher advanced by it.
 
     The prompt is fed as the engine feeds it (all but its last token, then the last token alone), so the same
     kernels produce every logit the engine's plain steps see.
@@ -34,10 +39,20 @@ def reference_decode(
             model.forward(ids[:-1], cache, 0, logits="none")
         logits = model.forward(ids[-1:], cache)
         while True:
+            if grammar is not None:
+                logits = np.where(allowed(grammar.mask(), logits.size), logits, np.float32(-np.inf))
             token = sample_reference(logits, rng.random(), params)
+            if grammar is not None:
+                grammar.advance([token])
             out.append(token)
             if token in stop_ids or len(out) == max_new_tokens:
                 return out
             logits = model.forward([token], cache)
     finally:
         model.release_cache(cache)
+
+
+def allowed(mask_row: np.ndarray, vocab: int) -> np.ndarray:
+    """A mask row's bits as a boolean per token (token t: bit t % 32 of word t // 32)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask_row, dtype="<u4").view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)

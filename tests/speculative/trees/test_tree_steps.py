@@ -276,7 +276,9 @@ def api_engine(tiny_folder):
     from doppler_py.api import load
     from doppler_py.testing.tiny import TinySpec
 
-    with load(tiny_folder(TinySpec(num_hidden_layers=2, seed=5)), weights="f32", progress=False) as engine:
+    with load(
+        tiny_folder(TinySpec(num_hidden_layers=2, seed=5)), weights="f32", progress=False, warmup="now"
+    ) as engine:
         yield engine
 
 

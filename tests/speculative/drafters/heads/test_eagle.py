@@ -324,7 +324,7 @@ def test_a_truncated_head_file_names_the_file(head_dir, models, tmp_path):
 @pytest.mark.slow
 def test_the_api_drafts_with_a_head_for_eagle_and_auto_and_stays_exact(head_dir, tiny_folder):
     prompt = [{"role": "user", "content": "tell me about rivers"}]
-    with load(tiny_folder(TARGET), weights="f32", draft_head=head_dir, progress=False) as engine:
+    with load(tiny_folder(TARGET), weights="f32", draft_head=head_dir, progress=False, warmup="now") as engine:
         plain = engine.generate(prompt, max_tokens=30)
         eagle = engine.generate(prompt, max_tokens=30, speculative="eagle", k=3)
         auto = engine.generate(prompt, max_tokens=30, speculative="auto")
@@ -365,7 +365,7 @@ def test_auto_s_pair_declares_the_heads_taps_and_pipelines_and_chains_only(model
 
 
 def test_eagle_without_a_head_says_how_to_get_one(tiny_folder):
-    with load(tiny_folder(TARGET), weights="f32", progress=False) as engine:
+    with load(tiny_folder(TARGET), weights="f32", progress=False, warmup="now") as engine:
         assert engine.heads == {}  # no head is shipped for a tiny model
         with pytest.raises(GenerationOptionError, match="train-draft"):
             engine.generate("hi", max_tokens=4, speculative="eagle")

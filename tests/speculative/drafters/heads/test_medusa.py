@@ -135,7 +135,9 @@ def test_the_api_loads_both_kinds_of_head_and_medusa_stays_exact(heads_dir, tiny
     options = TrainOptions(seed_prompts=4, max_new_tokens=8, draft_vocab=40, steps=2)
     train_eagle(tiny_folder(TARGET), eagle_dir, heads_dir.parent / "work", options, say=lambda _: None)
     prompt = [{"role": "user", "content": "tell me about rivers"}]
-    with load(tiny_folder(TARGET), weights="f32", draft_head=[heads_dir, eagle_dir], progress=False) as engine:
+    with load(
+        tiny_folder(TARGET), weights="f32", draft_head=[heads_dir, eagle_dir], progress=False, warmup="now"
+    ) as engine:
         assert sorted(engine.heads) == ["eagle", "medusa"]
         plain = engine.generate(prompt, max_tokens=30)
         medusa = engine.generate(prompt, max_tokens=30, speculative="medusa", k=2)

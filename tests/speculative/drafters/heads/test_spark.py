@@ -198,7 +198,7 @@ def test_sampled_drafts_follow_the_rows_they_report(models, block, monkeypatch):
 
 def test_the_api_runs_a_spark_head_and_refuses_broken_ones(block_dir, models, tiny_folder, tmp_path):
     prompt = [{"role": "user", "content": "tell me about rivers"}]
-    with load(tiny_folder(TARGET), weights="f32", draft_head=block_dir, progress=False) as engine:
+    with load(tiny_folder(TARGET), weights="f32", draft_head=block_dir, progress=False, warmup="now") as engine:
         assert sorted(engine.heads) == ["spark"]
         plain = engine.generate(prompt, max_tokens=30)
         spark = engine.generate(prompt, max_tokens=30, speculative="spark", k=3)

@@ -1,0 +1,99 @@
+"""Structured output through the step on the tiny target (its character tokenizer, 35 of its 48 ids): every
+verified row masked by the grammar, refused drafts cut, forced tokens drafted by the step. Greedy output equals
+a host reference that masks each row itself, for every proposal shape (plain, host chain, GPU chain with draft
+logits, host trees, lookahead's fixed trees); sampled output follows the target's joint distribution
+renormalised over the allowed tokens (a GPU-sampled chain and a deterministic tree)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from speculative.conftest import TARGET, check_two_token_joint
+from support.decode import reference_decode
+
+from doppler_py.constraints.grammar import regex_constraint
+from doppler_py.constraints.matcher import GrammarMatcher
+from doppler_py.constraints.tokenizer_bridge import ll_tokenizer
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.contract import NoOpHooks, Proposal, StepContext
+from doppler_py.speculative.drafters.draft_model import DraftModelDrafter
+from doppler_py.speculative.drafters.lookahead import LookaheadDrafter
+from doppler_py.speculative.drafters.prompt_lookup import PromptLookupDrafter
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.tokenizer import Tokenizer
+
+GREEDY = SamplingParams()
+# "ab" is forced at the start (drafted by the step), then a choice the model makes, then an end.
+PATTERN = r"ab(c|d)[a-e ]{2,14}!"
+EOS = 2  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_folder):
+    return Tokenizer.from_dir(tiny_folder(TARGET))
+
+
+def matcher_for(tokenizer, pattern: str = PATTERN) -> GrammarMatcher:
+    ll = ll_tokenizer(tokenizer)
+    return GrammarMatcher(ll, regex_constraint(pattern, tokenizer=ll), TARGET.vocab_size)
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    return tokenizer.encode("abcab dab! abd ec!", add_special_tokens=False)  # repeats for lookup to find
+
+
+DRAFTERS = {
+    "none": lambda models: None,
+    "prompt-lookup": lambda models: PromptLookupDrafter(min_ngram=1),
+    "prompt-lookup-tree": lambda models: PromptLookupDrafter(min_ngram=1, branches=4),
+    "draft-model": lambda models: DraftModelDrafter(models["draft"], TARGET.vocab_size),
+    "lookahead": lambda models: LookaheadDrafter(models["target"]),
+}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_constrained_output_equals_the_masked_reference(models, tokenizer, drafter):
+    target, prompt = models["target"], prompt_ids(tokenizer)
+    expected = reference_decode(target, prompt, 24, GREEDY, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    engine = SpeculativeEngine(target, DRAFTERS[drafter](models))
+    result = engine.generate(prompt, 24, GREEDY, k=4, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    engine.close()
+    assert result.tokens == expected
+    text = tokenizer.decode([t for t in result.tokens if t != EOS])
+    if result.tokens[-1] == EOS:
+        assert re.fullmatch(PATTERN, text), text
+    else:
+        assert any(re.fullmatch(PATTERN, text + tail) for tail in ("a!", "!", "aa!"))  # a prefix of the language
+    if drafter != "none":  # the forced "ab" came as drafts of the step's own, all accepted
+        assert result.stats.forced_tokens >= 2 and result.stats.accepted >= result.stats.forced_tokens
+
+
+def test_drafts_the_grammar_refuses_are_cut_before_verification(models, tokenizer):
+    """A drafter that always proposes "z", which the grammar never allows: each proposal is cut to nothing (a plain
+    step), so only the grammar's forced tokens are ever verified as drafts, and the output is the reference's."""
+    z = tokenizer.encode("z", add_special_tokens=False)[0]
+
+    class Refused(NoOpHooks):
+        name = "refused"
+
+        def propose(self, ctx: StepContext, k: int) -> Proposal:
+            return Proposal(k, [z] * k)
+
+    target, prompt = models["target"], prompt_ids(tokenizer)
+    engine = SpeculativeEngine(target, Refused())
+    result = engine.generate(prompt, 16, GREEDY, k=3, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 16, GREEDY, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    stats = result.stats
+    assert stats.made > stats.drafted == stats.accepted == stats.forced_tokens >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup-tree"])
+def test_sampled_constrained_output_keeps_the_renormalised_joint_distribution(models, tokenizer, drafter):
+    pattern = r"[a-h]{2}[a-z]*!"  # the first two tokens: 8 allowed of 48
+    grammar = lambda: matcher_for(tokenizer, pattern)  # noqa: E731
+    prompt = tuple(tokenizer.encode("abc abd ab", add_special_tokens=False))
+    trees = check_two_token_joint(models["target"], DRAFTERS[drafter](models), prompt, new_tokens=4, grammar=grammar)
+    assert (trees > 0) == (drafter == "prompt-lookup-tree")
