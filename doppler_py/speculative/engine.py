@@ -360,10 +360,9 @@ class SpeculativeEngine:
             costs.observe_step(outcome.drafted, times.total_s)
         elif times.gpu_draft_s is not None:
             # GPU stamps split the step: its drafting, and the rest, which is what a step verifying these rows
-            # costs now (at this context, with this drafter's upkeep). Without this split the costs of 2+ rows
-            # would stay those of the calibration: on lavapipe they read 88–116 ms for 2–4 rows where live steps
-            # took 90–131 ms, and the policy drafted more than paid (k = 1 was faster). Drafts the engine cut
-            # were drafted all the same.
+            # costs now (at this context, with this drafter's upkeep); else the costs of 2+ rows stay those of
+            # the calibration, below what live steps take, and the policy drafts more than pays. Drafts the
+            # engine cut were drafted all the same.
             costs.observe_verify(outcome.drafted + 1, times.total_s - times.gpu_draft_s)
             costs.observe_draft(outcome.made, times.gpu_draft_s)
         else:

@@ -9,13 +9,10 @@ is already too many, step by step, where a running mean of acceptance can only s
 `ConfidenceCalibration` maps a confidence to an acceptance rate measured on the head's own verified drafts
 (in bins, starting from the confidence itself as the prior), so a head that is over- or under-confident on the
 text at hand is read as it is. Each bin forgets (a weight of DECAY per new draft in it, a memory of about 20
-drafts), so the rates follow the text being written: a head confident on stories is less right on lists, and
-with a calibration kept whole across six kinds of prompt EAGLE made 1.27x plain where forgetting made 1.34x
-(lavapipe, the bench's six open-ended prompts, 2 repeats, one run). The first, second and later drafts of a
-chain have rates of their own: on held-out answers like its training data the head's confidence meant the same
-at every depth, but on the bench's code and explanation prompts a deep draft was confidently wrong (third drafts
-verified there were accepted 3% and 10% of the time), and rates by depth made 1.38x (worst prompt 1.19x)
-against 1.31x (1.11x) for one rate for all depths, in one run. A chain's node i is accepted only if every
+drafts), so the rates follow the text being written: a head confident on stories is less right on lists. The
+first, second and later drafts of a chain have rates of their own: a head's confidence can mean the same at
+every depth on text like its training data and be confidently wrong deep in a chain on other text (measured in
+docs/benchmarks.md, "Why the policy is what it is"). A chain's node i is accepted only if every
 draft up to it is, so its expected contribution (`Proposal.values`) is the product of the rates of drafts 0..i.
 """
 

@@ -23,9 +23,7 @@ device's measured throughput (`CostModel.bar`: tokens per second over the recent
 decoding's). Maximising each step's E − bar × cost maximises tokens per second over the whole generation
 (Dinkelbach), where maximising each step's own rate E / cost does not: it stops a confident chain while its
 next draft still beats the generation's rate, and lets a weak chain verify drafts that only beat its own poor
-rate. Simulated on the EAGLE head's held-out chains with lavapipe's costs, the bar gave 1.40 tokens per plain
-step's time against 1.385 for each step's own rate; measured on lavapipe (gated EAGLE, six open-ended prompts,
-2 repeats, one run) 1.37x plain decoding (worst prompt 1.17x) against 1.33x (1.09x).
+rate (measured in docs/benchmarks.md, "Why the policy is what it is").
 
 A drafter whose steps have a fixed shape (lookahead decoding: its window is part of every proposal, and its
 drafts are not a chain whose tail is the least likely part) is run in fixed mode: k is that shape's node count,
@@ -49,8 +47,8 @@ _EMA = 0.3  # weight of the newest measurement
 # The throughput follows the text over about ten steps: one step's tokens swing from 1 to k + 1.
 _THROUGHPUT_EMA = 0.1
 # A step timed at more than this many times the running cost counts as this ratio: a stall of the shared
-# machine (0.4-0.5 s on lavapipe against 90-150 ms) would otherwise stay in the cost of a row count the policy
-# then stops using, and keep it from coming back. Only slow outliers are clipped: a device is never faster than
+# machine would otherwise stay in the cost of a row count the policy then stops using, and keep it from coming
+# back. Only slow outliers are clipped: a device is never faster than
 # it is, so a cost measured too high (a stall in the first measure) must be free to fall.
 _OUTLIER_RATIO = 1.5
 

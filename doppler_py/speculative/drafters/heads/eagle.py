@@ -213,9 +213,9 @@ class EagleDrafter(NoOpHooks):
     def compile(self) -> None:
         """Compile the pipelines of the head's matmuls (its input projections, its layer and LM head) for every
         row count they may run with (the rows a verification kept, 1..capacity + 1, or a prefill chunk;
-        `compile_rows`). A first long accepted run compiled the input projections mid-generation (8 pipelines,
-        7.5 s on lavapipe), and with the CLI's default `--weights keep` the layer's 7 more (a first generation
-        9.0-11.1 tok/s against 13.1 with them compiled). The engine runs it beside its own warm-up."""
+        `compile_rows`): else a first long accepted run compiles the input projections mid-generation, and with
+        `--weights keep` the layer's too, all timed as the step's cost. The engine runs it beside its own
+        warm-up."""
         compile_rows((self.fc_embed, self.fc_raw, self.fc_own, *self.fc_taps, *self.head.model.linears()))
 
     @property
