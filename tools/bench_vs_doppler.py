@@ -37,10 +37,10 @@ from doppler_py.gpu.weights import Weight, dequantize_blocks, quantize_blocks
 from doppler_py.ops.attention import Attention
 from doppler_py.ops.linear import Linear
 from doppler_py.ops.sampling import Sampler
+from doppler_py.ops.softmax import Softmax
 from doppler_py.parity.npm import fetch_package
 from doppler_py.sampling import SamplingParams
 from doppler_py.testing import references
-from doppler_py.testing.ops import Softmax
 from doppler_py.testing.sampling_reference import sample_reference
 
 # The runner of the JS original's shaders is test-lane code (tests/parity), shared with this tool.

@@ -1,8 +1,8 @@
 """The element-wise ops of a transformer (SwiGLU / GeGLU, Gemma 2's logit soft-capping) and the shape checks
 all ops share.
 
-The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op the tests
-use is `doppler_py.testing.ops.Residual`.
+The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op only the
+tests run is tests/support/residual.py's `Residual`.
 """
 
 from __future__ import annotations

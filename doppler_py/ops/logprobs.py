@@ -1,8 +1,10 @@
-"""Log-probabilities of a step's committed tokens and their top alternatives (`shaders/logprobs.wgsl`).
+"""Log-probabilities of a step's committed tokens and their top alternatives.
 
-Recorded after the verifier into the same command encoder, it reads the target's logits rows the step just
-verified and the verifier's result vector (which says which token each row committed), and writes one small
-row per position; `read` fetches the rows that were committed, once, after the step's result.
+Recorded after the verifier into the same command encoder, as two dispatches: `shaders/softmax.wgsl`'s
+log-softmax of the logits rows the step just verified into a scratch [max_rows, vocab], then
+`shaders/logprobs.wgsl`, which picks from those rows the token each row committed (the verifier's result vector
+says which) and the top alternatives, and writes one small row per position; `read` fetches the rows that were
+committed, once, after the step's result.
 
 Which distribution: log_softmax(logits / T) of the target's raw logits over the whole vocabulary, T being the
 request's temperature (1 for greedy requests, so they report the model's own probabilities, as OpenAI does),
@@ -18,6 +20,7 @@ import numpy as np
 from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.ops.softmax import Softmax
 from doppler_py.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs; the shader's MAX_TOP
@@ -45,16 +48,21 @@ def logprob_temperature(params: SamplingParams) -> float:
 
 class LogProbs:
     """logits: f32 [>= max_rows * vocab] (the target's verified rows); result: the verifier's u32 result
-    ([accepted, token, status, d_0 ..]); one workgroup per row."""
+    ([accepted, token, status, d_0 ..]); each dispatch runs one workgroup per row."""
 
     def __init__(self, registry: KernelRegistry, logits: Tensor, result: Tensor, *, vocab: int, max_rows: int):
         if logits.dtype != "f32" or logits.numel < max_rows * vocab:
             raise ValueError(f"LogProbs logits: need f32 >= {max_rows * vocab} elements, got {logits.shape}")
         self.max_rows = max_rows
+        self.log_probs = Tensor.empty(registry.gpu, (max_rows, vocab), "f32", label="logprobs log_softmax")
+        self.log_softmax = Softmax(registry, logits, self.log_probs, cols=vocab, max_rows=max_rows, log=True)
         self.out = Tensor.empty(registry.gpu, (max_rows, _ROW_WORDS), "f32", label="logprobs")
-        params = {"vocab": vocab, "temperature": 1.0, "top_n": 0}
         self.bound = registry.bind(
-            registry.kernel("logprobs"), params=params, logits=logits, result=result, out=self.out
+            registry.kernel("logprobs"),
+            params={"vocab": vocab, "top_n": 0},
+            logprobs=self.log_probs,
+            result=result,
+            out=self.out,
         )
         self.registry = registry
 
@@ -63,7 +71,8 @@ class LogProbs:
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"LogProbs.record: rows must be in [1, {self.max_rows}], got {rows}")
         check_top_logprobs(top_n)
-        self.bound.params.set(temperature=logprob_temperature(params), top_n=top_n)
+        self.log_softmax.record(rec, rows, logprob_temperature(params))
+        self.bound.params.set(top_n=top_n)
         rec.dispatch(self.bound, rows)
 
     def read(self, rows: int, top_n: int) -> list[TokenLogprob]:
@@ -84,5 +93,6 @@ class LogProbs:
         ]
 
     def release(self, registry: KernelRegistry) -> None:
-        registry.release_tensors(self.out)
+        self.log_softmax.release(registry)
+        registry.release_tensors(self.log_probs, self.out)
         registry.release_slot(self.bound.params)

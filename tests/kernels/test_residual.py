@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.residual import Residual
 
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.testing.ops import Residual
 
 
 def test_adds_delta_into_acc_for_the_recorded_rows_only(gpu, registry, rng):

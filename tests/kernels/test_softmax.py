@@ -1,4 +1,4 @@
-"""Softmax / log-softmax with temperature (`doppler_py.testing.ops.Softmax`) against the float64 references in
+"""Softmax / log-softmax with temperature (`doppler_py.ops.softmax.Softmax`) against the float64 references in
 `doppler_py.testing.references`.
 
 Tolerances: probabilities rtol 1e-5 (WGSL allows exp an error of 3 + 2|x| ulp, ~4e-6 relative at
@@ -13,7 +13,7 @@ import pytest
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.testing.ops import Softmax
+from doppler_py.ops.softmax import Softmax
 from doppler_py.testing.references import log_softmax, softmax
 
 

@@ -34,6 +34,7 @@ import re
 import numpy as np
 import pytest
 from parity import doppler_kernels as dop
+from support.residual import Residual
 
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight, dequantize_blocks, quantize_blocks
@@ -44,9 +45,9 @@ from doppler_py.ops.linear import Linear
 from doppler_py.ops.norms import RMSNorm
 from doppler_py.ops.rope import RoPE, rope_table
 from doppler_py.ops.sampling import Sampler
+from doppler_py.ops.softmax import Softmax
 from doppler_py.sampling import SamplingParams
 from doppler_py.testing import references
-from doppler_py.testing.ops import Residual, Softmax
 from doppler_py.testing.sampling_reference import sample_reference
 
 pytestmark = pytest.mark.parity

@@ -1,9 +1,7 @@
-"""Ops whose kernels the model never runs, kept for the kernel tests, the JS-parity lane and selfchecks.
+"""Softmax and log-softmax with temperature over rows (`shaders/softmax.wgsl`, the one online softmax).
 
-The forward pass folds its residual adds into the matmuls (`Linear(accumulate=True)`) and samples from raw
-logits (the sampler applies temperature itself), so `residual.wgsl` and `softmax.wgsl` run only here. The
-shaders stay in shaders/ (the Tint lane validates every shader; softmax is also compared with the JS
-original's softmax).
+The log-probs op (`doppler_py.ops.logprobs.LogProbs`) runs its log-softmax over the verified rows before
+selecting from them; the sampler needs no softmax (it applies temperature to raw logits itself).
 """
 
 from __future__ import annotations
@@ -11,26 +9,9 @@ from __future__ import annotations
 import math
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import require_f32, require_rows
-
-
-class Residual:
-    """acc[t, :] += delta[t, :] for the first `rows` rows of [max_rows, dim] tensors, in place."""
-
-    def __init__(self, registry: KernelRegistry, delta: Tensor, acc: Tensor, *, dim: int, max_rows: int):
-        require_f32(delta, max_rows * dim, "Residual delta")
-        require_f32(acc, max_rows * dim, "Residual acc")
-        self.dim = dim
-        self.max_rows = max_rows
-        self.bound = registry.bind(registry.kernel("residual"), params={"n": 0}, delta=delta, acc=acc)
-
-    def record(self, rec: Recorder, rows: int) -> None:
-        require_rows(rows, self.max_rows, "Residual")
-        n = rows * self.dim
-        self.bound.params.set(n=n)
-        rec.dispatch(self.bound, workgroups(n, 256))
 
 
 class Softmax:
@@ -57,3 +38,7 @@ class Softmax:
             raise GenerationOptionError(f"temperature must be a finite number > 0, got {temperature}")
         self.bound.params.set(temperature=temperature)
         rec.dispatch(self.bound, rows)
+
+    def release(self, registry: KernelRegistry) -> None:
+        """Give back the op's uniform slot; `logits` and `out` are the caller's."""
+        registry.release_slot(self.bound.params)
