@@ -26,6 +26,7 @@ from doppler_py.gpu.kernels import KernelRegistry
 from doppler_py.model.catalog import DEFAULT_MODEL, known_head, resolve_model
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
+from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
@@ -38,6 +39,7 @@ from doppler_py.speculative.readiness.cost_cache import cost_key, load_costs, sa
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DraftSources, speculative_modes
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
+from doppler_py.tool_calls import ToolPlan, chat_messages, parse_answer, tool_plan
 
 if TYPE_CHECKING:
     from doppler_py.constraints.matcher import GrammarMatcher
@@ -56,7 +58,7 @@ class GenerationResult:
     # before the stop is kept in `text`; so `text` may hold a few characters more than decode(tokens).
     tokens: list[int]
     prompt_tokens: int
-    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
+    finish_reason: str  # "stop" (end of sequence or a stop string), "length", or "tool_calls" (see `stream`'s tools)
     speculative: str | None  # the drafter used, or None for plain decoding
     drafted: int
     accepted: int
@@ -72,9 +74,14 @@ class GenerationResult:
     # One standard error of time_saved_s: the median's own uncertainty times the tokens, plus the spread of a
     # sum of that many plain steps (1.4826·MAD per step); None when time_saved_s is.
     time_saved_s_err: float | None = None
+    # Prompt tokens whose K/V came from the prefix cache (an earlier sequence shared them), not prefilled.
+    cached_tokens: int = 0
     stats: dict = field(default_factory=dict)
     # With logprobs=N: one entry per token of `tokens` (see `Engine.stream`); None when not asked for.
     logprobs: list[TokenLogprob] | None = None
+    # With tools: the calls the answer made, in OpenAI's shape ({"id", "type", "function": {"name", "arguments"}});
+    # None without tools. `text` stays the answer as written (the <tool_call> blocks, see `doppler_py.tool_calls`).
+    tool_calls: list[dict] | None = None
 
     def as_dict(self) -> dict:
         record = {k: v for k, v in self.__dict__.items() if k not in ("tokens", "logprobs")}
@@ -100,11 +107,15 @@ class Engine:
         owns_registry: bool = False,
         folder: Path | None = None,
         warmup: str = defaults.WARMUP,
+        kv_cache_mb: int = defaults.KV_CACHE_MB,
     ):
         """`heads`: trained draft heads for `model` by kind ("eagle", "medusa", "spark"); `owns_registry`: the
         models' kernel registry was made for this engine and is closed with it; `folder`: the model's files,
-        which key the on-disk cache of measured verification costs (None: no cache); `warmup`: see `load`."""
+        which key the on-disk cache of measured verification costs (None: no cache); `warmup`, `kv_cache_mb`:
+        see `load`."""
         check_warmup(warmup)
+        check_kv_cache_mb(kv_cache_mb)
+        self.prefix_cache = PrefixCache(model, kv_cache_mb << 20)
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -134,6 +145,7 @@ class Engine:
             return
         for spec in self._spec.values():
             spec.close()
+        self.prefix_cache.clear()
         for head in self.heads.values():
             head.close()
         if self.owns_registry:
@@ -180,6 +192,7 @@ class Engine:
                 if paired:
                     drafter = BestOfDrafter(DRAFTERS["prompt-lookup"].make(sources), drafter)
             engine = SpeculativeEngine(self.model, drafter)
+            engine.prefix_cache = self.prefix_cache
             if mode != "none":
                 self._prepare(engine)
             self._spec[mode] = engine
@@ -203,7 +216,9 @@ class Engine:
         return mode != "none" and self.speculative_engine(mode).policy.should_speculate()
 
     # -- generation --------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Messages, chat: bool | None = None, tools: ToolPlan | None = None
+    ) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise GenerationOptionError("the prompt is empty")
@@ -214,9 +229,15 @@ class Engine:
         if not prompt:
             raise GenerationOptionError("no chat messages given")
         for message in prompt:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            if (
+                not isinstance(message, dict)
+                or "role" not in message
+                or not ("content" in message or "tool_calls" in message)
+            ):
                 raise GenerationOptionError(f"chat messages need 'role' and 'content', got {message!r}")
-        text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+        # Tool calls and results in the history made renderable, and the tools shown (`doppler_py.tool_calls`).
+        messages, variables = chat_messages(prompt, self.tokenizer, tools)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(
@@ -237,6 +258,9 @@ class Engine:
         response_format: Mapping[str, Any] | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
         Defaults (`doppler_py.defaults`, the same in the CLI and the server): speculative "auto", greedy.
@@ -279,6 +303,14 @@ class Engine:
         the model's distribution renormalised over the tokens the constraint allows (masked on the GPU), with
         any drafter; tokens the constraint forces are drafted for free (`stats["forced_tokens"]`). The answer
         ends when the constraint is complete (or at max_tokens, finish_reason "length", possibly unfinished).
+
+        tools / tool_choice / parallel_tool_calls: OpenAI's function calling (`doppler_py.tool_calls`), for chat
+        prompts. The tools are shown to the model (through its chat template when it takes `tools`, else in the
+        system message) and the answer is constrained to `<tool_call>` blocks of valid calls: tool_choice
+        "required" or {"type": "function", "function": {"name": ...}} forces a call, "auto" (the default) allows
+        plain text instead, "none" neither shows nor calls them. The stream yields the answer as written;
+        `last_result.tool_calls` holds the parsed calls and finish_reason is "tool_calls" when the answer made
+        calls and ended by itself. Not combined with response_format, regex or grammar.
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
@@ -286,8 +318,13 @@ class Engine:
         stops = check_stop(stop)
         check_top_logprobs(logprobs)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        plan = tool_plan(tools, tool_choice, parallel_tool_calls)
+        if plan is not None:
+            if response_format is not None or regex is not None or grammar is not None:
+                raise GenerationOptionError("tools are not combined with response_format, regex or grammar")
+            grammar = plan.grammar  # the calls' own constraint
         constraint = self._constraint(response_format, regex, grammar)
-        ids = self.encode_prompt(prompt, chat)
+        ids = self.encode_prompt(prompt, chat, tools=plan)
         self.model.check_ids(ids)
         check_fits(len(ids), max_tokens, self.model.max_positions)
         mode = self._resolve_mode(speculative)
@@ -348,6 +385,10 @@ class Engine:
         self.last_result = self._result(tokens, ids, stats, mode, elapsed=time.perf_counter() - start, stop=matcher)
         if logprobs is not None:
             self.last_result.logprobs = token_logprobs
+        if tools is not None:
+            self.last_result.tool_calls = parse_answer(self.last_result.text)[1] if plan is not None else []
+            if self.last_result.tool_calls and self.last_result.finish_reason == "stop":
+                self.last_result.finish_reason = "tool_calls"
 
     def _constraint(
         self, response_format: Mapping[str, Any] | None, regex: str | None, grammar: str | None
@@ -402,6 +443,7 @@ class Engine:
             time_saved_s=saved,
             time_saved_s_err=saved_err,
             stats=stats.as_dict(),
+            cached_tokens=stats.cached_tokens,
         )
 
 
@@ -509,6 +551,7 @@ def load(
     progress: bool = True,
     gpu: Gpu | None = None,
     warmup: str = defaults.WARMUP,
+    kv_cache_mb: int = defaults.KV_CACHE_MB,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -523,8 +566,12 @@ def load(
     plain tokens, then switch speculation on (the default, as in the CLI and the server: the first token comes
     as fast as without speculation). Either way measured costs are cached on disk per device, model and precision,
     so later processes skip the measuring.
+    kv_cache_mb: GPU memory (MiB) kept for earlier sequences' K/V (`model.prefix_cache`): a prompt that shares a
+    prefix with an earlier prompt or answer (a chat's next turn, a common system prompt) prefills only the rest
+    (`GenerationResult.cached_tokens`); the output is the same either way. 0: keep none.
     """
     check_warmup(warmup)
+    check_kv_cache_mb(kv_cache_mb)
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     gpu = gpu or default_gpu(browser_limits)
@@ -570,10 +617,16 @@ def load(
         owns_registry=True,
         folder=folder,
         warmup=warmup,
+        kv_cache_mb=kv_cache_mb,
     )
 
 
 WARMUP_MODES = ("now", "background")
+
+
+def check_kv_cache_mb(kv_cache_mb: int) -> None:
+    if isinstance(kv_cache_mb, bool) or not isinstance(kv_cache_mb, int) or kv_cache_mb < 0:
+        raise GenerationOptionError(f"kv_cache_mb must be a whole number of MiB >= 0, got {kv_cache_mb!r}")
 
 
 def use_trees(engine: SpeculativeEngine, tree: bool | None, logprobs) -> None:

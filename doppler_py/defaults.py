@@ -14,3 +14,4 @@ MAX_TOKENS = 128
 TEMPERATURE = 0.0  # greedy
 TOP_K = 0  # all tokens
 TOP_P = 1.0  # all the mass
+KV_CACHE_MB = 256  # GPU memory for earlier sequences' K/V, so shared prompt prefixes are not prefilled again

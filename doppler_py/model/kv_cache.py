@@ -70,14 +70,20 @@ class KVCache:
     def fork(self) -> KVCache:
         """A second cache starting with this one's prefix (copied on the GPU; later writes are independent)."""
         other = KVCache(self.gpu, self.num_layers, self.max_seq, self.n_kv_heads, self.head_dim, "kv-fork")
-        if self.length:
+        self.copy_prefix(other, self.length)
+        return other
+
+    def copy_prefix(self, other: KVCache, length: int) -> None:
+        """Positions 0..length-1 of every layer copied into `other` on the GPU (queued now), which then holds
+        `length` positions."""
+        other.check_room(0, length)
+        if length:
             encoder = self.gpu.device.create_command_encoder()
-            used = self.length * self.n_kv_heads * self.head_dim * 4
+            used = length * self.n_kv_heads * self.head_dim * 4
             for src, dst in zip(self.keys + self.values, other.keys + other.values, strict=True):
                 encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, used)
             self.gpu.queue.submit([encoder.finish()])
-        other.length = self.length
-        return other
+        other.length = length
 
     def close(self) -> None:
         if not self.closed:

@@ -16,9 +16,10 @@ Besides those hooks a drafter declares what it can do, and the engine reads noth
 `NoOpHooks` holds the defaults, so a drafter states only where it differs): `fixed_nodes` (a fixed step shape,
 lookahead), `gates_chains` (it ends its chains by `StepContext.worth_drafting`), `tree_branches` (tokens per depth
 when it drafts trees; 1: chains only) with `branches` (what this generation asked for), `feature_taps` (target
-layers whose outputs it reads: the engine taps them) and `compile()` (builds its own pipelines ahead of use,
-thread-safe: the engine runs it with its warm-up). A drafter made of others (`BestOfDrafter`) declares for the
-whole, from its parts.
+layers whose outputs it reads: the engine taps them), `reads_prompt_features` (it needs the target's features
+of every prompt position, which a prefix from the prefix cache lacks) and `compile()` (builds its own pipelines
+ahead of use, thread-safe: the engine runs it with its warm-up). A drafter made of others (`BestOfDrafter`)
+declares for the whole, from its parts.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class StepContext:
                     the values (`Proposal.values`) of a chain drafted so far, whether its newest draft paid for
                     its drafting and its verified row on this device. A drafter that can value its drafts as it
                     goes (EAGLE, by its confidence) stops its chain at the first that did not; None: draft k.
+    cached          prompt positions whose K/V came from the prefix cache (`model.prefix_cache`): the prefill,
+                    and `prefilled`, begin there; the target's features of those positions were never computed
     grammar         the generation's constraint (`constraints.GrammarMatcher`, at the committed tokens), or None.
                     The step masks every verified row by it and drafts the tokens it forces itself; a drafter
                     may ignore it (a draft the grammar refuses is cut before verification).
@@ -72,6 +75,7 @@ class StepContext:
     capacity: int
     hidden_rows: int = 0
     worth_drafting: Callable[[Sequence[float]], bool] | None = None
+    cached: int = 0
     grammar: GrammarMatcher | None = None
 
     @property
@@ -143,6 +147,10 @@ class Drafter(Protocol):
     tree_branches: int  # tokens per depth of its trees; 1: it drafts chains only
     branches: int  # 1 (chains) or tree_branches (trees), set for each generation
     feature_taps: tuple[int, ...]  # target layers whose outputs it reads beside the final residual stream
+    # It reads the target's features of every prompt position (`prefilled`): after a prefix from the prefix
+    # cache it starts later and drafts differently, so a seeded sampled generation, whose tokens depend on the
+    # drafts' random draws, does not take a prefix from the cache with it.
+    reads_prompt_features: bool
 
     def compile(self) -> None:
         """Build the drafter's own pipelines for every shape it may run (thread-safe; before first use)."""
@@ -177,6 +185,7 @@ class NoOpHooks:
     tree_branches = 1
     branches = 1
     feature_taps: tuple[int, ...] = ()
+    reads_prompt_features = False
 
     def compile(self) -> None:
         pass

@@ -29,6 +29,7 @@ from doppler_py.speculative.timing import StepClock, StepTimes
 
 if TYPE_CHECKING:
     from doppler_py.constraints.matcher import GrammarMatcher
+    from doppler_py.model.prefix_cache import PrefixCache
 
 # While pipelines compile in the background: the verified row counts at which speculation steps up when each
 # step up must calibrate first, and the context of calibrations between steps (shorter than the 64 of a full
@@ -79,6 +80,8 @@ class SpeculativeEngine:
         self.usable_rows = self.capacity + 1  # most rows a step may verify (fewer while `prepare` compiles)
         self.needs_calibration = False
         self.on_calibrated: Callable[[dict[int, float]], None] | None = None
+        # Earlier sequences' K/V (`model.prefix_cache`), shared by every engine of the model; None: none kept.
+        self.prefix_cache: PrefixCache | None = None
         self.closed = False
 
     @property
@@ -221,6 +224,7 @@ class SpeculativeEngine:
         start = time.perf_counter()
         ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k, grammar=grammar)
         stats.prefill_s = time.perf_counter() - start
+        stats.cached_tokens = ctx.cached
         stats.drafter = self.drafter.name
         self.steps.logprobs = logprobs
         produced = 0
@@ -263,8 +267,9 @@ class SpeculativeEngine:
         grammar: GrammarMatcher | None = None,
     ) -> StepContext:
         """A generation's start: the checks, the policy reset (`k` pins the draft length), a KV cache, the
-        drafter started, and the prefill of every prompt token but the last (the first step feeds it). Steps
-        (`step`, or `propose` then `verify`) follow; `close_context` ends it."""
+        drafter started, and the prefill of every prompt token but the last (the first step feeds it), after
+        the longest prefix the prefix cache holds (`ctx.cached`). Steps (`steps.step`) follow; `close_context`
+        ends it."""
         target = self.target
         tokens = target.check_ids(prompt_ids).tolist()
         check_fits(len(tokens), max_new_tokens, target.max_positions)
@@ -275,8 +280,14 @@ class SpeculativeEngine:
         if self.policy.adaptive and self.policy.cost_aware:
             ctx.worth_drafting = lambda values: worth_drafting(values, self.policy.costs)
         try:
+            # A seeded sampled generation's tokens follow its drafts' draws: the same with a hit or without.
+            seeded = not self.policy.cost_aware
+            if self.prefix_cache is not None and not (seeded and self.drafter.reads_prompt_features):
+                entry, ctx.cached = self.prefix_cache.lookup(tokens)
+                if entry is not None:
+                    self.prefix_cache.restore(entry, ctx.cached, cache)
             self.drafter.start(ctx)
-            for begin in range(0, len(tokens) - 1, target.max_rows):  # the last prompt token is fed by step 1
+            for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):  # the last token is fed by step 1
                 chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
                 target.forward(chunk, cache, begin, logits="none")
                 ctx.hidden_rows = len(chunk)
@@ -290,9 +301,14 @@ class SpeculativeEngine:
         return ctx
 
     def close_context(self, ctx: StepContext) -> None:
-        """A generation's end (completed, failed or cancelled): the drafter's state and the KV cache freed."""
+        """A generation's end (completed, failed or cancelled): its committed tokens' K/V kept in the prefix
+        cache, the drafter's state and the KV cache freed."""
         self.drafter.finish()
-        self.target.release_cache(ctx.target_cache)
+        cache = ctx.target_cache
+        # Not after a step cut short, nor once the engine (and so the model's buffers) was closed.
+        if self.prefix_cache is not None and cache.length == len(ctx.tokens) - 1 and not self.closed:
+            self.prefix_cache.store(ctx.tokens[: cache.length], cache)
+        self.target.release_cache(cache)
 
     def _batch_size(self, remaining: int, first: bool) -> int:
         """Plain steps for the next submit: one for a generation's first token (it shows at once), then as many

@@ -20,6 +20,7 @@ class SpecStats:
     drafter: str = ""
     steps: int = 0  # speculative steps (draft + one batched verification)
     tree_steps: int = 0  # of those, steps that verified a token tree (drafted counts its nodes)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     forced_tokens: int = 0  # drafts a grammar forced (drafted and accepted count them too)
     plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
     warmup_steps: int = 0  # of those, steps taken because speculation was not ready yet (pipelines compiling)
@@ -102,6 +103,7 @@ class SpecStats:
             "drafter": self.drafter,
             "steps": self.steps,
             "tree_steps": self.tree_steps,
+            "cached_tokens": self.cached_tokens,
             "forced_tokens": self.forced_tokens,
             "plain_steps": self.plain_steps,
             "warmup_steps": self.warmup_steps,

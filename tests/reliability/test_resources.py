@@ -61,7 +61,11 @@ def ledger(monkeypatch, gpu):
 
 
 def load(folder: Path, gpu, **options):
-    return doppler_py.load(folder, weights="f32", gpu=gpu, max_seq=None, progress=False, **{"warmup": "now", **options})
+    """The tiny model, ready to speculate from the first token, without the prefix cache: it keeps earlier
+    sequences' K/V on purpose, within its own budget (tests/speculative/test_prefix_cache.py), which would read
+    as growth here."""
+    defaults = {"warmup": "now", "kv_cache_mb": 0}
+    return doppler_py.load(folder, weights="f32", gpu=gpu, max_seq=None, progress=False, **{**defaults, **options})
 
 
 @pytest.fixture(autouse=True)
@@ -84,10 +88,10 @@ def exercise(engine, tokens: int = 8, *, full_batches: bool = False) -> None:
 
 def test_close_destroys_every_buffer_the_engine_made(tiny_dir, gpu, ledger, request):
     baseline = buffer_use()
-    engine = load(tiny_dir, gpu)
+    engine = load(tiny_dir, gpu, kv_cache_mb=8)  # the prefix cache's entries are the engine's too
     exercise(engine)
     loaded = buffer_use()
-    assert ledger.holding()  # the ledger sees the engine's buffers
+    assert ledger.holding() and len(engine.prefix_cache) > 0  # the ledger sees the engine's buffers
     engine.close()
     assert ledger.holding() == []
     engine.close()  # closing twice is harmless

@@ -170,6 +170,7 @@ class EagleDrafter(NoOpHooks):
     name = "eagle"
     tree_branches = DYNAMIC_TREE_WIDTH
     gates_chains = True  # its chains end where its confidence says a draft stops paying
+    reads_prompt_features = True  # its head consumes the target's features of every position
 
     def __init__(self, target: Transformer, head: EagleHead):
         self.target, self.head = target, head
@@ -207,7 +208,11 @@ class EagleDrafter(NoOpHooks):
         # A gated draft's pick and the head's row it came from, side by side for one readback
         self.draft_readback = Tensor.empty(gpu, 1 + model.config.vocab_size, "f32", "eagle draft readback")
         self.cache: KVCache | None = None
-        self.consumed = 0  # pairs (f_p, t_{p+1}) in the head cache: positions 0..consumed-1
+        self.consumed = 0  # pairs (f_p, t_{p+1}) in the head cache: positions offset..consumed-1
+        # The first position the head cache holds: after a prompt prefix that came from the prefix cache (whose
+        # features the target never computed), the head starts there; RoPE is relative, so the head's positions
+        # are shifted by it.
+        self.offset = 0
         self.out_row = 0  # the row of model.x holding the head's latest prediction
 
     def compile(self) -> None:
@@ -241,7 +246,7 @@ class EagleDrafter(NoOpHooks):
             drafts, confidences = zip(*self.chain[: accepted + 1], strict=True)
             self.calibration.observe(confidences, [d == t for d, t in zip(drafts, committed, strict=False)])
             self.chain = []
-        self.cache.truncate(self.consumed)  # drop the pairs built on the head's own predictions
+        self.cache.truncate(self.consumed - self.offset)  # drop the pairs built on the head's own predictions
         self._consume(ctx, len(ctx.tokens) - 1)
 
     def _consume(self, ctx: StepContext, m: int) -> None:
@@ -250,6 +255,11 @@ class EagleDrafter(NoOpHooks):
         rows = m - self.consumed
         if rows <= 0:
             return
+        if rows > ctx.hidden_rows and self.consumed == self.offset and ctx.cached:
+            self.consumed = self.offset = m - ctx.hidden_rows
+            rows = ctx.hidden_rows
+            if rows == 0:
+                return
         if rows > ctx.hidden_rows:
             raise InternalError(f"EAGLE head lags {rows} positions, but the target holds only {ctx.hidden_rows} rows")
         model, hidden = self.head.model, self.target.config.hidden_size
@@ -265,14 +275,14 @@ class EagleDrafter(NoOpHooks):
         self.fc_raw.record(rec, rows=rows)  # matmul: x += f·(W_f/σ)ᵀ − (W_f·μ/σ + Σ W_t·μ_t/σ_t)
         for fc_tap in self.fc_taps:
             fc_tap.record(rec, rows=rows)  # matmul: x += f_t·(W_t/σ_t)ᵀ
-        model.record_forward(rec, rows, self.cache, self.consumed, logits="last", embedded=True)
+        model.record_forward(rec, rows, self.cache, self.consumed - self.offset, logits="last", embedded=True)
         rec.submit()
         self.consumed, self.out_row = m, rows - 1
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         m = len(ctx.tokens) - 1
         k = min(k, self.sampling.max_drafts)
-        if self.consumed == 0 or self.consumed != m or self.cache.free < k:
+        if self.consumed == self.offset or self.consumed != m or self.cache.free < k:
             return NO_PROPOSAL
         if self.branches > 1 and k >= 2:
             return self._dynamic_tree(ctx, k)
@@ -304,7 +314,7 @@ class EagleDrafter(NoOpHooks):
             self.embed.record(rec, rows=rows)
             self.fc_embed.record(rec, rows=rows)
             self.fc_own.record(rec, rows=rows)
-            model.record_forward(rec, rows, self.cache, m, logits="all", embedded=True, tree=True)
+            model.record_forward(rec, rows, self.cache, m - self.offset, logits="all", embedded=True, tree=True)
             rec.submit()
             raw = gpu.queue.read_buffer(model.logits.buffer, first * n * 4, (rows - first) * n * 4)
             return np.frombuffer(raw, np.float32).reshape(rows - first, n)
@@ -332,7 +342,7 @@ class EagleDrafter(NoOpHooks):
                 self.embed.record(rec, rows=1)
                 self.fc_embed.record(rec, rows=1)
                 self.fc_own.record(rec, rows=1)
-                model.record_forward(rec, 1, self.cache, m + i - 1, logits="last", embedded=True)
+                model.record_forward(rec, 1, self.cache, m + i - 1 - self.offset, logits="last", embedded=True)
                 self.out_row = 0
             self.scatter.record(rec)  # the draft-vocabulary logits over the target's vocabulary
             self.sampling.record_pick(rec, model.ids, i, params)
@@ -357,7 +367,7 @@ class EagleDrafter(NoOpHooks):
         if self.cache is not None:
             self.head.model.release_cache(self.cache)
             self.cache = None
-        self.consumed = self.out_row = 0
+        self.consumed = self.offset = self.out_row = 0
         self.chain = []
 
     def close(self) -> None:

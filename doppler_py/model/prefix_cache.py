@@ -1,0 +1,109 @@
+"""The KV rows of earlier sequences, kept so that a prompt sharing a prefix with one of them prefills only its tail.
+
+An entry is a finished generation's committed tokens (prompt and answer, all but the last, whose K/V were never
+written) and a compact copy of their K/V rows in every layer. A new prompt takes the longest common prefix with
+any entry, cut to a whole number of BLOCK tokens (so a hit is worth its copy, and chats that differ in their last
+few tokens still share everything before), and at least one token is always left to prefill: the engine feeds
+the prompt's last token with its first step. The rows are copied into the new generation's own cache on the
+GPU (one copy per layer and K/V), so entries are never written while in use and a generation may outlive them.
+
+Entries are evicted least recently used first when their total size passes the budget (`budget_bytes`); an entry
+whose tokens are a prefix of a new one is replaced by it. K/V rows depend only on the tokens before them, so a
+hit gives the rows a prefill of the same tokens gives (the tests check greedy and seeded outputs are the same
+with and without hits).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from doppler_py.errors import GenerationOptionError
+from doppler_py.model.kv_cache import KVCache
+from doppler_py.model.transformer import Transformer
+
+BLOCK = 16  # tokens: hits are whole blocks
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    cache: KVCache
+
+
+class PrefixCache:
+    """Earlier sequences' K/V rows for one model, within `budget_bytes` of GPU memory (0: keep nothing)."""
+
+    def __init__(self, model: Transformer, budget_bytes: int):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise GenerationOptionError(
+                f"the prefix cache budget must be a whole number of bytes >= 0, got {budget_bytes!r}"
+            )
+        self.model = model
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id, least recently used first
+        self.hits = self.lookups = self.hit_tokens = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.cache.nbytes for entry in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with `prompt` and that prefix's length in whole blocks, below
+        len(prompt) (None, 0: no entry shares a block)."""
+        self.lookups += 1
+        best, best_len = None, 0
+        for entry in self._entries.values():
+            shared = _common_prefix(entry.tokens, prompt)
+            if shared > best_len:
+                best, best_len = entry, shared
+        usable = min(best_len, len(prompt) - 1) // BLOCK * BLOCK
+        if best is None or usable == 0:
+            return None, 0
+        self._entries.move_to_end(id(best.cache))
+        self.hits += 1
+        self.hit_tokens += usable
+        return best, usable
+
+    def restore(self, entry: _Entry, length: int, cache: KVCache) -> None:
+        """Copy the entry's first `length` positions into `cache` (which must be empty) on the GPU."""
+        entry.cache.copy_prefix(cache, length)
+
+    def store(self, tokens: Sequence[int], cache: KVCache) -> None:
+        """Keep `cache`'s rows of `tokens` (its first len(tokens) positions), evicting as the budget needs."""
+        tokens = tuple(tokens)
+        if len(tokens) < BLOCK or self.budget_bytes == 0:
+            return
+        for key, entry in list(self._entries.items()):
+            if entry.tokens[: len(tokens)] == tokens:  # already held by a longer or equal entry
+                self._entries.move_to_end(key)
+                return
+            if tokens[: len(entry.tokens)] == entry.tokens:  # a prefix of the new one: replaced by it
+                self._drop(key)
+        copy = KVCache(self.model.gpu, cache.num_layers, len(tokens), cache.n_kv_heads, cache.head_dim, "prefix")
+        if copy.nbytes > self.budget_bytes:
+            copy.close()
+            return
+        cache.copy_prefix(copy, len(tokens))
+        self._entries[id(copy)] = _Entry(tokens, copy)
+        while self.nbytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: int) -> None:
+        self._entries.pop(key).cache.close()
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
