@@ -3,6 +3,8 @@
     doppler-py generate "Why is the sky blue?"       stream an answer, then one stats line on stderr
     doppler-py chat                                  interactive conversation (/reset, /exit; Ctrl-C stops an answer)
     doppler-py serve --port 8000                     OpenAI-compatible HTTP server on 127.0.0.1
+    doppler-py generate --json-schema person.json    the answer follows a JSON schema (also --json-object,
+                                                     --regex PATTERN, --grammar FILE.lark)
     doppler-py convert model.gguf --out folder       GGUF -> Hugging Face style folder
     doppler-py train-draft MODEL --out folder        train an EAGLE draft head by self-distillation (torch)
     doppler-py parity doppler MODEL_DIR              ours vs HF vs the JS original, step by step, on a whole model
@@ -96,6 +98,17 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable, up to 4)"
     )
+    constraint = group.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="answer with JSON valid under the JSON schema in FILE (response_format json_schema, strict)",
+    )
+    constraint.add_argument(
+        "--json-object", action="store_true", help="answer with one JSON object (response_format json_object)"
+    )
+    constraint.add_argument("--regex", metavar="PATTERN", help="answer with text that matches PATTERN as a whole")
+    constraint.add_argument("--grammar", metavar="FILE", help="answer with text the Lark grammar in FILE derives")
 
 
 def _tree_option(text: str) -> bool | None:
@@ -124,8 +137,47 @@ def _load(args: argparse.Namespace):
     )
 
 
+def _read_text(path: str, flag: str) -> str:
+    from doppler_py.errors import GenerationOptionError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GenerationOptionError(f"{flag} {path}: cannot be read ({exc})") from None
+
+
+def constraint_options(args: argparse.Namespace) -> dict:
+    """response_format / regex / grammar from --json-schema, --json-object, --regex, --grammar, checked (so a bad
+    file or pattern fails before the model loads); {} when none is given."""
+    from doppler_py.constraints.grammar import constraint_from_options
+    from doppler_py.errors import GenerationOptionError
+
+    options: dict = {}
+    if getattr(args, "json_schema", None):
+        text = _read_text(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise GenerationOptionError(f"--json-schema {args.json_schema}: not valid JSON ({exc})") from None
+        spec = {"name": Path(args.json_schema).stem or "schema", "schema": schema, "strict": True}
+        options["response_format"] = {"type": "json_schema", "json_schema": spec}
+    elif getattr(args, "json_object", False):
+        options["response_format"] = {"type": "json_object"}
+    elif getattr(args, "regex", None) is not None:
+        options["regex"] = args.regex
+    elif getattr(args, "grammar", None):
+        options["grammar"] = _read_text(args.grammar, "--grammar")
+    if options:
+        try:
+            constraint_from_options(**options)
+        except GenerationOptionError as exc:
+            source = args.json_schema or args.grammar
+            raise GenerationOptionError(f"{source}: {exc}" if source else str(exc)) from None
+    return options
+
+
 def _generation_options(args: argparse.Namespace) -> dict:
-    return {
+    return constraint_options(args) | {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -179,9 +231,9 @@ DEFAULT_PROMPT = "Write a short story about a night-train conductor and a passen
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    options = _generation_options(args)  # before loading: a bad constraint file fails at once
     with _load(args) as engine:
         chat = not args.raw and engine.tokenizer.chat_template is not None
-        options = _generation_options(args)
         if args.json:
             result = engine.generate(args.prompt, chat=chat, **options)
             print(json.dumps(result.as_dict() | {"model": engine.name, "weights": engine.weights}))
@@ -210,6 +262,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input())
     system = [{"role": "system", "content": args.system}] if args.system else []
+    options = _generation_options(args)
     with _load(args) as engine:
         if sys.stdin.isatty():
             print(f"{engine.name} ({engine.weights}). /reset starts over, /exit quits.", file=sys.stderr)
@@ -225,7 +278,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if not command:
                 continue
             history.append({"role": "user", "content": line})
-            pieces = engine.stream(history, **_generation_options(args))
+            pieces = engine.stream(history, **options)
             try:
                 _stream_to_stdout(pieces)
             except KeyboardInterrupt:

@@ -13,7 +13,14 @@ text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto
 `tree` (true, false or "auto": token trees of lookup, draft-model, EAGLE or Medusa drafts, `k` nodes each,
 `Engine.stream`'s `tree`).
 Options a request leaves out take the server's defaults (the `serve` command's flags). Features that would
-silently change results (n > 1, penalties, tools) are refused with 400 rather than ignored.
+silently change results (n > 1, penalties, legacy `functions`) are refused with 400 rather than ignored.
+
+Structured output: `response_format` (OpenAI's text / json_object / json_schema) on both endpoints, or the extra
+fields `regex` and `grammar` (a Lark grammar, llguidance's dialect); at most one, checked before the request
+queues (400 naming the field). A request that gives one replaces a constraint among the server's defaults.
+Tool calls on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls` as OpenAI has them, answered
+with `message.tool_calls` and finish_reason "tool_calls", streamed as OpenAI streams them (a first delta with the
+call's id, type and name, then pieces of its arguments); see `doppler_py.tool_calls` for the constraint and prompt.
 
 Log-probabilities: chat `"logprobs": true` with `top_logprobs` 0..20, completions `"logprobs": N` (0..20),
 answered in OpenAI's shapes, streamed chunks included (each carries its own tokens' entries). They are the
@@ -36,6 +43,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import re
 import sys
 import threading
 import time
@@ -55,6 +63,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from doppler_py.api import Engine, GenerationResult, check_stop
+from doppler_py.constraints.grammar import constraint_from_options
 from doppler_py.errors import (
     CapacityError,
     DopplerError,
@@ -67,6 +76,7 @@ from doppler_py.ops.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.registry import speculative_modes
+from doppler_py.tool_calls import Delta, ToolCallParser, tool_plan
 
 # Engine errors caused by what the request asked for; any other DopplerError is the server's fault.
 _CLIENT_ERRORS = (GenerationOptionError, CapacityError, UnsupportedModelError, VocabularyMismatchError)
@@ -80,9 +90,10 @@ _UNSUPPORTED_UNLESS = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
-    "tools": ([],),
     "functions": ([],),
 }
+_CONSTRAINTS = ("response_format", "regex", "grammar")
+_FIELD_PATH = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,51 @@ class GenerationRequest:
     options: dict[str, Any]  # keyword arguments of Engine.stream
     stream: bool
     include_usage: bool
+    tool_calls: bool = False  # the answer may hold tool calls: stream it through a ToolCallParser
+
+
+def _option_error(exc: GenerationOptionError, name: str) -> RequestError:
+    """400 for a bad option; param is the field path the message starts with ("tools[0].function.parameters")."""
+    message = str(exc)
+    path = _FIELD_PATH.match(message)
+    param = path[0] if path and path[0].startswith(name) else name
+    return RequestError(400, message, param=param)
+
+
+def _constraint_options(body: dict, defaults: dict[str, Any]) -> dict[str, Any]:
+    """response_format / regex / grammar, checked now (llguidance compiles them) so a bad one never queues."""
+    response_format = _field(body, "response_format", (dict,), "an object")
+    given = {
+        "response_format": response_format,
+        "regex": _field(body, "regex", (str,), "a string (a regular expression)"),
+        "grammar": _field(body, "grammar", (str,), "a string (a Lark grammar)"),
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return {name: defaults[name] for name in _CONSTRAINTS if defaults.get(name) is not None}
+    try:
+        constraint_from_options(**given)
+    except GenerationOptionError as exc:
+        raise _option_error(exc, next(iter(given))) from None
+    if response_format is not None and response_format.get("type") == "text":
+        return {}  # no constraint, as OpenAI's default
+    return given
+
+
+def _tool_options(body: dict, *, chat: bool) -> dict[str, Any]:
+    """tools / tool_choice / parallel_tool_calls (chat only), checked now."""
+    names = ("tools", "tool_choice", "parallel_tool_calls")
+    given = {name: body[name] for name in names if body.get(name) is not None}
+    if not given:
+        return {}
+    if not chat:
+        name = next(iter(given))
+        raise RequestError(400, f"'{name}' is only for /v1/chat/completions", param=name)
+    try:
+        tool_plan(given.get("tools"), given.get("tool_choice"), given.get("parallel_tool_calls", True))
+    except GenerationOptionError as exc:
+        raise _option_error(exc, "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
+    return given
 
 
 def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, Any]:
@@ -215,7 +271,13 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
         "stop": _stop_field(body),
         "logprobs": logprobs,
     }
-    options = dict(defaults) | {name: value for name, value in given.items() if value is not None}
+    tools = _tool_options(body, chat=chat)
+    constraint = _constraint_options(body, {} if tools else defaults)
+    if tools and constraint:
+        raise RequestError(400, f"'tools' cannot be combined with '{next(iter(constraint))}'", param="tools")
+    # The request's constraint (or tools) replaces any constraint among the server's defaults.
+    options = {name: value for name, value in defaults.items() if name not in _CONSTRAINTS}
+    options |= {name: value for name, value in given.items() if value is not None} | constraint | tools
     if options.get("tree") == "auto":
         options["tree"] = None  # the engine's policy decides
     sampling = {name: options[name] for name in ("temperature", "top_k", "top_p", "seed") if name in options}
@@ -226,20 +288,52 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
     return options
 
 
-def _message(index: int, message: Any) -> dict[str, str]:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise RequestError(400, f"{where} must be an object with 'role' and 'content'", param=where)
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not role:
-        raise RequestError(400, f"{where}.role must be a non-empty string", param=f"{where}.role")
+def _tool_call(where: str, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments"), str)
+    ):
+        raise RequestError(
+            400, f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", param=where
+        )
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": function["arguments"]},
+    }
+
+
+def _content(where: str, content: Any) -> str:
     if isinstance(content, list):  # content parts: only text can be rendered by a text model
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise RequestError(400, f"{where}.content: only text parts are supported", param=f"{where}.content")
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
         raise RequestError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-    return {"role": role, "content": content}
+    return content
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise RequestError(400, f"{where} must be an object with 'role' and 'content'", param=where)
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        raise RequestError(400, f"{where}.role must be a non-empty string", param=f"{where}.role")
+    calls = message.get("tool_calls")
+    if role == "assistant" and calls:  # an earlier answer that called tools: content may be null
+        if not isinstance(calls, list):
+            raise RequestError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+        checked = [_tool_call(f"{where}.tool_calls[{i}]", call) for i, call in enumerate(calls)]
+        return {"role": role, "content": _content(where, content or "") or None, "tool_calls": checked}
+    if role == "tool":  # a tool's result, answering the call with this id
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise RequestError(400, f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+        return {"role": role, "content": _content(where, content), "tool_call_id": call_id}
+    return {"role": role, "content": _content(where, content)}
 
 
 def parse_request(body: dict, defaults: dict[str, Any], *, chat: bool) -> GenerationRequest:
@@ -259,7 +353,9 @@ def parse_request(body: dict, defaults: dict[str, Any], *, chat: bool) -> Genera
     stream = _field(body, "stream", (bool,), "true or false") or False
     stream_options = _field(body, "stream_options", (dict,), "an object") or {}
     include_usage = _field(stream_options, "include_usage", (bool,), "true or false") or False
-    return GenerationRequest(prompt, chat, _options(body, defaults, chat=chat), stream, include_usage)
+    options = _options(body, defaults, chat=chat)
+    calls = bool(options.get("tools")) and options.get("tool_choice") != "none"  # when tool_plan gives a plan
+    return GenerationRequest(prompt, chat, options, stream, include_usage, tool_calls=calls)
 
 
 # --- the GPU worker ----------------------------------------------------------------------------------------------
@@ -447,8 +543,29 @@ class _Format:
 
     def response(self, result: GenerationResult) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
-        choice = self._choice(result.text, result.finish_reason, streaming=False, logprobs=result.logprobs)
+        # An answer that called tools has no content: its text is the calls as written (`tool_calls` module).
+        text = None if result.tool_calls else result.text
+        choice = self._choice(text, result.finish_reason, streaming=False, logprobs=result.logprobs)
+        if result.tool_calls:
+            choice["message"]["tool_calls"] = result.tool_calls
         return self._object(kind, [choice], usage=usage(result), doppler=doppler_stats(result))
+
+    def delta_chunks(self, deltas: list[Delta], logprobs: list[TokenLogprob] | None) -> list[dict]:
+        """Chunks for a parsed piece of a tool-calling answer: content, a call's start, pieces of arguments
+        (OpenAI's streaming shape); the piece's log-probs ride on the first (or an empty delta when none)."""
+        chunks = []
+        for i, delta in enumerate(deltas or [None]):
+            choice = self._choice(None, None, streaming=True, logprobs=logprobs if i == 0 else None)
+            if delta is None and choice["logprobs"] is None:
+                return []
+            if delta is not None and delta.kind == "content":
+                choice["delta"] = {"content": delta.text}
+            elif delta is not None:
+                function = {"name": delta.name, "arguments": ""} if delta.kind == "call" else {"arguments": delta.text}
+                head = {"id": delta.id, "type": "function"} if delta.kind == "call" else {}
+                choice["delta"] = {"tool_calls": [{"index": delta.index} | head | {"function": function}]}
+            chunks.append(self._object(self._chunk_kind, [choice]))
+        return chunks
 
     @property
     def _chunk_kind(self) -> str:
@@ -650,11 +767,16 @@ class OpenAIServer:
         if first[0] == "error":
             raise _engine_error(first[1])
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        parser = ToolCallParser() if parsed.tool_calls else None
         return StreamingResponse(
-            self._events(job, first, form, parsed.include_usage), media_type="text/event-stream", headers=headers
+            self._events(job, first, form, parsed.include_usage, parser),
+            media_type="text/event-stream",
+            headers=headers,
         )
 
-    async def _events(self, job: Job, event: Event, form: _Format, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(
+        self, job: Job, event: Event, form: _Format, include_usage: bool, parser: ToolCallParser | None = None
+    ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; `finally` then stops the generation.
         try:
             for chunk in form.opening_chunks():
@@ -665,8 +787,15 @@ class OpenAIServer:
                 if kind == "piece":
                     text, logprobs = value
                     sent += len(logprobs or ())
-                    yield _sse(form.piece_chunk(text, logprobs))
+                    if parser is None:
+                        yield _sse(form.piece_chunk(text, logprobs))
+                    else:  # tool calls: the answer's text becomes content or call deltas
+                        for chunk in form.delta_chunks(parser.feed(text), logprobs):
+                            yield _sse(chunk)
                 elif kind == "done":
+                    if parser is not None:  # text held back as a possible call's start is content after all
+                        for chunk in form.delta_chunks(parser.finish(), None):
+                            yield _sse(chunk)
                     for chunk in form.closing_chunks(value, include_usage, sent):
                         yield _sse(chunk)
                     break

@@ -30,6 +30,15 @@ STATS_LINE = re.compile(
     r"( \| (saved|lost) [\d.]+ ± [\d.]+ s vs plain decoding)?|, no speculation)\]$"
 )
 PROMPT = "Tell me about the sea."
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 CHAT_INPUT = "Hello there\nAnd again\n/reset\nHello there\n/exit\nnever read\n"
 
 
@@ -54,9 +63,15 @@ def runs(tmp_path_factory, env) -> dict[str, subprocess.CompletedProcess]:
     """name -> finished CLI run; the runs that load a model or a device go side by side."""
     model = str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
     common = ["--model", model, "--max-tokens", "24", "--no-progress"]
+    schema = tmp_path_factory.mktemp("schema") / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    # Sampled with a seed, plainly: a greedy random model may fill max_tokens with the blanks JSON allows.
+    sampled = ["--model", model, "--max-tokens", "200", "--no-progress", "--temperature", "1", "--seed", "3"]
     commands = {
         "generate": (["generate", PROMPT, *common], None),
         "generate_json": (["generate", PROMPT, *common, "--json"], None),
+        "json_schema": (["generate", PROMPT, *sampled, "--speculative", "none", "--json-schema", str(schema)], None),
+        "regex": (["generate", PROMPT, *common, "--regex", "[a-z]{3}-[0-9]{2}", "--json"], None),
         "chat": (["chat", *common, "--max-tokens", "8"], CHAT_INPUT),
         "info": (["info"], None),
         "info_json": (["info", "--json"], None),
@@ -164,6 +179,45 @@ def test_generate_stop_ends_the_text_before_the_stop_string(runs, tmp_path_facto
     args = ["generate", PROMPT, "--model", runs["model"], "--max-tokens", "24", "--no-progress", "--json"]
     record = json.loads(ok(run_cli([*args, "--stop", "never-there", "--stop", stop], env)).stdout)
     assert record["text"] == full[: full.find(stop)] and record["finish_reason"] == "stop"
+
+
+@pytest.mark.slow
+def test_generate_follows_a_json_schema_file_or_a_regex(runs):
+    person = json.loads(ok(runs["json_schema"]).stdout)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and len(person["name"]) <= 6
+    assert isinstance(person["age"], int) and 0 <= person["age"] <= 120
+    record = json.loads(ok(runs["regex"]).stdout)
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", record["text"]) and record["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("content", "flag", "message"),
+    [
+        (None, "--json-schema", "cannot be read"),
+        ("{not json", "--json-schema", "not valid JSON"),
+        ('{"type": "nope"}', "--json-schema", "not a valid JSON schema"),
+        ("start: undefined_rule", "--grammar", "not a valid Lark grammar"),
+    ],
+    ids=["missing-file", "bad-json", "bad-schema", "bad-grammar"],
+)
+def test_bad_constraint_files_fail_before_loading_naming_the_file(tmp_path, capsys, content, flag, message):
+    path = tmp_path / "constraint.txt"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main(["generate", "hi", "--model", "/no/such/model", flag, str(path)]) == cli.EXIT_USAGE
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("doppler-py: GenerationOptionError:") and str(path) in error and message in error
+
+
+def test_constraint_flags_give_the_generation_options(tmp_path):
+    parse = lambda *args: cli._generation_options(cli.build_parser().parse_args(["generate", "hi", *args]))  # noqa: E731
+    (tmp_path / "person.json").write_text(json.dumps(PERSON))
+    format_ = parse("--json-schema", str(tmp_path / "person.json"))["response_format"]
+    assert format_ == {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    assert parse("--json-object")["response_format"] == {"type": "json_object"}
+    assert parse("--regex", "a+")["regex"] == "a+" and "regex" not in parse()
+    with pytest.raises(SystemExit):  # one constraint at most
+        parse("--json-object", "--regex", "a+")
 
 
 # --- chat ----------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -462,3 +463,149 @@ def test_the_openai_client_authenticates_with_the_api_key(keyed_server):
     with pytest.raises(openai.AuthenticationError) as caught:
         bad.models.list()
     assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+
+
+# --- structured output and tool calls -------------------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+# Sampled with a seed, plainly: a greedy random model may fill max_tokens with the blanks JSON allows between tokens.
+SAMPLED = {"temperature": 1.0, "seed": 3, "speculative": "none", "max_tokens": 200}
+
+
+def check_person(value) -> None:
+    """PERSON by hand (jsonschema is not a dependency)."""
+    assert isinstance(value, dict) and set(value) == {"name", "age"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
+
+
+@pytest.mark.parametrize("path", [CHAT, DONE])
+def test_response_format_json_schema_gives_json_valid_under_the_schema(client, path):
+    prompt = {"messages": STORY} if path == CHAT else {"prompt": "A person:"}
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    body = client.post(path, json=prompt | SAMPLED | {"response_format": response_format}).json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "stop", body
+    check_person(json.loads(choice_text(choice)))
+
+
+def test_response_format_json_object_and_regex(client):
+    body = client.post(CHAT, json={"messages": STORY, "response_format": {"type": "json_object"}} | SAMPLED).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(choice_text(body["choices"][0])), dict)
+    request = {"prompt": "Code:", "regex": "[a-z]{3}-[0-9]{2}", "max_tokens": 20}
+    text = client.post(DONE, json=request).json()["choices"][0]["text"]
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", text), text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format.json_schema.schema"),
+        ({"regex": "[a-"}, "regex"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
+        ({"regex": "a", "grammar": "start: \"a\""}, "regex"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+         "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "regex": "a"}, "tools"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_and_tools_get_400_naming_the_field(client, extra, param):
+    response = client.post(CHAT, json={"messages": STORY} | extra)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city over the next days",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+NOW = {"type": "function", "function": {"name": "now", "description": "The time"}}
+TOOLS = {"messages": STORY, "tools": [WEATHER, NOW], "parallel_tool_calls": False, "max_tokens": 150}
+
+
+def check_weather_arguments(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert set(value) == {"city", "days"} and isinstance(value["city"], str) and len(value["city"]) <= 8
+    assert isinstance(value["days"], int) and 1 <= value["days"] <= 7
+
+
+@pytest.mark.parametrize(
+    ("choice", "name"), [("required", None), ({"type": "function", "function": {"name": "get_weather"}}, "get_weather")]
+)
+def test_forced_tool_calls_follow_the_parameter_schema_streamed_or_not(client, choice, name):
+    body = client.post(CHAT, json=TOOLS | {"tool_choice": choice}).json()
+    (choice_,) = body["choices"]
+    message = choice_["message"]
+    assert choice_["finish_reason"] == "tool_calls" and message["content"] is None, body
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] in ({name} if name else {"get_weather", "now"})
+    if call["function"]["name"] == "get_weather":
+        check_weather_arguments(call["function"]["arguments"])
+    else:
+        assert json.loads(call["function"]["arguments"]) == {}
+    with client.stream("POST", CHAT, json=TOOLS | {"tool_choice": choice, "stream": True}) as response:
+        events = sse_events(response)
+    deltas = [c["choices"][0]["delta"] for c in events[:-1] if c["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    first, *rest = calls
+    assert first["id"].startswith("call_") and first["type"] == "function" and first["index"] == 0
+    assert first["function"]["name"] == call["function"]["name"] and rest
+    assert all(set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"} for tc in rest)
+    assert "".join(tc["function"]["arguments"] for tc in calls) == call["function"]["arguments"]  # greedy
+    assert not any(d.get("content") for d in deltas)
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_the_openai_client_reads_tool_calls(server):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    reply = api.chat.completions.create(
+        model="tiny-chat0",
+        messages=STORY,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=150,
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
+    check_weather_arguments(call.function.arguments)
+
+
+def test_tool_choice_none_answers_in_text_and_history_with_tool_results_is_accepted(client):
+    plain = client.post(CHAT, json={"messages": STORY, "max_tokens": 8}).json()["choices"][0]["message"]
+    body = client.post(CHAT, json=TOOLS | {"tool_choice": "none", "max_tokens": 8}).json()
+    message = body["choices"][0]["message"]
+    assert message == plain and "tool_calls" not in message  # the tools are neither shown nor callable
+    call = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    history = [*STORY, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "call_1", "content": "12:00"})
+    response = client.post(CHAT, json={"messages": history, "tools": [NOW], "max_tokens": 6})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    missing_id = [*STORY, {"role": "tool", "content": "12:00"}]
+    assert client.post(CHAT, json={"messages": missing_id}).json()["error"]["param"] == "messages[1].tool_call_id"
