@@ -40,6 +40,12 @@ def _checked(grammar: str, option: str, what: str, tokenizer: llguidance.LLToken
     return Constraint(grammar, option, tuple(messages))
 
 
+# JSON output is laid out as json.dumps lays it out: ", " and ": ", no other whitespace. With llguidance's default
+# (any whitespace between tokens) a small model can emit newlines until max_tokens; a fixed layout also forces
+# more of the separators, which the step drafts for free.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def json_schema_constraint(
     schema: Mapping[str, Any],
     *,
@@ -54,7 +60,7 @@ def json_schema_constraint(
     if not isinstance(schema, Mapping):
         raise GenerationOptionError(f"{option} must be a JSON object (a JSON schema), got {type(schema).__name__}")
     try:
-        grammar = LLMatcher.grammar_from_json_schema(dict(schema), overrides={"lenient": not strict})
+        grammar = LLMatcher.grammar_from_json_schema(dict(schema), overrides={"lenient": not strict, **JSON_LAYOUT})
     except (TypeError, ValueError) as exc:  # the schema does not serialise to JSON (e.g. a set inside it)
         raise GenerationOptionError(f"{option} is not a valid JSON schema: {exc}") from None
     return _checked(grammar, option, "a valid JSON schema", tokenizer)

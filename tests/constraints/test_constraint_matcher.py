@@ -198,11 +198,8 @@ def test_smollm2_forced_tokens_are_the_canonical_tokens_of_forced_text(smollm2_t
     matcher = GrammarMatcher(smollm2_ll, schema, 49152)
     matcher.advance(smollm2_tokenizer.encode("{", add_special_tokens=False))
     forced = matcher.forced_tokens()
-    # Flexible whitespace may come first, so nothing is forced yet after "{"; after '{"' the key is.
-    assert forced == []
-    matcher.advance(smollm2_tokenizer.encode('"', add_special_tokens=False))
-    forced = matcher.forced_tokens()
-    assert smollm2_tokenizer.decode(forced).startswith("name") and forced == smollm2_tokenizer.encode(
+    # The layout is fixed (grammar.JSON_LAYOUT: no free whitespace), so after "{" the first key is forced.
+    assert smollm2_tokenizer.decode(forced).startswith('"name') and forced == smollm2_tokenizer.encode(
         smollm2_tokenizer.decode(forced), add_special_tokens=False
     )
     matcher.advance(forced)
