@@ -58,6 +58,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         "(default: the heads shipped for a known model; none: no head)",
     )
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
+    group.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=defaults.KV_CACHE_MB,
+        help="GPU memory (MiB) kept for earlier sequences' K/V, so a shared prompt prefix (a chat's history, a "
+        f"system prompt) is not prefilled again (default {defaults.KV_CACHE_MB}; 0: off)",
+    )
     group.add_argument("--browser-limits", action="store_true", help="run under the WebGPU default limits")
     group.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     group.add_argument(
@@ -131,6 +138,7 @@ def _load(args: argparse.Namespace):
         draft_weights=args.draft_weights,
         draft_head=False if args.draft_head == ["none"] else args.draft_head,
         max_seq=args.max_seq,
+        kv_cache_mb=args.kv_cache_mb,
         browser_limits=args.browser_limits,
         progress=not args.no_progress,
         warmup=args.warmup,

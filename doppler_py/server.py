@@ -465,12 +465,14 @@ class GenerationQueue:
 
 
 # --- response formats --------------------------------------------------------------------------------------------
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens whose K/V came from the prefix cache as it reports cached ones."""
     completion = len(result.tokens)
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
 
 

@@ -110,6 +110,7 @@ def check_figures(body: dict) -> None:
     usage, stats = body["usage"], body["doppler"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 12
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
     assert stats["speculative"] == "prompt-lookup" and 0 <= stats["accepted"] <= stats["drafted"]
     assert 0 <= stats["acceptance_rate"] <= 1 and stats["tokens_per_s"] > 0
     for key in ("mean_accepted_per_step", "time_saved_s", "elapsed_s"):
@@ -155,6 +156,15 @@ def test_chat_completion_renders_the_chat_template(client, engine):
     assert body["choices"][0]["message"]["role"] == "assistant"
     check_figures(body)
     assert body["usage"]["prompt_tokens"] == len(engine.encode_prompt(STORY))
+
+
+def test_a_chats_next_turn_reports_the_prompt_tokens_it_took_from_the_prefix_cache(client):
+    first = client.post("/v1/chat/completions", json={"messages": STORY}).json()
+    answer = first["choices"][0]["message"]["content"]
+    turn = [*STORY, {"role": "assistant", "content": answer}, {"role": "user", "content": "Go on, please."}]
+    second = client.post("/v1/chat/completions", json={"messages": turn}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
 
 
 def test_streamed_chat_sends_role_pieces_finish_usage_then_done(client):
