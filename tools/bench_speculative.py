@@ -11,6 +11,9 @@ geometric mean and worst prompt. Greedy decoding
 (so all methods produce the same text); a second pass reports acceptance at --sampled-temperature (every
 drafter on the open-ended prompts, the lookup methods, chains and trees, on the copy-heavy ones too).
 Peers (HF transformers on torch CPU, plain and with its prompt lookup) run on the same prompts when installed.
+The structured group's prompts each carry a JSON schema (`response_format`), and run only its own methods
+(`GROUP_METHODS`): constrained plain decoding, "prompt-lookup" (the grammar's forced tokens plus lookup drafts)
+and "auto"; select it with `--groups structured`.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from pathlib import Path
 
 from doppler_py.speculative.registry import HEAD_KINDS, speculative_modes
 
-# Two labelled groups, each reported with its own geometric mean. Copy-heavy: the answer copies much of the prompt,
+# Labelled groups, each reported with its own geometric mean. Copy-heavy: the answer copies much of the prompt,
 # where prompt lookup is meant to help. Open-ended: what users bring most, where nothing is copied (none of these
-# is in the draft head's training seeds).
-COPY_HEAVY, OPEN_ENDED = "copy-heavy", "open-ended"
+# is in the draft head's training seeds). Structured: extraction, form filling and tool-call-like answers under a
+# JSON schema (SCHEMAS), where the grammar forces keys and separators that every speculative step drafts for free.
+COPY_HEAVY, OPEN_ENDED, STRUCTURED = "copy-heavy", "open-ended", "structured"
 PROMPTS = {
     # SmolLM2 echoes this question in its answer ("Here are three good ways to stay healthy in winter"), so
     # lookup gains here say little about chat in general: it is labelled copy-heavy for that reason.
@@ -110,7 +114,158 @@ PROMPTS = {
         OPEN_ENDED,
         [{"role": "user", "content": "Write a short dialogue between a librarian and a student who lost a book."}],
     ),
+    "invoice": (
+        STRUCTURED,
+        [
+            {
+                "role": "user",
+                "content": "Extract the invoice as JSON: Invoice INV-2031 from Brightline Supplies, dated 2026-03-14. "
+                "3 boxes of printer paper at 24.50 each, 2 ink cartridges at 39.90 each, 1 desk lamp at 45.00. "
+                "Total 238.80 EUR, due in 30 days.",
+            }
+        ],
+    ),
+    "signup": (
+        STRUCTURED,
+        [
+            {
+                "role": "user",
+                "content": "Fill in the signup form as JSON for this person: I'm Daniel Okafor, born 12 June 1990, "
+                "email daniel.okafor@example.com, I live in Leeds, UK, and I'd like the monthly newsletter in English.",
+            }
+        ],
+    ),
+    "weather-tool": (
+        STRUCTURED,
+        [
+            {
+                "role": "user",
+                "content": "Answer with the function call as JSON. Functions: get_weather(city, unit, days). "
+                "Request: what will the weather be like in Lisbon over the next three days, in celsius?",
+            }
+        ],
+    ),
+    "people": (
+        STRUCTURED,
+        [
+            {
+                "role": "user",
+                "content": "List the people in this text as JSON with name, role and age: The team is led by Sara "
+                "Kim, 41, the project manager. Omar Haddad, 29, is the lead developer, and Lena Vogel, 35, designs "
+                "the interface.",
+            }
+        ],
+    ),
+    "ticket": (
+        STRUCTURED,
+        [
+            {
+                "role": "user",
+                "content": "Triage this support ticket as JSON: 'Hi, since this morning I cannot log in to my account. "
+                "The app says my password is wrong although I reset it twice. I need access for a client meeting "
+                "at 3pm today.' Give category, priority, a one-sentence summary and suggested next steps.",
+            }
+        ],
+    ),
+    "calendar-tool": (
+        STRUCTURED,
+        [
+            {
+                "role": "user",
+                "content": "Answer with the function call as JSON. Functions: create_event(title, date, start, "
+                "duration_minutes, attendees). Request: book a project review with Anna and Marco on 2026-05-20 "
+                "at 14:00 for one hour.",
+            }
+        ],
+    ),
 }
+NAME = {"type": "string", "maxLength": 40}
+DATE = {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}
+
+
+def closed(properties: dict) -> dict:
+    """An object schema with every property required and no others."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+# The structured prompts' JSON schemas (strict), passed as `response_format`.
+SCHEMAS = {
+    "invoice": closed(
+        {
+            "invoice_id": {"type": "string", "pattern": "^INV-[0-9]{4}$"},
+            "vendor": NAME,
+            "date": DATE,
+            "items": {
+                "type": "array",
+                "items": closed(
+                    {
+                        "description": NAME,
+                        "quantity": {"type": "integer", "minimum": 1},
+                        "unit_price": {"type": "number"},
+                    }
+                ),
+                "minItems": 1,
+                "maxItems": 5,
+            },
+            "total": {"type": "number", "minimum": 0},
+            "currency": {"enum": ["EUR", "USD", "GBP"]},
+        }
+    ),
+    "signup": closed(
+        {
+            "full_name": NAME,
+            "birth_date": DATE,
+            "email": {"type": "string", "maxLength": 60},
+            "address": closed({"city": NAME, "country": NAME}),
+            "newsletter": {"type": "boolean"},
+            "frequency": {"enum": ["daily", "weekly", "monthly"]},
+            "language": {"enum": ["English", "French", "German", "Spanish"]},
+        }
+    ),
+    "weather-tool": closed(
+        {
+            "name": {"enum": ["get_weather"]},
+            "arguments": closed(
+                {"city": NAME, "unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1}}
+            ),
+        }
+    ),
+    "people": closed(
+        {
+            "people": {
+                "type": "array",
+                "items": closed({"name": NAME, "role": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
+                "minItems": 1,
+                "maxItems": 5,
+            }
+        }
+    ),
+    "ticket": closed(
+        {
+            "category": {"enum": ["login", "billing", "bug", "feature_request", "other"]},
+            "priority": {"enum": ["low", "medium", "high", "urgent"]},
+            "summary": {"type": "string", "maxLength": 120},
+            "next_steps": {"type": "array", "items": {"type": "string", "maxLength": 80}, "maxItems": 3},
+        }
+    ),
+    "calendar-tool": closed(
+        {
+            "name": {"enum": ["create_event"]},
+            "arguments": closed(
+                {
+                    "title": NAME,
+                    "date": DATE,
+                    "start": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+                    "duration_minutes": {"type": "integer", "minimum": 5, "maximum": 480},
+                    "attendees": {"type": "array", "items": NAME, "maxItems": 6},
+                }
+            ),
+        }
+    ),
+}
+# The methods a group runs (a group not named here: every --methods): constrained plain decoding, forced drafts
+# plus prompt lookup, and auto.
+GROUP_METHODS = {STRUCTURED: ("plain", "prompt-lookup", "auto")}
 METHODS = (
     "plain",
     "prompt-lookup",
@@ -156,7 +311,31 @@ def method_order(methods: list[str], repeat: int, prompt_index: int) -> list[str
     return order[::-1] if repeat % 2 else order
 
 
-def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0, k: int | None = None) -> dict:
+def response_format(prompt: str) -> dict | None:
+    """The JSON schema constraint a prompt's answers follow (None: unconstrained)."""
+    schema = SCHEMAS.get(prompt)
+    return (
+        None
+        if schema is None
+        else {"type": "json_schema", "json_schema": {"name": prompt, "schema": schema, "strict": True}}
+    )
+
+
+def prompt_methods(methods: list[str], prompt: str) -> list[str]:
+    """The methods `prompt` runs: those of its group (GROUP_METHODS) among `methods`."""
+    allowed = GROUP_METHODS.get(PROMPTS[prompt][0])
+    return [m for m in methods if allowed is None or m in allowed]
+
+
+def run_ours(
+    engine,
+    prompt,
+    method: str,
+    tokens: int,
+    temperature: float = 0.0,
+    k: int | None = None,
+    response_format: dict | None = None,
+) -> dict:
     from doppler_py.speculative.drafters.lookahead import LookaheadShape
 
     method, pinned_k = split_method(method)
@@ -168,7 +347,14 @@ def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0,
     pinned = k if speculative == "prompt-lookup" or pinned_k else None
     pinned = LookaheadShape().nodes if method in PINNED_METHODS else pinned
     result = engine.generate(
-        prompt, max_tokens=tokens, speculative=speculative, temperature=temperature, seed=0, k=pinned, tree=tree
+        prompt,
+        max_tokens=tokens,
+        speculative=speculative,
+        temperature=temperature,
+        seed=0,
+        k=pinned,
+        tree=tree,
+        response_format=response_format,
     )
     stats = result.stats
     drafted = stats["made"]  # drafts made, verified or cut by the engine: all were paid for
@@ -187,6 +373,7 @@ def run_ours(engine, prompt, method: str, tokens: int, temperature: float = 0.0,
         "plain_steps": stats["plain_steps"],
         "steps": stats["steps"],
         "tree_steps": stats["tree_steps"],
+        "forced_tokens": stats["forced_tokens"],  # drafts a constraint forced
         "text_tokens": result.tokens,
     }
 
@@ -244,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", default="q4_1")
     parser.add_argument("--prompts", default=",".join(PROMPTS))
+    parser.add_argument(
+        "--groups",
+        default=",".join(dict.fromkeys(group for group, _ in PROMPTS.values())),
+        help="prompt groups to run, comma-separated (of --prompts)",
+    )
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument(
         "--draft-head", action="append", help="a head folder, repeatable (default: those shipped for the model)"
@@ -277,11 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in prompts if p not in PROMPTS]
     if unknown:
         parser.error(f"unknown prompts {unknown}; known: {', '.join(PROMPTS)}")
+    prompts = [p for p in prompts if PROMPTS[p][0] in args.groups.split(",")]
     results: dict[str, dict[str, dict[str, list[dict]]]] = {}
     sampled: list[dict] = []
     for weight in weights:
         with doppler_py.load(weights=weight, progress=False, max_seq=1024, draft_head=args.draft_head) as engine:
-            methods = args.methods.split(",")
+            methods = [m for m in args.methods.split(",") if any(m in prompt_methods([m], p) for p in prompts)]
             unknown = [m for m in methods if base_mode(m) not in ("plain", *speculative_modes())]
             if unknown:
                 parser.error(f"unknown methods {unknown}; drafters: {', '.join(speculative_modes())} (see METHODS)")
@@ -297,11 +490,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{weight}] adapter: {engine.model.gpu.name} via {engine.model.gpu.backend}", file=sys.stderr)
             for method in methods:  # warm-up: pipelines compile, cost models calibrate
                 run_ours(engine, PROMPTS["chat-echo"][1], method, 8)
+                for prompt in [p for p in prompts if p in SCHEMAS and method in prompt_methods(methods, p)][:1]:
+                    run_ours(engine, PROMPTS[prompt][1], method, 8, response_format=response_format(prompt))
             per_prompt = results.setdefault(weight, {})
             for repeat in range(args.repeats):
                 for i, prompt in enumerate(prompts):
-                    for method in method_order(methods, repeat, i):
-                        row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, k=args.k)
+                    for method in method_order(prompt_methods(methods, prompt), repeat, i):
+                        row = run_ours(
+                            engine,
+                            PROMPTS[prompt][1],
+                            method,
+                            args.tokens,
+                            k=args.k,
+                            response_format=response_format(prompt),
+                        )
                         per_prompt.setdefault(prompt, {}).setdefault(method, []).append(row)
                         print(
                             f"[{weight}] rep {repeat} {prompt:10s} {method:14s} {row['tokens_per_s']:7.2f} tok/s "
@@ -312,10 +514,18 @@ def main(argv: list[str] | None = None) -> int:
                 for prompt, method in (
                     (p, m)
                     for p in prompts
-                    for m in methods
+                    for m in prompt_methods(methods, p)
                     if m != "plain" and (PROMPTS[p][0] == OPEN_ENDED or m in LOOKUP_METHODS)
                 ):
-                    row = run_ours(engine, PROMPTS[prompt][1], method, args.tokens, args.sampled_temperature, k=args.k)
+                    row = run_ours(
+                        engine,
+                        PROMPTS[prompt][1],
+                        method,
+                        args.tokens,
+                        args.sampled_temperature,
+                        k=args.k,
+                        response_format=response_format(prompt),
+                    )
                     sampled.append({"weights": weight, "prompt": prompt, "method": method} | row)
     peers: dict[str, dict[str, list[dict]]] = {}
     peer = load_peer(args.threads) if args.peers else None
@@ -353,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens_per_step": round(median(rows, "tokens_per_step"), 2),
                         "tokens_per_forward": round(median(rows, "tokens_per_forward"), 2),
                         "tree_steps_per_run": round(median(rows, "tree_steps"), 1),
+                        "forced_tokens": round(median(rows, "forced_tokens"), 1),
                         "acceptance_by_position": mean_by_position([r["acceptance_by_position"] for r in rows]),
                         # one draft token's time over one plain decoding step's (1 / plain tok/s), same run
                         "draft_cost_vs_plain_step": round(statistics.median(draft_costs) * plain, 3)
