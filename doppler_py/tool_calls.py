@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from doppler_py.constraints.grammar import short_json
 from doppler_py.errors import GenerationOptionError
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def tool_plan(
     """
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
-            raise GenerationOptionError(f"tool_choice={_short(tool_choice)} needs tools")
+            raise GenerationOptionError(f"tool_choice={short_json(tool_choice)} needs tools")
         return None
     if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
         raise GenerationOptionError(f"tools must be a list of tools, got {type(tools).__name__}")
@@ -144,7 +145,7 @@ def tool_plan(
     if len(set(names)) != len(names):
         raise GenerationOptionError(f"tools: function names must be distinct, got {names}")
     if not isinstance(parallel_tool_calls, bool):
-        raise GenerationOptionError(f"parallel_tool_calls must be true or false, got {_short(parallel_tool_calls)}")
+        raise GenerationOptionError(f"parallel_tool_calls must be true or false, got {short_json(parallel_tool_calls)}")
     if tool_choice is None:
         tool_choice = "auto"
     if isinstance(tool_choice, Mapping):
@@ -153,7 +154,7 @@ def tool_plan(
         if tool_choice.get("type") != "function" or not isinstance(name, str):
             raise GenerationOptionError(
                 f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
-                f'{{"name": ...}}}}, got {_short(tool_choice)}'
+                f'{{"name": ...}}}}, got {short_json(tool_choice)}'
             )
         if name not in names:
             raise GenerationOptionError(f"tool_choice names {name!r}, which is not among the tools ({names})")
@@ -161,7 +162,7 @@ def tool_plan(
         return ToolPlan(chosen, "required", parallel_tool_calls, named=name)
     if tool_choice not in TOOL_CHOICES:
         raise GenerationOptionError(
-            f'tool_choice must be "none", "auto", "required" or a named function, got {_short(tool_choice)}'
+            f'tool_choice must be "none", "auto", "required" or a named function, got {short_json(tool_choice)}'
         )
     if tool_choice == "none" or not functions:
         return None
@@ -206,7 +207,7 @@ def render_call(call: Mapping[str, Any]) -> str:
     """An earlier call (OpenAI shape) in the answer format."""
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise GenerationOptionError(f"a tool call needs function.name and function.arguments, got {_short(call)}")
+        raise GenerationOptionError(f"a tool call needs function.name and function.arguments, got {short_json(call)}")
     arguments = function.get("arguments", "{}")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, separators=(",", ":"))
@@ -393,11 +394,3 @@ def parse_answer(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     parser.feed(text)
     parser.finish()
     return (None if parser.calls else parser.content or ""), parser.calls
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -108,15 +108,15 @@ def response_format_constraint(
     spec = response_format.get("json_schema")
     where += ".json_schema"
     if not isinstance(spec, Mapping):
-        raise GenerationOptionError(f"{where} must be an object with 'name' and 'schema', got {_short(spec)}")
+        raise GenerationOptionError(f"{where} must be an object with 'name' and 'schema', got {short_json(spec)}")
     name = spec.get("name")
     if not isinstance(name, str) or not name:
-        raise GenerationOptionError(f"{where}.name must be a non-empty string, got {_short(name)}")
+        raise GenerationOptionError(f"{where}.name must be a non-empty string, got {short_json(name)}")
     strict = spec.get("strict", False)
     if strict is None:
         strict = False
     if not isinstance(strict, bool):
-        raise GenerationOptionError(f"{where}.strict must be true or false, got {_short(strict)}")
+        raise GenerationOptionError(f"{where}.strict must be true or false, got {short_json(strict)}")
     if "schema" not in spec:
         raise GenerationOptionError(f"{where}.schema is missing (the JSON schema the output must follow)")
     return json_schema_constraint(spec["schema"], strict=strict, option=f"{where}.schema", tokenizer=tokenizer)
@@ -146,7 +146,8 @@ def constraint_from_options(
     return None
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def short_json(value: Any, limit: int = 60) -> str:
+    """A user's value as JSON (else repr) for an error message, cut to `limit` characters."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
