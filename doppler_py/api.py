@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -108,11 +109,12 @@ class Engine:
         folder: Path | None = None,
         warmup: str = defaults.WARMUP,
         kv_cache_mb: int = defaults.KV_CACHE_MB,
+        progress: bool = False,
     ):
         """`heads`: trained draft heads for `model` by kind ("eagle", "medusa", "spark"); `owns_registry`: the
         models' kernel registry was made for this engine and is closed with it; `folder`: the model's files,
-        which key the on-disk cache of measured verification costs (None: no cache); `warmup`, `kv_cache_mb`:
-        see `load`."""
+        which key the on-disk cache of measured verification costs (None: no cache); `warmup`, `kv_cache_mb`,
+        `progress` (say on stderr when speculation compiles or measures): see `load`."""
         check_warmup(warmup)
         check_kv_cache_mb(kv_cache_mb)
         self.prefix_cache = PrefixCache(model, kv_cache_mb << 20)
@@ -130,6 +132,7 @@ class Engine:
         self.owns_registry = owns_registry
         self.folder = folder
         self.warmup = warmup
+        self.progress = progress
         self.closed = False
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -208,7 +211,21 @@ class Engine:
             )
             costs = load_costs(key)
             engine.on_calibrated = lambda measured: save_costs(key, measured)
-        engine.prepare(costs=costs, background=self.warmup == "background")
+        background = self.warmup == "background"
+        if self.progress:  # before the first token: a CPU adapter would otherwise sit silent or run slower unsaid
+            adapter = self.model.gpu.summary()["adapter"]
+            doing = "compile" if costs else "compile and time"
+            when = "in the background after the first token (tokens stream plainly until then)" if background else "now"
+            print(
+                f"doppler-py: {engine.drafter.name}: {doing} its verification pipelines for {adapter} {when}; "
+                f"pipelines compile once per process{'' if costs else ', costs are measured once per device'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        start = time.perf_counter()
+        engine.prepare(costs=costs, background=background)
+        if self.progress and not background:
+            print(f"doppler-py: ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     def should_speculate(self, speculative: str = "auto") -> bool:
         """Whether `speculative` is predicted to pay here, from measured costs and acceptance so far."""
@@ -569,6 +586,8 @@ def load(
     kv_cache_mb: GPU memory (MiB) kept for earlier sequences' K/V (`model.prefix_cache`): a prompt that shares a
     prefix with an earlier prompt or answer (a chat's next turn, a common system prompt) prefills only the rest
     (`GenerationResult.cached_tokens`); the output is the same either way. 0: keep none.
+    progress: a progress bar while a model converts, and a line on stderr when a speculative mode compiles its
+    pipelines or measures this device (before its first generation).
     """
     check_warmup(warmup)
     check_kv_cache_mb(kv_cache_mb)
@@ -618,6 +637,7 @@ def load(
         folder=folder,
         warmup=warmup,
         kv_cache_mb=kv_cache_mb,
+        progress=progress,
     )
 
 

@@ -356,6 +356,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from doppler_py.gpu.device import default_gpu
     from doppler_py.gpu.kernels import SHADER_DIR
     from doppler_py.model.loader import WEIGHT_FORMATS
+    from doppler_py.speculative.readiness.cost_cache import measured_here
 
     gpu = default_gpu(browser_limits=args.browser_limits)
     dispatch_loop.wait(timeout=120)  # a new machine builds it once (~1 s)
@@ -363,6 +364,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "weight_precisions": list(WEIGHT_FORMATS),
         "kernels": shader_entry_points(SHADER_DIR),
         "dispatch_loop": dispatch_loop.status(),
+        "verify_costs_measured": measured_here(gpu),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -375,6 +377,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"  {name:40} {value:,}")
     print(f"weights:   {', '.join(info['weight_precisions'])}")
     print(f"dispatch loop: {info['dispatch_loop']}")
+    # Pipelines are compiled by every process (WebGPU keeps no pipeline cache across processes); what a process
+    # can skip is measuring this device's verification costs, once they are cached.
+    print("speculation: pipelines compile in each process; verification costs measured on this adapter for:")
+    for entry in info["verify_costs_measured"] or [{"model": "nothing yet (the first speculative run measures)"}]:
+        detail = f" ({entry['weights']}, rows {entry['rows'][0]}..{entry['rows'][-1]})" if "rows" in entry else ""
+        print(f"  {entry['model']}{detail}")
     print("kernels:")
     for shader, entries in info["kernels"].items():
         print(f"  {shader + '.wgsl':24} {', '.join(entries)}")

@@ -168,3 +168,18 @@ def test_a_second_engine_for_the_same_model_skips_the_calibration(gpu, tiny_fold
         assert (len(measured), len(compiled)) == expected
     (path,) = cost_dir.iterdir()
     assert sorted(json.loads(path.read_text())["verify"], key=int) == [str(r) for r in range(1, 10)]
+
+
+def test_the_api_says_on_stderr_when_a_mode_compiles_and_measures_before_its_first_token(
+    gpu, tiny_folder, cost_dir, capsys
+):
+    folder = tiny_folder(MODEL)
+    for warmup, said in (("now", "compile and time its verification pipelines"), ("background", "in the background")):
+        with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=True, warmup=warmup) as engine:
+            engine.generate("hello", max_tokens=2, speculative="prompt-lookup")
+        err = capsys.readouterr().err
+        assert said in err and "once per process" in err, err
+        assert ("ready in" in err) == (warmup == "now")
+    with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=False) as engine:
+        engine.generate("hello", max_tokens=2, speculative="prompt-lookup")
+    assert capsys.readouterr().err == ""

@@ -60,6 +60,25 @@ def load_costs(key: dict) -> dict[int, float] | None:
     return costs if costs and all(c > 0 for c in costs.values()) else None
 
 
+def measured_here(gpu: Gpu) -> list[dict]:
+    """What the cache holds for this adapter and host: one record per model folder, weights and row limits
+    measured ({"model": folder name, "weights", "capacity", "rows": row counts}), for `doppler-py info`."""
+    here = json.loads(json.dumps({"gpu": gpu.summary(), "cpus": os.cpu_count()}))
+    found = []
+    for path in sorted(cache_dir("verify-costs").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            key = record["key"]
+            if key["gpu"] != here["gpu"] or key["cpus"] != here["cpus"]:
+                continue
+            model = Path(key["model"][0][0]).parent.name if key["model"] else "?"
+            rows = sorted(int(r) for r in record["verify"])
+            found.append({"model": model, "weights": key["weights"], "capacity": key["capacity"], "rows": rows})
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            continue
+    return found
+
+
 def save_costs(key: dict, costs: dict[int, float]) -> bool:
     """Store `costs` under `key` (written to a temporary file, then renamed: readers never see half a file).
 
