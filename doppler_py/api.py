@@ -11,6 +11,7 @@ The CLI and the HTTP server are thin layers over `Engine`; nothing lives only th
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import statistics
 import sys
@@ -24,7 +25,7 @@ from doppler_py import defaults
 from doppler_py.errors import DopplerError, GenerationOptionError, VocabularyMismatchError
 from doppler_py.gpu.device import Gpu, default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
-from doppler_py.model.catalog import DEFAULT_MODEL, known_head, resolve_model
+from doppler_py.model.catalog import DEFAULT_MODEL, known_head, open_model
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
 from doppler_py.model.prefix_cache import PrefixCache
@@ -594,38 +595,40 @@ def load(
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     gpu = gpu or default_gpu(browser_limits)
-    # GGUF sources are converted keeping their blocks, so every precision is derived from the exact values.
-    folder = resolve_model(model, "keep", progress=progress)
-    tokenizer = Tokenizer.from_dir(folder)
-    draft_folder = None
-    if draft is not None:
-        # Everything that can refuse the draft is checked before any weights reach the GPU.
-        draft_folder = resolve_model(draft, "keep", progress=progress)
-        check_same_tokenizer(Tokenizer.from_dir(draft_folder), tokenizer, draft_folder)
-        check_vocabularies(
-            ModelConfig.from_file(draft_folder / "config.json").vocab_size,
-            ModelConfig.from_file(folder / "config.json").vocab_size,
-        )
-    registry = KernelRegistry(gpu)
-    models: list[Transformer] = []
-    try:
-        for source, precision in ((folder, weights), (draft_folder, draft_weights or weights)):
-            if source is not None:
-                loaded = load_weights(source, gpu, precision)
-                try:
-                    models.append(Transformer(loaded, registry, max_positions=max_seq))
-                except BaseException:
-                    loaded.destroy()
-                    raise
-        target, draft_model = models[0], (models[1] if len(models) > 1 else None)
-        heads = load_heads(model, draft_head, target, weights, tokenizer)
-    except BaseException:
-        # A failed load (bad draft file or head, a buffer beyond the device's limits, ...) leaves nothing on the GPU.
-        for loaded_model in models:
-            loaded_model.close()
-            loaded_model.weights.destroy()
-        registry.close()
-        raise
+    # The model's files are read under a shared lock (`catalog.open_model`): no converter moves them aside meanwhile.
+    with contextlib.ExitStack() as files:
+        # GGUF sources are converted keeping their blocks, so every precision is derived from the exact values.
+        folder = files.enter_context(open_model(model, "keep", progress=progress))
+        tokenizer = Tokenizer.from_dir(folder)
+        draft_folder = None
+        if draft is not None:
+            # Everything that can refuse the draft is checked before any weights reach the GPU.
+            draft_folder = files.enter_context(open_model(draft, "keep", progress=progress))
+            check_same_tokenizer(Tokenizer.from_dir(draft_folder), tokenizer, draft_folder)
+            check_vocabularies(
+                ModelConfig.from_file(draft_folder / "config.json").vocab_size,
+                ModelConfig.from_file(folder / "config.json").vocab_size,
+            )
+        registry = KernelRegistry(gpu)
+        models: list[Transformer] = []
+        try:
+            for source, precision in ((folder, weights), (draft_folder, draft_weights or weights)):
+                if source is not None:
+                    loaded = load_weights(source, gpu, precision)
+                    try:
+                        models.append(Transformer(loaded, registry, max_positions=max_seq))
+                    except BaseException:
+                        loaded.destroy()
+                        raise
+            target, draft_model = models[0], (models[1] if len(models) > 1 else None)
+            heads = load_heads(model, draft_head, target, weights, tokenizer)
+        except BaseException:
+            # A failed load (a bad draft file or head, a buffer past the device's limits...) leaves nothing on the GPU.
+            for loaded_model in models:
+                loaded_model.close()
+                loaded_model.weights.destroy()
+            registry.close()
+            raise
     return Engine(
         target,
         tokenizer,

@@ -165,6 +165,27 @@ def _conversion_lock(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def open_model(name_or_path: str | Path, weights: str = "keep", *, progress: bool = True) -> Iterator[Path]:
+    """`resolve_model`'s folder, held for reading: a converted folder under a shared lock, so that no converter
+    (another process, maybe another version of doppler-py) moves it aside while its files are read. A folder
+    removed between resolving and locking is resolved again."""
+    for _ in range(3):
+        folder = resolve_model(name_or_path, weights, progress=progress)
+        if fcntl is None or folder.parent != models_cache():
+            yield folder
+            return
+        with open(folder.with_name(f".{folder.name}.lock"), "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            try:
+                if (folder / "config.json").exists():
+                    yield folder
+                    return
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+    raise ModelFormatError(f"{folder}: removed by another process three times while this one opened it")
+
+
 def _folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 

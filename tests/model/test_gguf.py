@@ -685,3 +685,29 @@ def test_a_qwen3_gguf_converts_to_what_transformers_reads_from_the_file_and_runs
     # f32 on both sides with N(0, 1) weights: logits reach ~50, and float32 sums over 256-wide rows in a different
     # order differ by ~1e-6 of that (measured 1.5e-6); any layout or norm mistake moves them by whole units.
     np.testing.assert_allclose(ours, from_file, rtol=0, atol=1e-5 * np.abs(from_file).max())
+
+
+def test_a_converter_waits_while_another_process_reads_the_folder(tmp_path, monkeypatch):
+    """A folder one process is loading is never moved aside under it: readers hold the folder's lock shared
+    (`catalog.open_model`), and a converter replacing a stale folder takes it exclusively."""
+    import threading
+
+    monkeypatch.setenv("DOPPLER_CACHE", str(tmp_path))
+    folder = catalog.models_cache() / "model-keep"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    replaced = threading.Event()
+
+    def convert():
+        with catalog._conversion_lock(folder):  # what `_converted` holds while it moves a stale folder aside
+            replaced.set()
+
+    with catalog.open_model(folder) as opened:
+        assert opened == folder
+        converter = threading.Thread(target=convert)
+        converter.start()
+        assert not replaced.wait(0.5)  # the converter waits while the folder is read
+    assert replaced.wait(10)
+    converter.join()
+    with catalog.open_model(folder), catalog.open_model(folder):  # readers share the lock
+        pass
