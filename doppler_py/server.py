@@ -4,7 +4,8 @@
     curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both with
-`"stream": true` for server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET /health.
+`"stream": true` for server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET /health and GET
+/metrics (Prometheus text).
 Every response carries `usage` and a `doppler` object with the speculation figures of the generation.
 
 `stop` (a string or up to 4) ends the text before the first stop string, with finish_reason "stop"; streamed
@@ -59,7 +60,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from doppler_py.api import Engine, GenerationResult, check_stop
@@ -373,6 +374,7 @@ class Job:
         self.cancel_requested = threading.Event()
         self.started = False  # set by the worker thread
         self.outcome = "queued"
+        self.record: GenerationResult | None = None  # a completed generation's
 
     @property
     def wanted(self) -> bool:
@@ -405,7 +407,8 @@ class Job:
                 if self.cancel_requested.is_set():
                     return "cancelled"
                 self._emit(("piece", (piece, engine.piece_logprobs)))
-        self._emit(("done", engine.last_result))
+        self.record = engine.last_result
+        self._emit(("done", self.record))
         return "completed"
 
     async def result(self) -> GenerationResult:
@@ -428,6 +431,7 @@ class GenerationQueue:
         self.queue_size = queue_size
         self.jobs: set[Job] = set()  # admitted and not finished; touched on the event loop thread only
         self.counts: Counter[str] = Counter()
+        self.totals: Counter[str] = Counter()  # over completed generations (`metrics`)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="doppler-gpu")
 
     def submit(self, request: GenerationRequest) -> Job:
@@ -449,6 +453,16 @@ class GenerationQueue:
     def _finished(self, job: Job) -> None:
         self.jobs.discard(job)
         self.counts[job.outcome] += 1
+        if job.record is not None:
+            result = job.record
+            self.totals.update(
+                prompt_tokens=result.prompt_tokens,
+                cached_prompt_tokens=result.cached_tokens,
+                completion_tokens=len(result.tokens),
+                drafted_tokens=result.drafted,
+                accepted_tokens=result.accepted,
+                forced_tokens=result.stats.get("forced_tokens", 0),
+            )
 
     def status(self) -> dict[str, int]:
         return {
@@ -462,6 +476,36 @@ class GenerationQueue:
         for job in list(self.jobs):
             job.cancel()
         self._executor.shutdown(wait=True, cancel_futures=False)
+
+
+def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
+    """The server's counters and gauges in Prometheus' text format (one generation runs at a time: batch size 1)."""
+    status, totals, cache = queue.status(), queue.totals, engine.prefix_cache
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP doppler_{name} {help_text}", f"# TYPE doppler_{name} {kind}"])
+        lines.extend(f"doppler_{name}{labels} {value:g}" for labels, value in samples)
+
+    outcomes = ("completed", "cancelled", "refused", "failed", "rejected")
+    metric("requests_total", "counter", "Requests by outcome.", [(f'{{outcome="{o}"}}', status[o]) for o in outcomes])
+    for name, help_text in (
+        ("prompt_tokens", "Prompt tokens of completed generations."),
+        ("cached_prompt_tokens", "Prompt tokens whose K/V came from the prefix cache."),
+        ("completion_tokens", "Generated tokens."),
+        ("drafted_tokens", "Draft tokens verified."),
+        ("accepted_tokens", "Draft tokens accepted."),
+        ("forced_tokens", "Draft tokens a grammar forced."),
+    ):
+        metric(f"{name}_total", "counter", help_text, [("", totals[name])])
+    metric("running", "gauge", "Generations running (at most one: no batching yet).", [("", status["running"])])
+    metric("waiting", "gauge", "Generations waiting in the queue.", [("", status["waiting"])])
+    metric("queue_size", "gauge", "Waiting generations allowed before 429.", [("", status["queue_size"])])
+    metric("prefix_cache_bytes", "gauge", "GPU memory held by the prefix cache.", [("", cache.nbytes)])
+    metric("prefix_cache_entries", "gauge", "Sequences held by the prefix cache.", [("", len(cache))])
+    metric("prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.", [("", cache.lookups)])
+    metric("prefix_cache_hits_total", "counter", "Prompts that took a prefix from the cache.", [("", cache.hits)])
+    return "\n".join(lines) + "\n"
 
 
 # --- response formats --------------------------------------------------------------------------------------------
@@ -663,6 +707,7 @@ class OpenAIServer:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
             ],
             exception_handlers={
                 RequestError: self._request_error,
@@ -704,6 +749,9 @@ class OpenAIServer:
 
     async def health(self, _request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.model_id, **self.queue.status()})
+
+    async def metrics(self, _request: Request) -> Response:
+        return PlainTextResponse(prometheus_text(self.queue, self.engine), media_type="text/plain; version=0.0.4")
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)

@@ -167,6 +167,33 @@ def test_a_chats_next_turn_reports_the_prompt_tokens_it_took_from_the_prefix_cac
     assert cached >= 16 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
 
 
+def test_metrics_count_requests_tokens_and_prefix_cache_hits_in_prometheus_text(client):
+    def read() -> dict[str, float]:
+        response = client.get("/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        samples = [line.rsplit(" ", 1) for line in response.text.splitlines() if not line.startswith("#")]
+        return {name: float(value) for name, value in samples}
+
+    completed = wait_for(client, lambda status: status["running"] == 0)["completed"]
+    before = read()
+    body = client.post("/v1/chat/completions", json={"messages": STORY}).json()
+    assert "usage" in body, body
+    wait_for(client, lambda status: status["completed"] > completed)  # counted once the worker lets go of the job
+    after = read()
+    assert (
+        after['doppler_requests_total{outcome="completed"}']
+        == before['doppler_requests_total{outcome="completed"}'] + 1
+    )
+    assert (
+        after["doppler_completion_tokens_total"] - before["doppler_completion_tokens_total"]
+        == body["usage"]["completion_tokens"]
+    )
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert after["doppler_cached_prompt_tokens_total"] - before["doppler_cached_prompt_tokens_total"] == cached
+    assert after["doppler_prefix_cache_lookups_total"] > before["doppler_prefix_cache_lookups_total"]
+    assert after["doppler_prefix_cache_entries"] >= 1 and after["doppler_running"] == 0
+
+
 def test_streamed_chat_sends_role_pieces_finish_usage_then_done(client):
     request = {"messages": STORY, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/chat/completions", json=request) as response:
