@@ -623,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
             cost = row["draft_cost_vs_plain_step"]
             print(f"eagle {row['prompt']:10s} acceptance by position {row['acceptance_by_position']} draft cost {cost}")
     if sampled:
-        print(f"\nT = {args.sampled_temperature}: acceptance (open-ended prompts; lookup methods on copy-heavy too)")
+        print(
+            f"\nT = {args.sampled_temperature}: acceptance (open-ended prompts; lookup methods on the other groups too)"
+        )
         for row in sampled:
             print(
                 f"{row['weights']:12s} {row['prompt']:10s} {row['method']:14s} accept {row['acceptance_rate']:.2f} "
