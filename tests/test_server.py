@@ -631,6 +631,36 @@ def test_the_openai_client_reads_tool_calls(server):
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
     check_weather_arguments(call.function.arguments)
+    # Streamed: the client's deltas carry the call's id and name once, then pieces of the same arguments.
+    stream = api.chat.completions.create(
+        model="tiny-chat0",
+        messages=STORY,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=150,
+        stream=True,
+    )
+    names, arguments, finish = [], "", None
+    for chunk in stream:
+        for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            names += [delta_call.function.name] if delta_call.function.name else []
+            arguments += delta_call.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert names == ["get_weather"] and finish == "tool_calls" and arguments == call.function.arguments
+    # response_format with a JSON schema, through the client's own parameter.
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    person = api.chat.completions.create(
+        model="tiny-chat0",
+        messages=STORY,
+        response_format=response_format,
+        extra_body={"speculative": "none"},
+        temperature=1.0,
+        seed=3,
+        max_tokens=200,
+    )
+    assert person.choices[0].finish_reason == "stop"
+    check_person(json.loads(person.choices[0].message.content))
 
 
 def test_tool_choice_none_answers_in_text_and_history_with_tool_results_is_accepted(client):
