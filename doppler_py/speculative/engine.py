@@ -237,6 +237,8 @@ class SpeculativeEngine:
                     speculate = self._ready(ctx, first_step=produced == 0)
                     stats.warmup_steps += not speculate
                     k_step = self.policy.next_k(remaining) if speculate else 0
+                    if speculate and grammar is not None and (forced := grammar.forced_tokens()):
+                        k_step = self.policy.forced_k(min(len(forced), remaining - 1))
                     plain_steps = self._paused_batch(remaining) if speculate and k_step == 0 and batching else 1
                 else:
                     k_step = 0

@@ -302,6 +302,16 @@ class DraftLengthPolicy:
             return None
         return self.tokens_per_step * plain / (verify + self.k * (self.costs.draft_per_token or 0.0))
 
+    def forced_k(self, available: int) -> int:
+        """How many of `available` tokens a grammar forces one step should verify. They are always accepted, so
+        the count with the most tokens per second of verification (0: a plain step), whatever the drafter's
+        acceptance or a pause; all of them (within k_now) where the costs are not measured yet."""
+        n = min(available, self.k_now)
+        costs = [self.costs.verify_cost(m + 1) for m in range(n + 1)]
+        if n < 1 or None in costs:
+            return max(n, 0)
+        return max(range(n + 1), key=lambda m: (m + 1) / costs[m])
+
     def trim(self, proposal: Proposal) -> Proposal:
         """The leading nodes of a valued proposal worth verifying, by this device's verification costs and the
         drafter's values (`tree_budget`); the whole proposal with a pinned k or in a seeded sampled generation (its

@@ -203,3 +203,13 @@ def test_a_valued_chain_may_be_cut_to_a_plain_step_only_when_asked():
     assert tree_budget([0.2, 0.1], costs, least=0) == 0  # 1 + 0.2 - 1.3 < 1 - 1.0 at the plain bar, 1 token/s
     assert tree_budget([0.2, 0.1], costs) == 1  # trees: at least one node
     assert tree_budget([0.6, 0.5], costs, least=0) == 2
+
+
+def test_forced_tokens_are_verified_as_many_as_give_the_most_tokens_per_second():
+    policy = DraftLengthPolicy(capacity=8)
+    assert policy.forced_k(5) == 5 and policy.forced_k(20) == policy.k_now and policy.forced_k(0) == 0  # unmeasured
+    for rows, seconds in {1: 1.0, 2: 1.2, 3: 1.5, 4: 2.5, 5: 6.0, 6: 7.0}.items():
+        policy.costs.observe_verify(rows, seconds)
+    assert policy.forced_k(5) == 2  # 3 tokens in 1.5 s beat 2 in 1.2 s and 4 in 2.5 s
+    policy.pause_steps = 10  # a pause (the drafter's acceptance) does not stop the grammar's own drafts
+    assert policy.forced_k(1) == 1
