@@ -1,4 +1,4 @@
-"""The speculative benchmark's prompts and summary: two labelled groups, geometric means, the worst prompt.
+"""The speculative benchmark's prompts and summary: labelled groups, geometric means, the worst prompt.
 
 No model runs here; `tools/bench_speculative.py` itself is run by hand (see README's results)."""
 
@@ -23,11 +23,12 @@ def bench():
     return module
 
 
-def test_prompts_come_in_two_labelled_groups_with_six_open_ended_ones_unseen_in_training(bench):
+def test_prompts_come_in_labelled_groups_with_six_open_ended_ones_unseen_in_training(bench):
     groups = {name: group for name, (group, _) in bench.PROMPTS.items()}
-    assert set(groups.values()) == {bench.COPY_HEAVY, bench.OPEN_ENDED}
+    assert set(groups.values()) == {bench.COPY_HEAVY, bench.OPEN_ENDED, bench.STRUCTURED}
     open_ended = [name for name, group in groups.items() if group == bench.OPEN_ENDED]
-    assert len(open_ended) >= 6
+    structured = {name for name, group in groups.items() if group == bench.STRUCTURED}
+    assert len(open_ended) >= 6 and len(structured) >= 6 and structured == set(bench.SCHEMAS)  # each with its schema
     assert groups["chat-echo"] == bench.COPY_HEAVY  # its answer echoes the question
     seeds = {line.strip() for line in SEED_PROMPTS.read_text().splitlines()}
     texts = {messages[-1]["content"] for _, messages in bench.PROMPTS.values()}
@@ -67,7 +68,7 @@ def test_a_k_suffix_pins_the_draft_length_of_that_method_only(bench, method, exp
             calls.append(kwargs)
             stats = {"drafted": 0, "made": 0, "gpu_draft_s": None, "draft_s": 0.0, "tokens_per_step": 1.0,
                      "tokens_per_forward": 1.0, "acceptance_by_position": [], "plain_steps": 0, "steps": 0,
-                     "tree_steps": 0}  # fmt: skip
+                     "tree_steps": 0, "forced_tokens": 0}  # fmt: skip
             return type("Result", (), {"stats": stats, "tokens": [1], "tokens_per_s": 1.0, "acceptance_rate": 0.0,
                                        "speculative": None})()  # fmt: skip
 
