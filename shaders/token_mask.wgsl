@@ -8,7 +8,8 @@
 // Dispatch: (min(ceil(n / 256), 65535), 1, 1) workgroups of 256; each invocation strides over the elements by
 // the whole grid, so any n fits the per-dimension workgroup limit.
 //
-// -inf is written as its bit pattern: WGSL lets implementations assume infinities do not occur in arithmetic.
+// -inf is written as its bit pattern, from a `let`: WGSL lets implementations assume infinities do not occur, and
+// Tint refuses a constant expression that evaluates to one (bitcast of the const itself).
 
 const NEG_INF_BITS: u32 = 0xff800000u;
 
@@ -24,12 +25,13 @@ struct Params {
 
 @compute @workgroup_size(256)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) grid: vec3<u32>) {
+  let neg_inf_bits = NEG_INF_BITS;
   for (var i = gid.x; i < params.n; i += grid.x * 256u) {
     let row = i / params.vocab;
     let token = i - row * params.vocab;
     let word = mask[row * params.words + token / 32u];
     if ((word & (1u << (token % 32u))) == 0u) {
-      logits[i] = bitcast<f32>(NEG_INF_BITS);
+      logits[i] = bitcast<f32>(neg_inf_bits);
     }
   }
 }

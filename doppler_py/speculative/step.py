@@ -196,8 +196,9 @@ class Stepper:
         accepted = len(verdicts[0].accepted)
         if self.logprobs is not None:
             self.last_logprobs = self._logprobs().read(accepted + 1, self.logprobs)
-        if tree and compaction_moves(verdicts[0].path):
-            self._compact(ctx, pos, compaction_moves(verdicts[0].path))
+        moves = compaction_moves(verdicts[0].path) if tree else []
+        if moves:
+            self._compact(ctx, pos, moves)
         new = [token for verdict in verdicts for token in (*verdict.accepted, verdict.token)]
         cache.truncate(pos + len(new))  # rejected drafts' K/V stay behind the length, overwritten later
         ctx.tokens.extend(new)

@@ -80,6 +80,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
         "top_tokens": [],
     },
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
+    "token_mask": {"main": []},
     "subgroup_size": {"main": []},
     "swiglu": {"main": [{"ACTIVATION": 1}]},
     "kv_compact": {"main": []},
