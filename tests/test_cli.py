@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from support.schemas import PERSON
 from tokenizers.pre_tokenizers import ByteLevel
 
 from doppler_py import cli
@@ -30,15 +31,6 @@ STATS_LINE = re.compile(
     r"( \| (saved|lost) [\d.]+ ± [\d.]+ s vs plain decoding)?|, no speculation)\]$"
 )
 PROMPT = "Tell me about the sea."
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 CHAT_INPUT = "Hello there\nAnd again\n/reset\nHello there\n/exit\nnever read\n"
 
 
@@ -65,7 +57,7 @@ def runs(tmp_path_factory, env) -> dict[str, subprocess.CompletedProcess]:
     common = ["--model", model, "--max-tokens", "24", "--no-progress"]
     schema = tmp_path_factory.mktemp("schema") / "person.json"
     schema.write_text(json.dumps(PERSON))
-    # Sampled with a seed, plainly: a greedy random model may fill max_tokens with the blanks JSON allows.
+    # A seeded sampled request, plainly decoded: the constraint must hold whatever is sampled.
     sampled = ["--model", model, "--max-tokens", "200", "--no-progress", "--temperature", "1", "--seed", "3"]
     commands = {
         "generate": (["generate", PROMPT, *common], None),

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
+from support.schemas import PERSON, check_person
 
 from doppler_py.api import load
 from doppler_py.server import OpenAIServer, ServerConfig, is_loopback, serve
@@ -503,24 +504,8 @@ def test_the_openai_client_authenticates_with_the_api_key(keyed_server):
 
 
 # --- structured output and tool calls -------------------------------------------------------------------------------
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-# Sampled with a seed, plainly: a greedy random model may fill max_tokens with the blanks JSON allows between tokens.
+# A seeded sampled request, plainly decoded: the constraint must hold whatever is sampled.
 SAMPLED = {"temperature": 1.0, "seed": 3, "speculative": "none", "max_tokens": 200}
-
-
-def check_person(value) -> None:
-    """PERSON by hand (jsonschema is not a dependency)."""
-    assert isinstance(value, dict) and set(value) == {"name", "age"}, value
-    assert isinstance(value["name"], str) and len(value["name"]) <= 6
-    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
 
 
 @pytest.mark.parametrize("path", [CHAT, DONE])
