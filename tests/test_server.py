@@ -605,33 +605,23 @@ def test_forced_tool_calls_follow_the_parameter_schema_streamed_or_not(client, c
 def test_the_openai_client_reads_tool_calls(server):
     openai = pytest.importorskip("openai")
     api = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-    reply = api.chat.completions.create(
-        model="tiny-chat0",
-        messages=STORY,
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=150,
+    request = dict(
+        model="tiny-chat0", messages=STORY, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
     )
+    reply = api.chat.completions.create(**request, max_tokens=150)
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
     check_weather_arguments(call.function.arguments)
     # Streamed: the client's deltas carry the call's id and name once, then pieces of the same arguments.
-    stream = api.chat.completions.create(
-        model="tiny-chat0",
-        messages=STORY,
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=150,
-        stream=True,
-    )
     names, arguments, finish = [], "", None
-    for chunk in stream:
-        for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+    for chunk in api.chat.completions.create(**request, max_tokens=150, stream=True):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        for delta_call in choice.delta.tool_calls or []:
             names += [delta_call.function.name] if delta_call.function.name else []
             arguments += delta_call.function.arguments or ""
-        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        finish = choice.finish_reason or finish
     assert names == ["get_weather"] and finish == "tool_calls" and arguments == call.function.arguments
     # response_format with a JSON schema, through the client's own parameter.
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}

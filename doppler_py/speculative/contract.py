@@ -63,8 +63,8 @@ class StepContext:
     cached          prompt positions whose K/V came from the prefix cache (`model.prefix_cache`): the prefill,
                     and `prefilled`, begin there; the target's features of those positions were never computed
     grammar         the generation's constraint (`constraints.GrammarMatcher`, at the committed tokens), or None.
-                    The step masks every verified row by it and drafts the tokens it forces itself; a drafter
-                    may ignore it (a draft the grammar refuses is cut before verification).
+                    The step masks every verified row by it and the engine drafts the tokens it forces; a
+                    drafter may ignore it (a draft the grammar refuses is cut before verification).
     """
 
     tokens: list[int]
@@ -103,7 +103,7 @@ class Proposal:
                     verify only a leading run (`policy.tree_budget`); None: all n nodes are verified.
     made            drafts the drafter made for this proposal, when the engine cut it shorter (`leading`): their
                     drafting is a cost of the step all the same; None: count
-    forced          the tokens a grammar forces, drafted by the step itself (`StepContext.grammar`), not the drafter
+    forced          the tokens a grammar forces, drafted by the engine (`StepContext.grammar`), not the drafter
     """
 
     count: int

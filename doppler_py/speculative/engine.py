@@ -64,13 +64,13 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(capacity=self.capacity)
         # What the drafter declares (contract.Drafter): a fixed step shape (policy: fixed mode), chains ended by
         # its own confidence (policy: k is only the ceiling), the target layers it reads.
-        declared = drafter if drafter is not None else _NoDrafter()
-        self.fixed_nodes: int | None = declared.fixed_nodes
-        self.policy.gated = declared.gates_chains
-        target.tap_layers(declared.feature_taps)
+        drafter = drafter if drafter is not None else _NoDrafter()
+        self.fixed_nodes: int | None = drafter.fixed_nodes
+        self.policy.gated = drafter.gates_chains
+        target.tap_layers(drafter.feature_taps)
         if self.fixed_nodes is not None:
             self.policy.reset(fixed=self.fixed_nodes)
-        self.steps = Stepper(target, drafter if drafter is not None else _NoDrafter(), self.policy, self.capacity)
+        self.steps = Stepper(target, drafter, self.policy, self.capacity)
         self.clock = StepClock(target.gpu)
         self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
         # Getting ready to speculate (see `prepare`): pipelines compiling in the background, a calibration due,
@@ -228,22 +228,24 @@ class SpeculativeEngine:
         stats.drafter = self.drafter.name
         self.steps.logprobs = logprobs
         produced = 0
+        batching = grammar is None  # under a grammar each step's masks come from the tokens before it
         try:
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
-                # Under a grammar each step's masks come from the tokens before it: one step per submit.
-                batching = grammar is None
+                proposal = None
                 if self.speculative:
                     speculate = self._ready(ctx, first_step=produced == 0)
                     stats.warmup_steps += not speculate
                     k_step = self.policy.next_k(remaining) if speculate else 0
-                    if speculate and grammar is not None and (forced := grammar.forced_tokens()):
+                    forced = grammar.forced_tokens() if speculate and grammar is not None else []
+                    if forced:  # the grammar's own drafts: always accepted, so as many as pay, pause or not
                         k_step = self.policy.forced_k(min(len(forced), remaining - 1))
+                        proposal = Proposal(k_step, forced[:k_step], forced=True) if k_step else NO_PROPOSAL
                     plain_steps = self._paused_batch(remaining) if speculate and k_step == 0 and batching else 1
                 else:
                     k_step = 0
                     plain_steps = self._batch_size(remaining, first=produced == 0) if batching else 1
-                new = self._measured_step(ctx, k_step, stats, plain_steps)[:remaining]
+                new = self._measured_step(ctx, k_step, stats, plain_steps, proposal)[:remaining]
                 for j, token in enumerate(new):
                     if token in stop_ids:
                         new, stats.stopped_by = new[: j + 1], "eos"
@@ -332,13 +334,15 @@ class SpeculativeEngine:
         """A plain token's measured cost, for sizing plain batches."""
         self._plain_token_s = seconds if self._plain_token_s is None else 0.7 * self._plain_token_s + 0.3 * seconds
 
-    def _measured_step(self, ctx: StepContext, k: int, stats: SpecStats, plain_steps: int = 1) -> list[int]:
+    def _measured_step(
+        self, ctx: StepContext, k: int, stats: SpecStats, plain_steps: int = 1, proposal: Proposal | None = None
+    ) -> list[int]:
         """One step (or `plain_steps` plain steps in one submit) with its timing, statistics, pricing, policy update
-        and the KV-cache invariant check around it."""
+        and the KV-cache invariant check around it. `proposal`: drafts made here (the grammar's), not the drafter's."""
         self._check_open()
         pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
-        outcome = self.steps.step(ctx, k, plain_steps=plain_steps, marks=self.clock)
+        outcome = self.steps.step(ctx, k, plain_steps=plain_steps, proposal=proposal, marks=self.clock)
         times = self.clock.stop()
         if plain_steps > 1:
             per_token = times.total_s / plain_steps

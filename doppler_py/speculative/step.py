@@ -23,8 +23,9 @@ draw; a sampled tree: one per node and the final draw; a plain step: one). The s
 Under a constraint (`ctx.grammar`), every verified row is masked to the tokens the grammar allows after the
 drafts before it (`ops.token_mask`: -inf before any softmax, top-k or top-p), so the output is the target's
 distribution renormalised over the allowed tokens, for every drafter and shape; a draft the grammar refuses is
-cut (with its subtree) before verification, and the tokens the grammar forces are drafted by the step itself
-(always accepted, exact either way). The matcher then advances by the committed tokens only.
+cut (with its subtree) before verification, and the tokens the grammar forces come as a proposal of the engine's
+own (`Proposal.forced`: always accepted, exact either way). The matcher then advances by the committed tokens
+only.
 
 The step has no clock: `StepMarks` lets whoever wraps it (the engine's timing, `timing.StepClock`) mark the end
 of drafting and the verification's first and last GPU commands.
@@ -62,7 +63,7 @@ class StepOutcome:
     on_gpu: bool  # the drafts came from GPU work (else from the host)
     tree: bool = False  # the drafts were a token tree
     made: int = 0  # drafts made, verified or not (more than `drafted` where the policy trimmed the proposal)
-    forced: bool = False  # the drafts were the tokens a grammar forces (the step's own, not the drafter's)
+    forced: bool = False  # the drafts were the tokens a grammar forces (the engine's, not the drafter's)
 
 
 class StepMarks(Protocol):
@@ -138,14 +139,8 @@ class Stepper:
         self._token_mask: TokenMask | None = None  # made at the first constrained step
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
-        """The drafter's proposal of at most k tokens, trimmed to the nodes worth verifying; under a grammar that
-        forces the next tokens, those instead."""
-        if not k:
-            return NO_PROPOSAL
-        forced = ctx.grammar.forced_tokens()[:k] if ctx.grammar is not None else []
-        if forced:
-            return Proposal(len(forced), forced, forced=True)
-        return self.policy.trim(self.drafter.propose(ctx, k))
+        """The drafter's proposal of at most k tokens, trimmed to the nodes worth verifying."""
+        return self.policy.trim(self.drafter.propose(ctx, k)) if k else NO_PROPOSAL
 
     def step(
         self,
