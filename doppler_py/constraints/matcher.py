@@ -23,14 +23,10 @@ import numpy as np
 
 from doppler_py.constraints.grammar import Constraint
 from doppler_py.errors import GenerationOptionError, InternalError, VocabularyMismatchError
+from doppler_py.ops.token_mask import mask_words  # the layout the GPU reads (shaders/token_mask.wgsl)
 
 if TYPE_CHECKING:
     import llguidance
-
-
-def mask_words(vocab_size: int) -> int:
-    """uint32 words in one mask row for a vocabulary of `vocab_size` ids."""
-    return (vocab_size + 31) // 32
 
 
 def allowed_ids(row: np.ndarray) -> np.ndarray:
