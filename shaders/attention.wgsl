@@ -42,11 +42,11 @@
 // slot start_pos + r, and a tree key's RoPE and window position is start_pos + its row's depth. Chains
 // (tree == 0) are the special case depth(r) = r, every earlier row an ancestor.
 //
-// Bindings: 0 params (uniform Params), 1 q (read) [rows, q_stride * 4], query heads in the first
+// Bindings: 0 params (uniform Params), 1 q (read) [row0 + rows, q_stride * 4], query heads in the first
 //           n_heads * HEAD_DIM floats of each row (RoPE applied when rope == 0; the model's fused
 //           [q | k | v] rows, which rope 1 and 2 require),
 //           2 k_cache and 3 v_cache (read_write; written only when rope is 1 or 2) [max_seq, n_kv_heads, HEAD_DIM],
-//           4 out (read_write) [rows, n_heads * HEAD_DIM],
+//           4 out (read_write) [row0 + rows, n_heads * HEAD_DIM],
 //           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
 //           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split,
 //           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope 1, 2),
@@ -57,7 +57,10 @@
 //         rope (1: RoPE and the cache write inside, as above; 2: the same before the key loop, one workgroup
 //         per kv head; 0: q rotated and the caches written before);
 //         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped);
-//         tree (1: the rows are a token tree laid out in `tree`, as above; 0: consecutive positions).
+//         tree (1: the rows are a token tree laid out in `tree`, as above; 0: consecutive positions);
+//         row0 (the call's row r is row row0 + r of q and of out, so several sequences' rows, each with its own
+//         cache and call, share one q and one out buffer; positions, cache slots, the tree layout and the
+//         partials stay indexed by r).
 // Overrides: HEAD_DIM (a multiple of 16, at most 256); FUSED_ROPE (compile the rope == 1 path; rope == 2
 //            is always compiled).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
@@ -79,6 +82,7 @@ struct Params {
   rope: u32,
   softcap: f32,
   tree: u32,
+  row0: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -176,7 +180,7 @@ fn query_slice(head: vec4<u32>, i: u32, pos: vec4<u32>, scale: f32) -> mat4x4<f3
 // Vec4 index of kv head `kv_head` of key j's k section in q (v section: + n_kv_heads * HEAD_DIM / 4), for
 // a key of this call's rows (rope 1 and 2).
 fn new_key_head(j: u32, kv_head: u32) -> u32 {
-  return (j - params.start_pos) * params.q_stride + (params.n_heads + kv_head) * (HEAD_DIM / 4u);
+  return (params.row0 + j - params.start_pos) * params.q_stride + (params.n_heads + kv_head) * (HEAD_DIM / 4u);
 }
 
 // Dims 4c..4c+3 of key j of kv head `kv_head`, RoPE applied; `new_key`: one of this call's rows (rope 1 and 2).
@@ -391,7 +395,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         lower[c] = q_pos[c] + 1u - params.window;
       }
       row_head[c] = (pair / group) * params.n_heads + head;
-      q_head[c] = (pair / group) * params.q_stride + head * hd4;
+      q_head[c] = (params.row0 + row) * params.q_stride + head * hd4;
     }
   }
   var lane = Lane(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), limit, lower, ancestors, kv_head,
@@ -431,7 +435,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var c = 0u; c < 4u; c++) {
       if (limit[c] > 0u) {
         if (params.n_splits == 1u) {
-          let at = row_head[c] * hd4 + 4u * slice;
+          let at = (params.row0 * params.n_heads + row_head[c]) * hd4 + 4u * slice;
           let inv = 1.0 / st.l[c];
           out[at] = r0[c] * inv;
           out[at + 1u] = r1[c] * inv;

@@ -3,9 +3,10 @@
 //   over the splits s that hold keys of that row (s * split_len <= start_pos + row).
 // Bindings: 0 params (uniform Params), 1 part_acc (read) [n_splits, rows, n_heads, HEAD_DIM],
 //           2 part_stats (read) [n_splits, rows, n_heads] (max m_s, sum l_s), 3 out (read_write)
-//           [rows, n_heads * HEAD_DIM].
-// Params: the same struct as attention.wgsl (n_kv_heads and key_lanes unused here), so both share one
-//         uniform slot.
+//           [row0 + rows, n_heads * HEAD_DIM].
+// Params: the same struct as attention.wgsl, so both share one uniform slot; read here: rows, start_pos,
+//         n_heads, split_len, n_splits and row0 (the call's row r is written to row row0 + r of out; the
+//         partials are indexed by r).
 // Overrides: HEAD_DIM (multiple of 4).
 // Dispatch: ceil(rows * n_heads * HEAD_DIM / 4 / 64) workgroups of 64; one invocation per (row, head, vec4).
 
@@ -17,6 +18,13 @@ struct Params {
   key_lanes: u32,
   split_len: u32,
   n_splits: u32,
+  q_stride: u32,
+  window: u32,
+  scale: f32,
+  rope: u32,
+  softcap: f32,
+  tree: u32,
+  row0: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -47,6 +55,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
       total += w * stats.y;
       acc += w * part_acc[(s * stride + row_head) * hd4 + col];
     }
-    out[row_head * hd4 + col] = acc / total;
+    out[(params.row0 * params.n_heads + row_head) * hd4 + col] = acc / total;
   }
 }

@@ -1,6 +1,7 @@
 // rope: rotary position embedding (HF LLaMA "rotate half" convention) fused with the KV-cache write, over
 // the fused QKV projection output. Each qkv row is [q heads | k heads | v heads] (row_stride =
-// (n_heads + 2 * n_kv_heads) * head_dim); row t is the token at position p = start_pos + t. One dispatch:
+// (n_heads + 2 * n_kv_heads) * head_dim); the call's row t (qkv row row0 + t) is the token at position
+// p = start_pos + t. One dispatch:
 //   q heads: rotated in place in qkv;
 //   k heads: rotated and written to k_cache[p] (qkv's k section keeps the unrotated keys);
 //   v heads: copied to v_cache[p].
@@ -13,12 +14,14 @@
 // Token trees (tree == 1): row t is rotated for position start_pos + depth(t), read from `tree` (the layout of
 // doppler_py/ops/tree.py), and still written to cache slot start_pos + t.
 // Bindings: 0 params (uniform Params), 1 cos_sin (read, [n_positions, half] of vec2(cos, sin)),
-//           2 qkv (read_write, [rows, row_stride]),
+//           2 qkv (read_write, [row0 + rows, row_stride]),
 //           3 k_cache (read_write, [max_seq, n_kv_heads, head_dim]), 4 v_cache (read_write, same layout),
 //           5 tree (read, [rows] of (depth, ancestor mask); read when tree == 1).
 // Params: start_pos = position of row 0, n_heads, n_kv_heads, half = head_dim / 2,
 //         pos_limit = min(table positions, max_seq): a row at a position >= pos_limit writes nothing at all
-//         (q stays unrotated, the caches untouched); tree (1: rows are a token tree, as above).
+//         (q stays unrotated, the caches untouched); tree (1: rows are a token tree, as above);
+//         row0 = qkv row of the call's row 0 (several sequences' rows share one qkv buffer, each sequence with
+//         its own cache and call; positions, cache slots and the tree layout stay indexed by the call's row).
 // Dispatch: (ceil((n_heads + n_kv_heads) * half / 64), rows, 1) workgroups of 64. One invocation per
 // (row, head, i) rotation pair, q heads first, then k heads; a k-head invocation also copies the matching
 // (i, i + half) pair of the v head with the same index.
@@ -30,6 +33,7 @@ struct Params {
   half: u32,
   pos_limit: u32,
   tree: u32,
+  row0: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -60,7 +64,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let head_dim = 2u * params.half;
   let q_size = params.n_heads * head_dim;
   let kv_size = params.n_kv_heads * head_dim;
-  let row_base = row * (q_size + 2u * kv_size);
+  let row_base = (params.row0 + row) * (q_size + 2u * kv_size);
   if (head < params.n_heads) {
     let a = row_base + head * head_dim + i;
     let r = rotate(qkv[a], qkv[a + params.half], cs);

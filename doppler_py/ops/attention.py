@@ -76,6 +76,10 @@ class Attention:
     `tree`: a u32 tensor of at least 2 * MAX_TREE_ROWS elements holding a token tree's layout
     (`ops.tree.layout_words`); calls with `tree=True` read it (rows at start_pos + depth, each seeing
     its ancestors; see shaders/attention.wgsl).
+
+    A call's `row0` places its rows at rows row0..row0+rows-1 of `q` and `out`, so the rows of several
+    sequences, each with its own cache and op, share the activation buffers of one forward; positions, cache
+    slots and the tree layout stay indexed from the call's first row.
     """
 
     def __init__(
@@ -216,12 +220,14 @@ class Attention:
         return key_lanes, split_len, workgroups(context, split_len)
 
     def call(
-        self, rows: int, start_pos: int, splits: int | None = None, *, tree: bool = False
+        self, rows: int, start_pos: int, splits: int | None = None, *, tree: bool = False, row0: int = 0
     ) -> tuple[dict[str, dict], tuple[int, int, int]]:
         """What a call sets, per kind of uniform slot its dispatches use ("attention", and "rope" when a rope.wgsl
         dispatch goes first), and the attention dispatch's grid (`record` records the call)."""
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"rows={rows} must be in 1..{self.max_rows}")
+        if row0 < 0 or row0 + rows > self.max_rows:
+            raise ValueError(f"row0={row0}: rows {row0}..{row0 + rows - 1} must lie in the op's 0..{self.max_rows - 1}")
         if tree and not (self.has_tree and rows <= MAX_TREE_ROWS):
             raise ValueError(f"a tree call needs the op's tree layout tensor and rows <= {MAX_TREE_ROWS}, got {rows}")
         if start_pos < 0 or start_pos + rows > self.max_seq:
@@ -239,10 +245,11 @@ class Attention:
                 "n_splits": n_splits,
                 "rope": ROPE_PARAM[rope],
                 "tree": int(tree),
+                "row0": row0,
             }
         }
         if rope == "dispatch":
-            values["rope"] = {"start_pos": start_pos, "tree": int(tree)}
+            values["rope"] = {"start_pos": start_pos, "tree": int(tree), "row0": row0}
         return values, grid
 
     def rope_mode(self, rows: int, grid: tuple[int, int, int]) -> str | None:
@@ -257,18 +264,26 @@ class Attention:
         return "dispatch"
 
     def record(
-        self, rec: Recorder, rows: int, start_pos: int, *, splits: int | None = None, tree: bool = False
+        self,
+        rec: Recorder,
+        rows: int,
+        start_pos: int,
+        *,
+        splits: int | None = None,
+        tree: bool = False,
+        row0: int = 0,
     ) -> list[tuple[str, UniformSlot]]:
         """Record attention for `rows` queries at positions start_pos..start_pos+rows-1; returns the uniform slots
         the dispatches used (the ops' own, or in a phase their copies), each with its kind as in `call`.
 
         `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose. `tree`: the
-        rows are the token tree laid out in the op's tree tensor.
+        rows are the token tree laid out in the op's tree tensor. `row0`: the rows' first row in q and out (class
+        docstring).
         """
-        values, grid = self.call(rows, start_pos, splits, tree=tree)
+        values, grid = self.call(rows, start_pos, splits, tree=tree, row0=row0)
         used = []
         if "rope" in values:
-            used.append(("rope", self.rope.record(rec, rows, start_pos, tree=tree)))
+            used.append(("rope", self.rope.record(rec, rows, start_pos, tree=tree, row0=row0)))
         self.params.set(**values["attention"])
         used.append(("attention", rec.dispatch(self.bound, *grid).params))
         if grid[2] > 1:

@@ -102,7 +102,8 @@ class RoPE:
     k and v sections are left as they are. `cos_sin` is a `rope_table` uploaded as a tensor. A row at a
     position past the table or >= max_seq writes nothing (the caller checks capacity). `tree`: a token tree's
     layout (u32, `ops.tree.layout_words`); calls with `tree=True` rotate row t for position
-    start_pos + depth(t) and still write slot start_pos + t."""
+    start_pos + depth(t) and still write slot start_pos + t. A call's `row0` places its row t at qkv row row0 + t
+    (several sequences' rows in one buffer, each sequence with its own cache and op)."""
 
     def __init__(
         self,
@@ -138,6 +139,7 @@ class RoPE:
             "half": half,
             "pos_limit": min(cos_sin.numel // (2 * half), max_seq),
             "tree": 0,
+            "row0": 0,
         }
         self.has_tree = tree is not None
         self.bound = registry.bind(
@@ -154,12 +156,14 @@ class RoPE:
         """Give back the op's uniform slot (its tensors belong to the caller)."""
         registry.release_slot(self.bound.params)
 
-    def record(self, rec: Recorder, rows: int, start_pos: int, *, tree: bool = False) -> UniformSlot:
+    def record(self, rec: Recorder, rows: int, start_pos: int, *, tree: bool = False, row0: int = 0) -> UniformSlot:
         """Record the call; returns the uniform slot it used (the op's own, or its phase copy)."""
         require_rows(rows, self.max_rows, "RoPE")
+        if row0 < 0 or row0 + rows > self.max_rows:
+            raise ValueError(f"RoPE: row0={row0}: rows {row0}..{row0 + rows - 1} must lie in 0..{self.max_rows - 1}")
         if start_pos < 0:
             raise ValueError(f"RoPE: start_pos must be >= 0, got {start_pos}")
         if tree and not (self.has_tree and rows <= MAX_TREE_ROWS):
             raise ValueError(f"RoPE: a tree call needs the op's tree layout tensor and rows <= {MAX_TREE_ROWS}")
-        self.bound.params.set(start_pos=start_pos, tree=int(tree))
+        self.bound.params.set(start_pos=start_pos, tree=int(tree), row0=row0)
         return rec.dispatch(self.bound, workgroups(self.n_pairs, 64), rows).params

@@ -26,7 +26,8 @@ SMOLLM2 = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
 
 
 class Case:
-    """Random queries and a KV cache whose positions past start_pos + rows hold `garbage`."""
+    """Random queries and a KV cache whose positions past start_pos + rows hold `garbage`. `tq`, `out`: query and
+    output buffers shared with other cases (a batch of sequences); the case then reads its queries from `tq`."""
 
     def __init__(
         self,
@@ -43,17 +44,23 @@ class Case:
         window=0,
         scale=None,
         softcap=0.0,
+        tq=None,
+        out=None,
     ):
         self.window, self.scale, self.softcap = window, scale, softcap
-        self.q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
+        if tq is None:
+            self.q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
+            tq = Tensor.from_numpy(gpu, self.q)
+        else:
+            self.q = tq.numpy().reshape(-1, n_heads * head_dim)
         self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
         self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
         self.garbage = garbage
         self.gpu = gpu
-        self.tq = Tensor.from_numpy(gpu, self.q)
+        self.tq = tq
         self.tk = Tensor.empty(gpu, self.k.shape)
         self.tv = Tensor.empty(gpu, self.v.shape)
-        self.out = Tensor.from_numpy(gpu, np.full(self.q.shape, -7.0, np.float32))
+        self.out = Tensor.from_numpy(gpu, np.full(self.q.shape, -7.0, np.float32)) if out is None else out
         self.op = Attention(
             registry,
             self.tq,
@@ -83,14 +90,20 @@ class Case:
         rec.submit()
         return self.out.numpy()
 
-    def expected(self, rows, start_pos):
+    def expected(self, rows, start_pos, row0=0):
         return attention(
-            self.q[:rows], self.k, self.v, start_pos, window=self.window, scale=self.scale, softcap=self.softcap
+            self.q[row0 : row0 + rows],
+            self.k,
+            self.v,
+            start_pos,
+            window=self.window,
+            scale=self.scale,
+            softcap=self.softcap,
         )
 
-    def check(self, got, rows, start_pos):
+    def check(self, got, rows, start_pos, row0=0):
         atol = TOLERANCE * np.abs(self.v).max()
-        np.testing.assert_allclose(got[:rows], self.expected(rows, start_pos), rtol=0, atol=atol)
+        np.testing.assert_allclose(got[row0 : row0 + rows], self.expected(rows, start_pos, row0), rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 20, 65])
@@ -287,9 +300,24 @@ class RopeCase:
 
     K_FILL, V_FILL = -1.0, -2.0
 
-    def __init__(self, gpu, registry, rng, *, n_heads, n_kv_heads, head_dim, max_seq, max_rows, window=0, mode="local"):
+    def __init__(
+        self,
+        gpu,
+        registry,
+        rng,
+        *,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        max_seq,
+        max_rows,
+        window=0,
+        mode="local",
+        qkv=None,
+        out=None,
+    ):
         """`mode`: the path the op may take besides a rope dispatch, "local", "fused" or "rope-dispatch" (none);
-        None: the adapter's default."""
+        None: the adapter's default. `qkv`, `out`: buffers shared with other cases (a batch of sequences)."""
         self.tree = Tensor.empty(gpu, (MAX_TREE_ROWS, 2), "u32")
         self.shape = (n_heads, n_kv_heads, head_dim)
         self.q_size, self.kv_size = n_heads * head_dim, n_kv_heads * head_dim
@@ -297,9 +325,9 @@ class RopeCase:
         self.table = rope_table(head_dim, max_seq + 3, 1e4)
         self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
         self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
-        self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size))
+        self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size)) if qkv is None else qkv
         self.tk, self.tv = Tensor.empty(gpu, self.k.shape), Tensor.empty(gpu, self.v.shape)
-        self.out = Tensor.empty(gpu, (max_rows, self.q_size))
+        self.out = Tensor.empty(gpu, (max_rows, self.q_size)) if out is None else out
         self.op = Attention(
             registry,
             self.qkv,
@@ -326,28 +354,41 @@ class RopeCase:
     ) -> None:
         """`parents`: the rows are a token tree of rows - 1 nodes (ops/tree.py), else a chain."""
         qkv = self.rng.standard_normal((self.max_rows, self.q_size + 2 * self.kv_size)).astype(np.float32)
-        k_cache, v_cache = self.k.copy(), self.v.copy()
-        k_cache[start_pos:], v_cache[start_pos:] = self.K_FILL, self.V_FILL
-        for tensor, data in ((self.qkv, qkv), (self.tk, k_cache), (self.tv, v_cache)):
-            tensor.write(data)
-        if parents is not None:
-            self.tree.view((rows, 2)).write(layout_words(parents))
+        self.qkv.write(qkv)
+        self.load_caches(start_pos, rows, parents)
         rec = registry.recorder()
         self.op.record(rec, rows, start_pos, splits=splits, tree=parents is not None)
         rec.submit()
+        self.check(qkv, self.out.numpy(), rows, start_pos, parents)
 
+    def load_caches(self, start_pos: int, rows: int, parents: list[int] | None = None) -> None:
+        """Uploads the caches (rotated keys and values before start_pos, sentinels from it on) and the tree."""
+        self.k_cache, self.v_cache = self.k.copy(), self.v.copy()
+        self.k_cache[start_pos:], self.v_cache[start_pos:] = self.K_FILL, self.V_FILL
+        self.tk.write(self.k_cache)
+        self.tv.write(self.v_cache)
+        if parents is not None:
+            self.tree.view((rows, 2)).write(layout_words(parents))
+
+    def check(
+        self, qkv: np.ndarray, out: np.ndarray, rows: int, start_pos: int, parents: list[int] | None, row0: int = 0
+    ) -> None:
+        """The call's rows (rows row0.. of `qkv` as uploaded, of `out` as read back) and the caches after it
+        against the reference over the caches of `load_caches`."""
+        qkv = qkv[row0 : row0 + rows]
+        k_cache, v_cache = self.k_cache.copy(), self.v_cache.copy()
         slots = np.arange(start_pos, start_pos + rows)
         positions = slots if parents is None else start_pos + np.array(row_depths(parents))
-        q = self.rotate(qkv[:rows, : self.q_size], positions)
-        new_k = self.rotate(qkv[:rows, self.q_size : self.q_size + self.kv_size], positions)
-        new_v = qkv[:rows, self.q_size + self.kv_size :]
+        q = self.rotate(qkv[:, : self.q_size], positions)
+        new_k = self.rotate(qkv[:, self.q_size : self.q_size + self.kv_size], positions)
+        new_v = qkv[:, self.q_size + self.kv_size :]
         k_cache[slots] = new_k.reshape(rows, *self.k.shape[1:])
         v_cache[slots] = new_v.reshape(rows, *self.v.shape[1:])
         if parents is None:
             expected = attention(q, k_cache, v_cache, start_pos, window=self.window)
         else:
             expected = tree_attention(q, k_cache, v_cache, start_pos, parents, window=self.window)
-        got = self.out.numpy()[:rows]
+        got = out[row0 : row0 + rows]
         np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE * np.abs(v_cache[: start_pos + rows]).max())
         # The caches: the rows' keys rotated (test_rope.py's tolerance), values copied, nothing else written.
         got_k, got_v = self.tk.numpy().reshape(k_cache.shape), self.tv.numpy().reshape(v_cache.shape)
@@ -480,3 +521,91 @@ def test_tree_calls_need_the_layout_tensor(gpu, registry, rng):
     case = Case(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4)
     with pytest.raises(ValueError, match="tree layout tensor"):
         case.op.record(registry.recorder(), 3, 5, tree=True)
+
+
+# -- several sequences' rows in one forward (row0) -----------------------------------------------------------
+# (max_seq, start_pos, rows, row0): each sequence has its own cache and op; their rows are stacked in one q and
+# one out buffer with a row left free after each, which no call may write.
+BATCH = [(48, 0, 1, 0), (64, 37, 3, 2), (160, 130, 5, 6)]
+BATCH_ROWS = 12
+SENTINEL = -7.0
+
+
+def outside_the_batch(out: np.ndarray) -> np.ndarray:
+    inside = np.zeros(len(out), bool)
+    for _, _, rows, row0 in BATCH:
+        inside[row0 : row0 + rows] = True
+    return out[~inside]
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_sequences_stacked_in_one_buffer_each_attend_over_their_own_cache(gpu, registry, rng, splits):
+    """Ragged rows of three sequences (one with a sliding window) in one submit: each call reads its queries
+    from, and writes its outputs to, its own rows, with key splits merged there too."""
+    width = SMOLLM2["n_heads"] * SMOLLM2["head_dim"]
+    tq = Tensor.from_numpy(gpu, rng.standard_normal((BATCH_ROWS, width)).astype(np.float32))
+    out = Tensor.from_numpy(gpu, np.full((BATCH_ROWS, width), SENTINEL, np.float32))
+    cases = [
+        Case(gpu, registry, rng, **SMOLLM2, max_seq=max_seq, max_rows=BATCH_ROWS, window=5 * (i == 1), tq=tq, out=out)
+        for i, (max_seq, _, _, _) in enumerate(BATCH)
+    ]
+    rec = registry.recorder()
+    for case, (_, start_pos, rows, row0) in zip(cases, BATCH, strict=True):
+        case.upload_cache(start_pos + rows)
+        case.op.record(rec, rows, start_pos, splits=splits, row0=row0)
+    rec.submit()
+    got = out.numpy()
+    for case, (_, start_pos, rows, row0) in zip(cases, BATCH, strict=True):
+        case.check(got, rows, start_pos, row0)
+    assert np.all(outside_the_batch(got) == SENTINEL), "rows outside every call must not be written"
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+@pytest.mark.parametrize("mode", ["local", "fused", "rope-dispatch"])
+def test_stacked_sequences_with_rope_inside_write_their_own_caches(gpu, registry, rng, mode, splits):
+    """The same with [q | k | v] rows: each call rotates its own rows' queries and keys and writes them to its
+    own caches; the third sequence is a token tree (its layout indexed from its first row)."""
+    n_heads, n_kv_heads, head_dim = SMOLLM2.values()
+    width = (n_heads + 2 * n_kv_heads) * head_dim
+    qkv = rng.standard_normal((BATCH_ROWS, width)).astype(np.float32)
+    tqkv = Tensor.from_numpy(gpu, qkv)
+    out = Tensor.from_numpy(gpu, np.full((BATCH_ROWS, n_heads * head_dim), SENTINEL, np.float32))
+    trees = [None, None, [-1, 0, -1, 2]]
+    cases = [
+        RopeCase(
+            gpu,
+            registry,
+            rng,
+            **SMOLLM2,
+            max_seq=max_seq,
+            max_rows=BATCH_ROWS,
+            window=5 * (i == 1),
+            mode=mode,
+            qkv=tqkv,
+            out=out,
+        )
+        for i, (max_seq, _, _, _) in enumerate(BATCH)
+    ]
+    rec = registry.recorder()
+    for case, parents, (_, start_pos, rows, row0) in zip(cases, trees, BATCH, strict=True):
+        case.load_caches(start_pos, rows, parents)
+        case.op.record(rec, rows, start_pos, splits=splits, tree=parents is not None, row0=row0)
+    rec.submit()
+    got = out.numpy()
+    for case, parents, (_, start_pos, rows, row0) in zip(cases, trees, BATCH, strict=True):
+        case.check(qkv, got, rows, start_pos, parents, row0)
+    assert np.all(outside_the_batch(got) == SENTINEL), "rows outside every call must not be written"
+
+
+def test_call_values_carry_row0_and_rows_must_lie_in_the_buffers(gpu, registry, rng):
+    """`call`'s values are what a recorded forward replays, so they hold row0; a call past max_rows is refused."""
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=32, max_rows=4, mode="rope-dispatch")
+    values, _ = case.op.call(2, 5, row0=2)
+    assert values["attention"]["row0"] == 2 and values["rope"]["row0"] == 2
+    rec = registry.recorder()
+    for rows, row0 in ((1, -1), (2, 3), (4, 1)):
+        with pytest.raises(ValueError, match="row0"):
+            case.op.record(rec, rows, 5, row0=row0)
+        with pytest.raises(ValueError, match="row0"):
+            case.op.rope.record(rec, rows, 5, row0=row0)
+    assert rec.dispatches == 0
