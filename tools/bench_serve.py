@@ -1,22 +1,51 @@
-"""Serving figures on SmolLM2-135M: an 8-turn chat's time to first token per turn, with the prefix cache and
-without it, side by side in one run (the two alternate, their order swapped from repeat to repeat).
+"""Serving figures on SmolLM2-135M, in two parts (`--parts chat,concurrency`, both by default).
 
-    python tools/bench_serve.py --repeats 2 --json serve.json --png serve.png
+    python tools/bench_serve.py --json serve.json --png serve.png
 
-Each turn sends the whole conversation so far (as a server receives it): with the prefix cache, a turn prefills
-only its new messages; without it, everything again. Time to first token is from the call to the first streamed
-piece, which includes the prefill and the first step. Greedy, so both runs produce the same answers (checked).
+chat: an 8-turn chat's time to first token per turn, with the prefix cache and without it, side by side in one
+run (the two alternate, their order swapped from repeat to repeat; `--repeats`, default 2). Each turn sends the
+whole conversation so far (as a server receives it): with the prefix cache, a turn prefills only its new
+messages; without it, everything again. Time to first token is from the call to the first streamed piece, which
+includes the prefill and the first step. Greedy, so both runs produce the same answers (checked).
 
-Concurrent clients batched on the GPU (issue 50's other half) are not built yet: one generation runs at a time.
+concurrency: C clients at once against two OpenAI servers in the same run, each its own engine and uvicorn thread:
+one-at-a-time (`parallel=1`, a queue long enough that nothing is refused) and batched (`parallel=max(--clients)`:
+concurrent generations' steps share one forward, `speculative.batch`). For each C in `--clients`, C threads each
+stream `--requests` chat completions back to back through the `openai` client (a fixed number of requests per client
+rather than a time budget: every cell does the same work, and each prompt's answer can be compared across servers).
+Prompts: `bench_speculative.PROMPTS`' open-ended group (`--groups`), client i's request j takes prompt (i + j·C) mod
+n, so the clients start on different prompts. Per cell: aggregate completion tokens/s (all tokens over the cell's
+wall time, which ends when its last request does), time to first token (request sent → first content delta),
+inter-token latency (gaps between content deltas) and time per output token after the first (a request's last delta
+minus its first, over its tokens − 1) at p50/p95, and the batched server's mean steps per forward. The one-at-a-time
+engine decodes several plain tokens per GPU submit (about 0.2 s of them, `speculative.engine.BATCH_TARGET_S`) and
+streams them as one delta, the batched one a delta per step: compare their per-token latency by TPOT, not ITL. Each
+C runs both servers in turn, in an order that alternates from C to C and from repeat to repeat (`--repeats`, default
+1); the table has medians over repeats, the ratios (batched / one-at-a-time) are medians of each repeat's paired
+ratio. Before the timings, each server answers one request per client for every C (each batch row count compiles its
+pipelines on first use). Both servers run without the prefix cache by default (`--kv-cache-mb 0`): the prompts
+repeat here, as distinct users' prompts would not, so every request prefills its whole prompt. Greedy, with the same
+`speculative` request option on both (`--speculative`, default "none"; with parallel > 1 "auto" means prompt lookup,
+so with "auto" the two servers do not speculate alike: use "prompt-lookup" to compare speculation like with like);
+every prompt's answers must be the same from both servers (checked). The clients, servers and engines share one
+Python process (and this machine's cores), so client-side work weighs on both servers' figures alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import itertools
 import json
+import math
+import socket
 import statistics
 import sys
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 QUESTIONS = [
@@ -29,8 +58,11 @@ QUESTIONS = [
     "Should I use compost or fertiliser?",
     "Thanks! Can you summarise the plan in three steps?",
 ]
+SERVERS = ("one-at-a-time", "batched")
+GOAL_CLIENTS, GOAL_THROUGHPUT, GOAL_TTFT = 4, 2.5, 1.0  # issue 50: batched ≥ 2.5× tok/s, p95 TTFT no worse
 
 
+# --- chat: time to first token with and without the prefix cache --------------------------------------------------
 def chat(engine, *, cached: bool, max_tokens: int) -> list[dict]:
     """One conversation of len(QUESTIONS) turns; per turn its time to first token, prompt and cached tokens."""
     engine.prefix_cache.clear()
@@ -61,24 +93,18 @@ def chat(engine, *, cached: bool, max_tokens: int) -> list[dict]:
     return turns
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="keep")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--png", type=Path)
-    args = parser.parse_args(argv)
-
+def chat_part(args) -> dict | None:
+    """The chat part's runs, printed; None when the cached and uncached answers differ."""
     import doppler_py
     from doppler_py.ops.linear import compile_rows
 
-    engine = doppler_py.load(weights=args.weights, progress=False, warmup="now")
+    repeats = 2 if args.repeats is None else args.repeats
+    engine = doppler_py.load(args.model, weights=args.weights, progress=False, warmup="now")
     # Every prefill chunk's row count has pipelines of its own: compiled now, outside the timings of either mode.
     compile_rows(engine.model.linears())
     chat(engine, cached=False, max_tokens=4)
     runs: dict[str, list[list[dict]]] = {"cached": [], "uncached": []}
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         for mode in ("cached", "uncached") if repeat % 2 == 0 else ("uncached", "cached"):
             runs[mode].append(chat(engine, cached=mode == "cached", max_tokens=args.max_tokens))
             print(f"repeat {repeat} {mode}: " + " ".join(f"{t['ttft_s']:.2f}" for t in runs[mode][-1]), file=sys.stderr)
@@ -86,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     for cached, uncached in zip(runs["cached"], runs["uncached"], strict=True):
         if [t["text"] for t in cached] != [t["text"] for t in uncached]:
             print("the cached and uncached answers differ", file=sys.stderr)
-            return 1
+            return None
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'ttft cached s':>14} {'ttft uncached s':>16} {'ratio':>6}")
     table = []
     for turn in range(len(QUESTIONS)):
@@ -103,26 +129,347 @@ def main(argv: list[str] | None = None) -> int:
         f"turn 8 / turn 1 time to first token: cached {last_over_first['cached']:.2f}, uncached "
         f"{last_over_first['uncached']:.2f}"
     )
+    return {"turns": table, "last_over_first": last_over_first, "runs": runs}
+
+
+def plot_chat(axes, table: list[dict]) -> None:
+    turns = [row["turn"] for row in table]
+    for mode in ("cached", "uncached"):
+        axes.plot(
+            turns,
+            [row[f"ttft_{mode}_s"] for row in table],
+            marker="o",
+            label=f"prefix cache {'on' if mode == 'cached' else 'off'}",
+        )
+    axes.set_xlabel("chat turn")
+    axes.set_ylabel("time to first token (s)")
+    axes.legend()
+
+
+# --- concurrency: C clients against a one-at-a-time and a batched server -------------------------------------------
+def load_prompts(groups: list[str]) -> list[tuple[str, str, list[dict]]]:
+    """(group, name, messages) of bench_speculative's prompts in `groups`, in its order."""
+    path = Path(__file__).resolve().parent / "bench_speculative.py"
+    spec = importlib.util.spec_from_file_location("bench_speculative", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [(group, name, messages) for name, (group, messages) in module.PROMPTS.items() if group in groups]
+
+
+@contextlib.contextmanager
+def serving(app):
+    """`app` served by uvicorn on a free loopback port in a thread; yields its base URL."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def one_request(client, model: str, prompt: tuple[str, str, list[dict]], *, max_tokens: int, speculative: str):
+    """Stream one greedy chat completion; its timings (from the request's start), tokens and text."""
+    group, name, messages = prompt
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        stream=True,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"speculative": speculative},
+    )
+    arrivals, pieces, tokens = [], [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:  # the opening chunk's empty content is not a token
+                arrivals.append(time.perf_counter())
+                pieces.append(choice.delta.content)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {
+        "group": group,
+        "prompt": name,
+        "start_s": start,
+        "ttft_s": arrivals[0] - start if arrivals else None,
+        "itl_s": [b - a for a, b in itertools.pairwise(arrivals)],
+        # Time per output token after the first: what a client waits per token on average, bursts or not.
+        "tpot_s": (arrivals[-1] - arrivals[0]) / (tokens - 1) if arrivals and tokens and tokens > 1 else None,
+        "latency_s": end - start,
+        "tokens": tokens,
+        "text": "".join(pieces),
+    }
+
+
+def run_cell(url: str, model: str, prompts: list, *, clients: int, requests: int, max_tokens: int, speculative: str):
+    """`clients` threads, each streaming `requests` requests back to back, started together; the cell's requests
+    (each with its client's index) and its wall time (first start to last end)."""
+    import openai
+
+    # max_retries=0: a refused request (429) fails the run instead of being retried behind the timings' back.
+    sessions = [openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600) for _ in range(clients)]
+    go = threading.Barrier(clients + 1)
+
+    def client_loop(i: int) -> list[dict]:
+        go.wait()
+        done = []
+        for j in range(requests):
+            prompt = prompts[(i + j * clients) % len(prompts)]
+            done.append(one_request(sessions[i], model, prompt, max_tokens=max_tokens, speculative=speculative))
+            done[-1]["client"] = i
+        return done
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client_loop, i) for i in range(clients)]
+        go.wait()
+        start = time.perf_counter()
+        done = [row for future in futures for row in future.result()]
+        wall = time.perf_counter() - start
+    for session in sessions:
+        session.close()
+    for row in done:
+        row["start_s"] -= start
+    return done, wall
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else None
+
+
+def cell_figures(done: list[dict], wall: float) -> dict:
+    tokens = sum(row["tokens"] for row in done)
+    ttfts = [row["ttft_s"] for row in done if row["ttft_s"] is not None]
+    gaps = [gap for row in done for gap in row["itl_s"]]
+    tpots = [row["tpot_s"] for row in done if row["tpot_s"] is not None]
+    return {
+        "requests": len(done),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p95_s": percentile(gaps, 95),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p95_s": percentile(tpots, 95),
+    }
+
+
+def mean_rows(sizes: Counter) -> float | None:
+    """Mean steps per batched forward of a Counter of steps per forward (None: no forward)."""
+    forwards = sum(sizes.values())
+    return sum(size * n for size, n in sizes.items()) / forwards if forwards else None
+
+
+def median_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def shown(value: float | None, scale: float = 1, digits: int = 0) -> str:
+    """`value` × `scale` for the table ("-": none, e.g. no content delta came)."""
+    return "-" if value is None else f"{scale * value:.{digits}f}"
+
+
+def concurrency_part(args) -> dict | None:
+    """The concurrency part's cells, printed; None when the two servers' answers to a prompt differ."""
+    import openai
+
+    import doppler_py
+    from doppler_py.ops.linear import compile_rows
+    from doppler_py.server import OpenAIServer, ServerConfig
+
+    clients = sorted(set(args.clients))
+    repeats = 1 if args.repeats is None else args.repeats
+    prompts = load_prompts(args.groups)
+    if not prompts:
+        raise SystemExit(f"no prompts in groups {args.groups}")
+    print(
+        f"concurrency prompts: {', '.join(f'{group}/{name}' for group, name, _ in prompts)}; speculative "
+        f"{args.speculative!r}, {args.requests} requests per client, max_tokens {args.max_tokens}",
+        file=sys.stderr,
+    )
+    cell = dict(requests=args.requests, max_tokens=args.max_tokens, speculative=args.speculative)
+    # Every client's request may wait in the one-at-a-time server's queue: none is refused.
+    config = ServerConfig(queue_size=max(clients))
+    parallel = {"one-at-a-time": 1, "batched": max(clients)}
+    runs: dict[str, dict[int, list[dict]]] = {server: {c: [] for c in clients} for server in SERVERS}
+    with contextlib.ExitStack() as stack:
+        engines, urls, models = {}, {}, {}
+        for server in SERVERS:  # one after the other: each loads, compiles and warms up alone
+            engine = doppler_py.load(
+                args.model,
+                weights=args.weights,
+                progress=False,
+                warmup="now",
+                parallel=parallel[server],
+                kv_cache_mb=args.kv_cache_mb,
+            )
+            stack.callback(engine.close)  # after its server has stopped (the stack unwinds in reverse)
+            compile_rows(engine.model.linears())  # every prefill chunk's row count, outside the timings
+            engines[server], urls[server] = engine, stack.enter_context(serving(OpenAIServer(engine, config).app))
+            with openai.OpenAI(base_url=f"{urls[server]}/v1", api_key="x") as client:
+                models[server] = client.models.list().data[0].id
+            for c in clients:  # each batch row count's pipelines compile on first use: one request per client
+                run_cell(urls[server], models[server], prompts, clients=c, **cell | {"requests": 1})
+        for repeat in range(repeats):
+            for index, c in enumerate(clients):
+                order = SERVERS if (repeat + index) % 2 == 0 else SERVERS[::-1]
+                for server in order:
+                    batch = engines[server].batch
+                    before = Counter(batch.sizes) if batch is not None else Counter()
+                    done, wall = run_cell(urls[server], models[server], prompts, clients=c, **cell)
+                    sizes = (batch.sizes - before) if batch is not None else Counter()
+                    figures = cell_figures(done, wall) | {"mean_rows": mean_rows(sizes), "batch_sizes": dict(sizes)}
+                    runs[server][c].append(figures | {"done": done})
+                    print(
+                        f"repeat {repeat} clients {c} {server}: {figures['tok_s']:.1f} tok/s, "
+                        f"TTFT p95 {shown(figures['ttft_p95_s'], digits=2)} s",
+                        file=sys.stderr,
+                    )
+    answers: dict[str, set[str]] = {}
+    for server in SERVERS:
+        for c in clients:
+            for figures in runs[server][c]:
+                for row in figures["done"]:
+                    answers.setdefault(row["prompt"], set()).add(row["text"])
+    differing = sorted(name for name, texts in answers.items() if len(texts) > 1)
+    if differing:
+        print(f"greedy answers differ between requests or servers for: {', '.join(differing)}", file=sys.stderr)
+        return None
+    table = []
+    keys = ("tok_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s", "tpot_p50_s", "tpot_p95_s", "mean_rows")
+    for c in clients:
+        for server in SERVERS:
+            row = {"clients": c, "server": server, "parallel": parallel[server]}
+            row |= {key: median_or_none([run[key] for run in runs[server][c]]) for key in keys}
+            row["requests"] = sum(run["requests"] for run in runs[server][c])
+            table.append(row)
+        pairs = list(zip(runs["one-at-a-time"][c], runs["batched"][c], strict=True))  # paired repeat by repeat
+        table[-1]["tok_s_ratio"] = median_or_none([ratio(b["tok_s"], o["tok_s"]) for o, b in pairs])
+        table[-1]["ttft_p95_ratio"] = median_or_none([ratio(b["ttft_p95_s"], o["ttft_p95_s"]) for o, b in pairs])
+    print(
+        f"{'C':>3} {'server':<14} {'tok/s':>7} {'TTFT p50':>9} {'p95 ms':>7} {'ITL p50':>8} {'p95 ms':>7} "
+        f"{'TPOT p50':>9} {'p95 ms':>7} {'rows/fwd':>8} {'req':>4} {'tok/s ×':>8} {'TTFT95 ×':>9}"
+    )
+    for row in table:
+        ratios = ""
+        if "tok_s_ratio" in row:
+            ratios = f"{shown(row['tok_s_ratio'], digits=2):>8} {shown(row['ttft_p95_ratio'], digits=2):>9}"
+        latencies = [shown(row[key], 1000) for key in keys[1:-1]]  # milliseconds
+        print(
+            f"{row['clients']:>3} {row['server']:<14} {shown(row['tok_s'], digits=1):>7} {latencies[0]:>9} "
+            f"{latencies[1]:>7} {latencies[2]:>8} {latencies[3]:>7} {latencies[4]:>9} {latencies[5]:>7} "
+            f"{shown(row['mean_rows'], digits=2):>8} {row['requests']:>4} {ratios}"
+        )
+    goal = next((row for row in table if row["clients"] == GOAL_CLIENTS and "tok_s_ratio" in row), None)
+    if goal is None:
+        print(f"{GOAL_CLIENTS} clients: not run (the goal is stated for {GOAL_CLIENTS})")
+    else:
+        print(
+            f"{GOAL_CLIENTS} clients: batched {shown(goal['tok_s_ratio'], digits=2)}× one-at-a-time aggregate tok/s "
+            f"(goal ≥ {GOAL_THROUGHPUT}), p95 TTFT ratio {shown(goal['ttft_p95_ratio'], digits=2)} "
+            f"(goal ≤ {GOAL_TTFT:g})"
+        )
+    settings = {key: getattr(args, key) for key in ("requests", "max_tokens", "speculative", "kv_cache_mb")}
+    settings |= {"repeats": repeats, "clients": clients, "prompts": [f"{g}/{n}" for g, n, _ in prompts]}
+    return {"settings": settings, "table": table, "runs": {s: {str(c): r for c, r in runs[s].items()} for s in runs}}
+
+
+def plot_concurrency(throughput, latency, table: list[dict]) -> None:
+    clients = sorted({row["clients"] for row in table})
+    for server in SERVERS:
+        rows = [row for row in table if row["server"] == server]
+        throughput.plot(clients, [row["tok_s"] for row in rows], marker="o", label=server)
+        p95 = [math.nan if row["ttft_p95_s"] is None else row["ttft_p95_s"] for row in rows]
+        latency.plot(clients, p95, marker="o", label=server)
+    for axes, label in ((throughput, "aggregate completion tok/s"), (latency, "time to first token p95 (s)")):
+        axes.set_xlabel("concurrent clients")
+        axes.set_ylabel(label)
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(clients, [str(c) for c in clients])
+        axes.legend()
+
+
+def integers(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+def names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", type=names, default=["chat", "concurrency"], help="chat,concurrency (default)")
+    parser.add_argument("--model", default=None, help="a known model name or an HF folder (default: SmolLM2-135M)")
+    parser.add_argument("--weights", default="keep")
+    parser.add_argument("--repeats", type=int, help="default: 2 for the chat part, 1 for the concurrency part")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--clients", type=integers, default=[1, 2, 4, 8], help="concurrent clients (default 1,2,4,8)")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client in each cell (default 3)")
+    parser.add_argument("--groups", type=names, default=["open-ended"], help="bench_speculative prompt groups")
+    parser.add_argument("--speculative", default="none", choices=("none", "prompt-lookup", "auto"))
+    parser.add_argument("--kv-cache-mb", type=int, default=0, help="the concurrency servers' prefix cache (default 0)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--png", type=Path)
+    args = parser.parse_args(argv)
+    unknown = set(args.parts) - {"chat", "concurrency"}
+    if unknown:
+        parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    if args.model is None:
+        from doppler_py.model.catalog import DEFAULT_MODEL
+
+        args.model = DEFAULT_MODEL
+
+    results: dict = {}
+    if "chat" in args.parts:
+        chat_results = chat_part(args)
+        if chat_results is None:
+            return 1
+        results |= chat_results  # at the top level, as before the concurrency part
+    if "concurrency" in args.parts:
+        results["concurrency"] = concurrency_part(args)
+        if results["concurrency"] is None:
+            return 1
     if args.json:
-        args.json.write_text(json.dumps({"turns": table, "last_over_first": last_over_first, "runs": runs}, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
     if args.png:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        figure, axes = plt.subplots(figsize=(6, 3.5))
-        turns = [row["turn"] for row in table]
-        for mode in ("cached", "uncached"):
-            axes.plot(
-                turns,
-                [row[f"ttft_{mode}_s"] for row in table],
-                marker="o",
-                label=f"prefix cache {'on' if mode == 'cached' else 'off'}",
-            )
-        axes.set_xlabel("chat turn")
-        axes.set_ylabel("time to first token (s)")
-        axes.legend()
+        panels = ("chat" in args.parts) + 2 * ("concurrency" in args.parts)
+        figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 3.5), squeeze=False)
+        axes = list(axes[0])
+        if "chat" in args.parts:
+            plot_chat(axes.pop(0), results["turns"])
+        if "concurrency" in args.parts:
+            plot_concurrency(axes[0], axes[1], results["concurrency"]["table"])
         figure.tight_layout()
         figure.savefig(args.png)
     return 0
