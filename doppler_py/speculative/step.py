@@ -104,6 +104,22 @@ class _Verdict:
     path: list[int]
 
 
+@dataclass(frozen=True)
+class PendingStep:
+    """A step between `Stepper.begin` and `Stepper.finish`: what its GPU work and its commit need."""
+
+    ctx: StepContext
+    proposal: Proposal
+    n: int  # drafts verified
+    tree: bool
+    plain_steps: int
+    pos: int  # the last committed token's position (row 0's)
+
+    @property
+    def rows(self) -> int:
+        return self.n + 1
+
+
 class Stepper:
     """The step for one target: its GPU buffers and verification ops, the drafter and the policy that trims
     proposals. `capacity` bounds the drafts of one step."""
@@ -154,38 +170,62 @@ class Stepper:
         """Draft at most k tokens (or verify `proposal`, made earlier for this ctx with this k), verify them with one
         target forward on the GPU, commit what was accepted. `plain_steps` > 1 (with k = 0): that many plain steps
         in one submit."""
-        proposal = self.propose(ctx, k) if proposal is None else proposal
-        if ctx.grammar is not None:
-            proposal = self._mask_rows(ctx, proposal)
-        n, tree = self._check(proposal, k, plain_steps, ctx.grammar is not None)
+        pending = self.begin(ctx, k, plain_steps=plain_steps, proposal=proposal)
         marks.drafted()
-        target, cache, params = self.target, ctx.target_cache, ctx.params
-        pos, rows = len(ctx.tokens) - 1, n + 1
-        verifier = self.tree_verify if tree else self._verifier(proposal.draft_logits)
-        self._upload(ctx, proposal, tree, plain_steps)
+        target, rows = self.target, pending.rows
         rec = self.registry.recorder()
         marks.verify_begins(rec)
-        if proposal.on_gpu:
-            rec.copy(proposal.tokens, self.spec_tokens, 4 * n, dst_offset=4)
-        rec.copy(self.spec_tokens, target.ids, 4 * rows)
+        self.record_inputs(rec, pending)
         for j in range(plain_steps):
             if plain_steps > 1:  # per-step uniform slots; phase 0's would hold the last step's values
                 rec.phase = j + 1
-            if n == 0:
+            if j:
                 self._plain_inputs(rec, j)
-            target.record_forward(rec, rows, cache, pos + j, logits="all" if n else "last", tree=tree)
-            if ctx.grammar is not None:
-                self._masks().record(rec, rows)
-            verifier.record(rec, rows, params)
-            if self.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
-                self._logprobs().record(rec, rows, params, self.logprobs)
-            if n == 0:
-                self._plain_outputs(rec, j, keep_features=plain_steps > 1)
+            logits = "all" if pending.n else "last"
+            target.record_forward(rec, rows, ctx.target_cache, pending.pos + j, logits=logits, tree=pending.tree)
+            self.record_checks(rec, pending, j)
         if plain_steps > 1:
             self._restore_features(rec, plain_steps)
         marks.verify_ends(rec)
         rec.submit()
-        verdicts = self._read(n, tree, plain_steps)
+        return self.finish(pending)
+
+    def begin(self, ctx: StepContext, k: int, *, plain_steps: int = 1, proposal: Proposal | None = None) -> PendingStep:
+        """A step's host half before its GPU work: the proposal made (or `proposal` taken), masked and checked, the
+        tokens, layout and random numbers uploaded to this stepper's own buffers."""
+        proposal = self.propose(ctx, k) if proposal is None else proposal
+        if ctx.grammar is not None:
+            proposal = self._mask_rows(ctx, proposal)
+        n, tree = self._check(proposal, k, plain_steps, ctx.grammar is not None)
+        pending = PendingStep(ctx, proposal, n, tree, plain_steps, len(ctx.tokens) - 1)
+        self._upload(ctx, proposal, tree, plain_steps)
+        return pending
+
+    def record_inputs(self, rec: Recorder, pending: PendingStep, row0: int = 0) -> None:
+        """The forward's input ids: the last committed token and the drafts, as rows row0.. of target.ids; and a
+        plain step's random number where the verifier reads it."""
+        if pending.proposal.on_gpu:
+            rec.copy(pending.proposal.tokens, self.spec_tokens, 4 * pending.n, dst_offset=4)
+        rec.copy(self.spec_tokens, self.target.ids, 4 * pending.rows, dst_offset=4 * row0)
+        if pending.n == 0:
+            rec.copy(self.plain_randoms, self.randoms, 4)
+
+    def record_checks(self, rec: Recorder, pending: PendingStep, j: int = 0) -> None:
+        """After the forward, with the step's logits as rows 0.. of target.logits: the grammar's masks, the
+        verification, the log-probs, and (plain step j) the token kept for the readback."""
+        if pending.ctx.grammar is not None:
+            self._masks().record(rec, pending.rows)
+        verifier = self.tree_verify if pending.tree else self._verifier(pending.proposal.draft_logits)
+        verifier.record(rec, pending.rows, pending.ctx.params)
+        if self.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
+            self._logprobs().record(rec, pending.rows, pending.ctx.params, self.logprobs)
+        if pending.n == 0:
+            self._plain_outputs(rec, j, keep_features=pending.plain_steps > 1)
+
+    def finish(self, pending: PendingStep) -> StepOutcome:
+        """A submitted step's host half after its GPU work: the readback, the checks, and the commit."""
+        ctx, proposal, n, tree, pos = pending.ctx, pending.proposal, pending.n, pending.tree, pending.pos
+        verdicts = self._read(n, tree, pending.plain_steps)
         for j, verdict in enumerate(verdicts):
             check_status(verdict.status, pos + j, n)
         accepted = len(verdicts[0].accepted)
@@ -195,7 +235,7 @@ class Stepper:
         if moves:
             self._compact(ctx, pos, moves)
         new = [token for verdict in verdicts for token in (*verdict.accepted, verdict.token)]
-        cache.truncate(pos + len(new))  # rejected drafts' K/V stay behind the length, overwritten later
+        ctx.target_cache.truncate(pos + len(new))  # rejected drafts' K/V stay behind the length, overwritten later
         ctx.tokens.extend(new)
         ctx.hidden_rows = len(new)  # the rows verified and kept: the root's and the accepted path's, or each step's
         if ctx.grammar is not None:
@@ -288,9 +328,8 @@ class Stepper:
         return self._token_mask
 
     def _plain_inputs(self, rec: Recorder, j: int) -> None:
-        """Plain step j's random number, and (after the first) its input: the token step j - 1 chose."""
-        if j:
-            rec.copy(self.result, self.target.ids, 4, src_offset=4)
+        """Plain step j's (j ≥ 1) input, the token step j - 1 chose, and its random number."""
+        rec.copy(self.result, self.target.ids, 4, src_offset=4)
         rec.copy(self.plain_randoms, self.randoms, 4, src_offset=4 * j)
 
     def _plain_outputs(self, rec: Recorder, j: int, *, keep_features: bool) -> None:
