@@ -61,6 +61,17 @@ class _LayerOps:
     post_mlp: RMSNorm | None  # x += rmsnorm(y) (Gemma post_feedforward_layernorm)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a forward: rows row0..row0+rows-1 of the activations, at positions start_pos..,
+    attending through `attention` (its cache's ops)."""
+
+    attention: list[Attention]
+    rows: int
+    start_pos: int
+    row0: int = 0
+
+
 @dataclass
 class _ForwardTape:
     """A recorded forward to play again (`Recorder.play_tape`): the slots its attention (and rope) dispatches
@@ -368,7 +379,8 @@ class Transformer:
                 return
             rec.capture()
         try:
-            positioned = self._record_layers(rec, rows, start_pos, attention, logits, num_layers, embedded, tree)
+            segments = [Segment(attention, rows, start_pos)]
+            positioned = self._record_layers(rec, rows, segments, logits, num_layers, embedded, tree)
         finally:
             tape = rec.end_capture() if key is not None else None
         cache.advance_to(max(cache.length, start_pos + rows))
@@ -377,19 +389,35 @@ class Transformer:
                 del self._tapes[next(iter(self._tapes))]
             self._tapes[key] = _ForwardTape(tape, positioned)
 
+    def record_batch(self, rec: Recorder, segments: Sequence[tuple[KVCache, int, int]]) -> None:
+        """Record one forward over the rows of several sequences, stacked in `self.ids` in the order given: each
+        (cache, start_pos, rows) segment's rows attend over its own cache (and write their K/V there), every
+        matmul runs once over all rows. Writes the logits of every row (rows ≤ max_logit_rows in all)."""
+        total = sum(rows for _, _, rows in segments)
+        if not 1 <= total <= self.max_logit_rows:
+            raise CapacityError(f"a batched forward takes 1..{self.max_logit_rows} rows in all, got {total}")
+        stacked, row0 = [], 0
+        for cache, start_pos, rows in segments:
+            cache.check_room(start_pos, rows)
+            stacked.append(Segment(self.attention_ops(cache), rows, start_pos, row0))
+            row0 += rows
+        self._record_layers(rec, total, stacked, "all", None, False)
+        for cache, start_pos, rows in segments:
+            cache.advance_to(max(cache.length, start_pos + rows))
+
     def _record_layers(
         self,
         rec: Recorder,
         rows: int,
-        start_pos: int,
-        attention: list[Attention],
+        segments: Sequence[Segment],
         logits: str,
         num_layers: int | None,
         embedded: bool,
         tree: bool = False,
     ) -> dict[tuple[int, str], list[UniformSlot]]:
-        """Record the forward's dispatches; returns the uniform slots whose values depend on the positions (those
-        of the attention and rope dispatches), per attention window and kind of slot (`Attention.call`)."""
+        """Record the forward's dispatches over `rows` rows, each segment's attending over its own cache; returns
+        the uniform slots whose values depend on the positions (those of the attention and rope dispatches), per
+        attention window and kind of slot (`Attention.call`)."""
         positioned: dict[tuple[int, str], list[UniformSlot]] = {}
         if not embedded:
             self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
@@ -398,8 +426,10 @@ class Transformer:
             if layer.qk_norm:
                 layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
             # attention: q, k rotated (RoPE); k, v → cache; attn = softmax(q·K)·V
-            for kind, slot in attention[i].record(rec, rows=rows, start_pos=start_pos, tree=tree):
-                positioned.setdefault((attention[i].window, kind), []).append(slot)
+            for seg in segments:
+                op = seg.attention[i]
+                for kind, slot in op.record(rec, rows=seg.rows, start_pos=seg.start_pos, tree=tree, row0=seg.row0):
+                    positioned.setdefault((op.window, kind), []).append(slot)
             layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
             if layer.post_attn:
                 layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)

@@ -23,6 +23,7 @@ on lavapipe: 157 against 186 tok/s).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,11 +57,14 @@ def row_tile(rows: int, tiled_gemm: bool) -> int:
     return -(-rows // tiles)
 
 
-def compile_rows(linears: Sequence[Linear]) -> None:
+def compile_rows(linears: Sequence[Linear], stop: threading.Event | None = None) -> None:
     """Compile the pipeline of every row count each of `linears` may run with (row counts ascending, so the
-    shortest calls, a drafter's first, are ready first); thread-safe, e.g. in a warm-up thread. A drafter's f16
-    matmuls share no pipeline with a target kept in 4-bit blocks, and compiled on first use mid-generation."""
+    shortest calls, a drafter's first, are ready first); thread-safe, e.g. in a warm-up thread, which `stop`
+    ends after the row count being compiled. A drafter's f16 matmuls share no pipeline with a target kept in
+    4-bit blocks, and compiled on first use mid-generation."""
     for rows in range(1, REGISTER_TILED_MAX_ROWS + 2):  # past the register tiles, one tiled GEMM for any count
+        if stop is not None and stop.is_set():
+            return
         for linear in linears:
             if rows <= linear.max_rows:
                 linear.compile(rows)

@@ -17,9 +17,10 @@ Besides those hooks a drafter declares what it can do, and the engine reads noth
 lookahead), `gates_chains` (it ends its chains by `StepContext.worth_drafting`), `tree_branches` (tokens per depth
 when it drafts trees; 1: chains only) with `branches` (what this generation asked for), `feature_taps` (target
 layers whose outputs it reads: the engine taps them), `reads_prompt_features` (it needs the target's features
-of every prompt position, which a prefix from the prefix cache lacks) and `compile()` (builds its own pipelines
-ahead of use, thread-safe: the engine runs it with its warm-up). A drafter made of others (`BestOfDrafter`)
-declares for the whole, from its parts.
+of every prompt position, which a prefix from the prefix cache lacks), `batches` (its steps can share a forward
+with other generations': it proposes from the host and touches none of the target's buffers) and `compile()`
+(builds its own pipelines ahead of use, thread-safe: the engine runs it with its warm-up). A drafter made of
+others (`BestOfDrafter`) declares for the whole, from its parts.
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ class Drafter(Protocol):
     # cache it starts later and drafts differently, so a seeded sampled generation, whose tokens depend on the
     # drafts' random draws, does not take a prefix from the cache with it.
     reads_prompt_features: bool
+    # It proposes from the host, touching none of the target's buffers (no GPU drafting, no feature reads), so
+    # its generations' steps can share one forward with other sequences' (`speculative.batch`).
+    batches: bool
 
     def compile(self) -> None:
         """Build the drafter's own pipelines for every shape it may run (thread-safe; before first use)."""
@@ -186,6 +190,7 @@ class NoOpHooks:
     branches = 1
     feature_taps: tuple[int, ...] = ()
     reads_prompt_features = False
+    batches = False
 
     def compile(self) -> None:
         pass

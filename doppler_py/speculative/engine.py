@@ -8,8 +8,10 @@ full width, the verification pipelines are compiled and their costs measured (`p
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,7 @@ from doppler_py.ops.logprobs import check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
 from doppler_py.speculative.readiness.warmup import COMPILE_CONTEXT, PipelineWarmup
@@ -82,6 +85,9 @@ class SpeculativeEngine:
         self.on_calibrated: Callable[[dict[int, float]], None] | None = None
         # Earlier sequences' K/V (`model.prefix_cache`), shared by every engine of the model; None: none kept.
         self.prefix_cache: PrefixCache | None = None
+        # Concurrent generations of the target whose steps share forwards (`batch.py`); None: this engine's
+        # generations run alone.
+        self.batch: StepBatch | None = None
         self.closed = False
 
     @property
@@ -89,20 +95,23 @@ class SpeculativeEngine:
         return self.steps.drafter
 
     # -- getting ready ------------------------------------------------------------------------------------
-    def prepare(self, *, costs: dict[int, float] | None = None, background: bool = False) -> None:
+    def prepare(
+        self, *, costs: dict[int, float] | None = None, background: bool = False, compile_now: bool = True
+    ) -> None:
         """Make the engine ready to speculate. `costs`: verification costs measured earlier on this device and
         model (`cost_cache`), so no calibration is needed. `background`: take plain steps while a background
         thread compiles the verification pipelines (`PipelineWarmup`, started once the next generation's first
         token is out: before, it would compete with the prefill and the first step for the CPU and the
         compiler), and speculate with drafts as long as the compiled row counts allow meanwhile; else calibrate
-        now, which compiles them all first."""
+        now, which compiles them all first. `compile_now=False` (with costs): the pipelines compile elsewhere (a
+        batch's warm-up, `StepBatch.warm_up`) or on first use, so no step runs now."""
         for rows, seconds in (costs or {}).items():
             self.policy.costs.observe_verify(rows, seconds)
         self.needs_calibration = not costs
         self.warmup_pending = background
         self.usable_rows = 1
         if not background:
-            if costs:  # nothing to measure, but "now" means every step size runs without compiling first
+            if costs and compile_now:  # nothing to measure, but "now": every step size runs without compiling first
                 self.calibrate(context=COMPILE_CONTEXT, repeats=1, store=False)
             self._use_rows(max(self.verify_rows()), between_steps=False)
             self.drafter.compile()
@@ -228,13 +237,19 @@ class SpeculativeEngine:
         stats.drafter = self.drafter.name
         self.steps.logprobs = logprobs
         produced = 0
-        batching = grammar is None  # under a grammar each step's masks come from the tokens before it
+        # Plain steps several per submit; not under a grammar (each step's masks come from the tokens before it)
+        # nor in a batch (each step meets the other generations' next steps).
+        batching = grammar is None and self.batch is None
+        if self.batch is not None:
+            self.batch.join()
         try:
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
                 proposal = None
                 if self.speculative:
-                    speculate = self._ready(ctx, first_step=produced == 0)
+                    speculate = (
+                        self._ready(ctx, first_step=produced == 0) if self.batch is None else self.usable_rows >= 2
+                    )
                     stats.warmup_steps += not speculate
                     k_step = self.policy.next_k(remaining) if speculate else 0
                     forced = grammar.forced_tokens() if speculate and grammar is not None else []
@@ -259,6 +274,8 @@ class SpeculativeEngine:
         finally:
             stats.total_s = time.perf_counter() - start
             self.steps.logprobs = None
+            if self.batch is not None:
+                self.batch.leave()
             self.close_context(ctx)
 
     def open_context(
@@ -274,6 +291,17 @@ class SpeculativeEngine:
         drafter started, and the prefill of every prompt token but the last (the first step feeds it), after
         the longest prefix the prefix cache holds (`ctx.cached`). Steps (`steps.step`) follow; `close_context`
         ends it."""
+        with self._gpu_lock():
+            return self._open_context(prompt_ids, max_new_tokens, params, k, grammar)
+
+    def _open_context(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        k: int | None,
+        grammar: GrammarMatcher | None,
+    ) -> StepContext:
         target = self.target
         tokens = target.check_ids(prompt_ids).tolist()
         check_fits(len(tokens), max_new_tokens, target.max_positions)
@@ -307,12 +335,17 @@ class SpeculativeEngine:
     def close_context(self, ctx: StepContext) -> None:
         """A generation's end (completed, failed or cancelled): its committed tokens' K/V kept in the prefix
         cache, the drafter's state and the KV cache freed."""
-        self.drafter.finish()
-        cache = ctx.target_cache
-        # Not after a step cut short, nor once the engine (and so the model's buffers) was closed.
-        if self.prefix_cache is not None and cache.length == len(ctx.tokens) - 1 and not self.closed:
-            self.prefix_cache.store(ctx.tokens[: cache.length], cache)
-        self.target.release_cache(cache)
+        with self._gpu_lock():
+            self.drafter.finish()
+            cache = ctx.target_cache
+            # Not after a step cut short, nor once the engine (and so the model's buffers) was closed.
+            if self.prefix_cache is not None and cache.length == len(ctx.tokens) - 1 and not self.closed:
+                self.prefix_cache.store(ctx.tokens[: cache.length], cache)
+            self.target.release_cache(cache)
+
+    def _gpu_lock(self) -> AbstractContextManager:
+        """Held while recording GPU work outside a step when other generations may be stepping (`batch`)."""
+        return self.batch.gpu_lock if self.batch is not None else contextlib.nullcontext()
 
     def _batch_size(self, remaining: int, first: bool) -> int:
         """Plain steps for the next submit: one for a generation's first token (it shows at once), then as many
@@ -340,6 +373,8 @@ class SpeculativeEngine:
         """One step (or `plain_steps` plain steps in one submit) with its timing, statistics, pricing, policy update
         and the KV-cache invariant check around it. `proposal`: drafts made here (the grammar's), not the drafter's."""
         self._check_open()
+        if self.batch is not None:
+            return self._batched_step(ctx, k, stats, proposal)
         pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.steps.step(ctx, k, plain_steps=plain_steps, proposal=proposal, marks=self.clock)
@@ -360,6 +395,19 @@ class SpeculativeEngine:
         if self.registry.cache_sizes["pipelines"] == pipelines:
             self._price(outcome, times)
         if outcome.drafted and not outcome.forced:  # the grammar's drafts say nothing of the drafter's
+            self.policy.observe(outcome.drafted, outcome.accepted)
+        self._check_cache(ctx)
+        return outcome.new
+
+    def _batched_step(self, ctx: StepContext, k: int, stats: SpecStats, proposal: Proposal | None) -> list[int]:
+        """One step run together with the other generations' (`batch`). Its wall time is the batch's, which says
+        nothing of what this step's rows cost alone, so it is not priced: the policy keeps the costs measured
+        when the engine was prepared."""
+        start = time.perf_counter()
+        outcome = self.batch.step(self.steps, ctx, k, proposal)
+        stats.record(outcome.drafted, outcome.accepted, StepTimes(0.0, time.perf_counter() - start, None, None))
+        stats.forced_tokens += outcome.accepted if outcome.forced else 0
+        if outcome.drafted and not outcome.forced:
             self.policy.observe(outcome.drafted, outcome.accepted)
         self._check_cache(ctx)
         return outcome.new
@@ -455,6 +503,7 @@ class _NoDrafter(NoOpHooks):
     """Plain decoding: nothing is ever proposed, so every step is the verifier's n = 0 step."""
 
     name = "none"
+    batches = True
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         return NO_PROPOSAL

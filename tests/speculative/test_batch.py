@@ -1,0 +1,147 @@
+"""Concurrent generations whose steps share forwards (`speculative.batch`), on the tiny target: each generation's
+tokens equal its solo run (greedy and seeded sampling, plain and prompt-lookup steps, ragged prompts and lengths),
+whenever it joined the batch; a generation that fails leaves the others unharmed; drafters that touch the target's
+buffers are kept out."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.batch import StepBatch
+from doppler_py.speculative.drafters.prompt_lookup import PromptLookupDrafter
+from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.stats import SpecStats
+
+# Ragged: prompts of different lengths (one longer than a prefill chunk of the 32-row model), answers of different
+# lengths, some repetitive enough for prompt lookup to draft.
+PROMPTS = [
+    [5, 9, 11],
+    [(7 * i + 3) % 45 + 3 for i in range(40)],
+    [4, 8, 15, 16, 23, 42, 4, 8, 15, 16],
+    [30, 31, 32, 33, 30, 31, 32],
+]
+MAX_TOKENS = [14, 9, 20, 12]
+PARAMS = {
+    "greedy": SamplingParams(),
+    "sampled": SamplingParams(temperature=1.1, top_k=12, seed=5),
+}
+
+
+def engine_for(target, drafter: str, batch: StepBatch | None = None) -> SpeculativeEngine:
+    engine = SpeculativeEngine(target, PromptLookupDrafter() if drafter == "prompt-lookup" else None)
+    engine.batch = batch
+    return engine
+
+
+def params_for(name: str, i: int) -> SamplingParams:
+    base = PARAMS[name]
+    return base if base.greedy else SamplingParams(temperature=base.temperature, top_k=base.top_k, seed=base.seed + i)
+
+
+def solo_runs(target, drafter: str, params: str) -> list[list[int]]:
+    engine = engine_for(target, drafter)
+    try:
+        return [
+            engine.generate(prompt, n, params_for(params, i), k=3).tokens
+            for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True))
+        ]
+    finally:
+        engine.close()
+
+
+def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple[list[list[int]], StepBatch]:
+    """Every prompt on its own thread and engine, sharing one batch. `staggered`: each generation starts once the
+    one before it has 3 tokens, so later ones join a running batch."""
+    batch = StepBatch(target, gather_s=1.0)  # generous: the test asserts the steps did meet
+    engines = [engine_for(target, drafter, batch) for _ in PROMPTS]
+    outputs: list[list[int]] = [[] for _ in PROMPTS]
+    errors: list[BaseException] = []
+    started = [threading.Event() for _ in PROMPTS]
+
+    def run(i: int) -> None:
+        try:
+            if staggered and i:
+                started[i - 1].wait(30)
+            steps = engines[i].iter_generate(PROMPTS[i], MAX_TOKENS[i], params_for(params, i), stats=SpecStats(), k=3)
+            for new in steps:
+                outputs[i].extend(new)
+                if len(outputs[i]) >= 3:
+                    started[i].set()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for engine in engines:
+        engine.close()
+    batch.close()
+    assert not errors, errors
+    return outputs, batch
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["together", "joining"])
+@pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup"])
+def test_each_batched_generation_equals_its_solo_run(models, drafter, params, staggered):
+    target = models["target"]
+    outputs, batch = batched_runs(target, drafter, params, staggered=staggered)
+    assert outputs == solo_runs(target, drafter, params)
+    shared = sum(count for size, count in batch.sizes.items() if size > 1)
+    assert shared > 0, batch.sizes  # the steps did share forwards
+    assert batch.members == 0
+
+
+def test_a_failing_generation_leaves_the_others_unharmed(models):
+    target = models["target"]
+
+    class Failing(PromptLookupDrafter):
+        def propose(self, ctx, k):
+            if len(ctx.tokens) > len(PROMPTS[0]) + 4:
+                raise RuntimeError("drafter broke")
+            return super().propose(ctx, k)
+
+    batch = StepBatch(target, gather_s=1.0)
+    failing = SpeculativeEngine(target, Failing())
+    healthy = engine_for(target, "prompt-lookup", batch)
+    failing.batch = batch
+    results: dict[str, object] = {}
+
+    def run(name: str, engine: SpeculativeEngine, i: int) -> None:
+        try:
+            results[name] = engine.generate(PROMPTS[i], MAX_TOKENS[i], params_for("greedy", i), k=3).tokens
+        except RuntimeError as exc:
+            results[name] = exc
+
+    threads = [
+        threading.Thread(target=run, args=("failing", failing, 0)),
+        threading.Thread(target=run, args=("healthy", healthy, 2)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    failing.close()
+    healthy.close()
+    batch.close()
+    assert isinstance(results["failing"], RuntimeError)
+    assert results["healthy"] == solo_runs(target, "prompt-lookup", "greedy")[2]
+    assert batch.members == 0
+
+
+def test_only_host_drafters_declare_they_batch(models):
+    from doppler_py.speculative.drafters.best_of import BestOfDrafter
+    from doppler_py.speculative.drafters.draft_model import DraftModelDrafter
+
+    draft = DraftModelDrafter(models["draft"], models["target"].config.vocab_size)
+    assert PromptLookupDrafter().batches
+    assert not draft.batches  # drafts on the GPU, into buffers every sequence would share
+    assert not BestOfDrafter(PromptLookupDrafter(), draft).batches
+    draft.close()
