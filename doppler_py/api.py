@@ -15,6 +15,7 @@ import contextlib
 import math
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.batch import StepBatch
+from doppler_py.speculative.contract import Drafter
 from doppler_py.speculative.drafters.best_of import BestOfDrafter
 from doppler_py.speculative.drafters.draft_model import check_vocabularies
 from doppler_py.speculative.drafters.heads.files import head_kind
@@ -111,13 +114,15 @@ class Engine:
         warmup: str = defaults.WARMUP,
         kv_cache_mb: int = defaults.KV_CACHE_MB,
         progress: bool = False,
+        parallel: int = 1,
     ):
         """`heads`: trained draft heads for `model` by kind ("eagle", "medusa", "spark"); `owns_registry`: the
         models' kernel registry was made for this engine and is closed with it; `folder`: the model's files,
         which key the on-disk cache of measured verification costs (None: no cache); `warmup`, `kv_cache_mb`,
-        `progress` (say on stderr when speculation compiles or measures): see `load`."""
+        `progress` (say on stderr when speculation compiles or measures), `parallel`: see `load`."""
         check_warmup(warmup)
         check_kv_cache_mb(kv_cache_mb)
+        check_parallel(parallel)
         self.prefix_cache = PrefixCache(model, kv_cache_mb << 20)
         self.model = model
         self.tokenizer = tokenizer
@@ -127,14 +132,47 @@ class Engine:
         self.heads = dict(heads or {})
         self._spec: dict[str, SpeculativeEngine] = {}
         self.plain_costs = PlainStepCosts()
-        # While streaming with logprobs: the entries of the tokens whose text the piece being yielded completes.
-        self.piece_logprobs: list[TokenLogprob] | None = None
-        self.last_result: GenerationResult | None = None
+        # Concurrent streams' steps share forwards (`speculative.batch`); each stream leases an engine of its mode.
+        self.parallel = parallel
+        self.batch = StepBatch(model) if parallel > 1 else None
+        if self.batch is not None:
+            self.batch.warm_up(background=warmup == "background")
+        self._idle: dict[str, list[SpeculativeEngine]] = {}  # leased engines back from their streams
+        self._leases = threading.Lock()
+        # Per thread (concurrent streams each have their own): `piece_logprobs` and `thread_result`.
+        self._streaming = threading.local()
+        self._last_result: GenerationResult | None = None
         self.owns_registry = owns_registry
         self.folder = folder
         self.warmup = warmup
         self.progress = progress
         self.closed = False
+
+    @property
+    def piece_logprobs(self) -> list[TokenLogprob] | None:
+        """While streaming with logprobs: the entries of the tokens whose text the piece being yielded completes
+        (this thread's stream)."""
+        return getattr(self._streaming, "piece_logprobs", None)
+
+    @piece_logprobs.setter
+    def piece_logprobs(self, entries: list[TokenLogprob] | None) -> None:
+        self._streaming.piece_logprobs = entries
+
+    @property
+    def last_result(self) -> GenerationResult | None:
+        """The record of the last stream that ended (on any thread; see `thread_result`)."""
+        return self._last_result
+
+    @last_result.setter
+    def last_result(self, result: GenerationResult | None) -> None:
+        self._last_result = result
+        self._streaming.last_result = result
+
+    @property
+    def thread_result(self) -> GenerationResult | None:
+        """The record of the last stream that ended on this thread: with `parallel` > 1, other threads' streams
+        end in between."""
+        return getattr(self._streaming, "last_result", None)
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def __enter__(self) -> Engine:
@@ -147,8 +185,10 @@ class Engine:
         """Release every GPU buffer this engine owns (weights, KV caches, step buffers)."""
         if self.closed:
             return
-        for spec in self._spec.values():
+        for spec in [*self._spec.values(), *(e for idle in self._idle.values() for e in idle)]:
             spec.close()
+        if self.batch is not None:
+            self.batch.close()
         self.prefix_cache.clear()
         for head in self.heads.values():
             head.close()
@@ -170,6 +210,8 @@ class Engine:
                 f"speculative must be one of None, {', '.join(speculative_modes())}; got {speculative!r}"
             )
         if speculative == "auto":  # an explicitly loaded draft model, else a head with lookup, else lookup
+            if self.batch is not None:  # only host drafts share forwards with other generations
+                return "prompt-lookup"
             if self.draft is not None:
                 return "draft-model"
             kind = next((kind for kind in HEAD_KINDS if kind in self.heads), None)
@@ -188,23 +230,58 @@ class Engine:
     def speculative_engine(self, mode: str) -> SpeculativeEngine:
         """The (cached) engine for a drafter; its cost model and acceptance estimate persist across calls."""
         if mode not in self._spec:
-            drafter = None
-            if mode != "none":
-                sources = DraftSources(self.model, self.draft, self.heads)
-                name, paired = mode.removesuffix("+prompt-lookup"), mode.endswith("+prompt-lookup")  # "auto"'s pair
-                drafter = DRAFTERS[name].make(sources)
-                if paired:
-                    drafter = BestOfDrafter(DRAFTERS["prompt-lookup"].make(sources), drafter)
-            engine = SpeculativeEngine(self.model, drafter)
+            engine = SpeculativeEngine(self.model, self._drafter(mode))
             engine.prefix_cache = self.prefix_cache
             if mode != "none":
                 self._prepare(engine)
             self._spec[mode] = engine
         return self._spec[mode]
 
-    def _prepare(self, engine: SpeculativeEngine) -> None:
+    def _lease(self, mode: str) -> SpeculativeEngine:
+        """The engine a stream of `mode` generates with: the cached one, or with `parallel` > 1 one of its own
+        (an idle one, or a new one made ready now) whose steps join the batch."""
+        if self.batch is None:
+            return self.speculative_engine(mode)
+        with self._leases:
+            idle = self._idle.setdefault(mode, [])
+            if idle:
+                return idle.pop()
+        with self.batch.gpu_lock:
+            engine = SpeculativeEngine(self.model, self._drafter(mode))
+            try:
+                if not engine.drafter.batches:
+                    raise GenerationOptionError(
+                        f"speculative={mode!r} drafts on the GPU or reads the target's features, so its steps cannot "
+                        f"share a forward with other generations; with parallel={self.parallel} use 'auto', "
+                        "'prompt-lookup' or none"
+                    )
+                engine.prefix_cache = self.prefix_cache
+                if mode != "none":  # the batch's warm-up compiles what its steps run
+                    self._prepare(engine, background=False, compile_now=False)
+            except BaseException:
+                engine.close()
+                raise
+            engine.batch = self.batch
+            return engine
+
+    def _give_back(self, mode: str, engine: SpeculativeEngine) -> None:
+        if self.batch is not None:
+            with self._leases:
+                self._idle[mode].append(engine)
+
+    def _drafter(self, mode: str) -> Drafter | None:
+        """A new drafter for `mode` (None: plain decoding)."""
+        if mode == "none":
+            return None
+        sources = DraftSources(self.model, self.draft, self.heads)
+        name, paired = mode.removesuffix("+prompt-lookup"), mode.endswith("+prompt-lookup")  # "auto"'s pair
+        drafter = DRAFTERS[name].make(sources)
+        return BestOfDrafter(DRAFTERS["prompt-lookup"].make(sources), drafter) if paired else drafter
+
+    def _prepare(self, engine: SpeculativeEngine, *, background: bool | None = None, compile_now: bool = True) -> None:
         """Costs from the on-disk cache when this device and model were measured before, else a calibration
-        whose result is stored there; now, or with the pipelines compiling in the background (`warmup`)."""
+        whose result is stored there; now, or with the pipelines compiling in the background (`warmup`, unless
+        `background` says). `compile_now`: see `SpeculativeEngine.prepare`."""
         costs = None
         if self.folder is not None:
             key = cost_key(
@@ -212,7 +289,7 @@ class Engine:
             )
             costs = load_costs(key)
             engine.on_calibrated = lambda measured: save_costs(key, measured)
-        background = self.warmup == "background"
+        background = self.warmup == "background" if background is None else background
         if self.progress:  # before the first token: a CPU adapter would otherwise sit silent or run slower unsaid
             adapter = self.model.gpu.summary()["adapter"]
             doing = "compile" if costs else "compile and time"
@@ -224,7 +301,7 @@ class Engine:
                 flush=True,
             )
         start = time.perf_counter()
-        engine.prepare(costs=costs, background=background)
+        engine.prepare(costs=costs, background=background, compile_now=compile_now)
         if self.progress and not background:
             print(f"doppler-py: ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
@@ -346,8 +423,35 @@ class Engine:
         self.model.check_ids(ids)
         check_fits(len(ids), max_tokens, self.model.max_positions)
         mode = self._resolve_mode(speculative)
-        engine = self.speculative_engine(mode)
+        engine = self._lease(mode)
+        try:
+            yield from self._stream(
+                engine, mode, ids, max_tokens, params, k, stops, logprobs, tree, constraint, plan, tools is not None
+            )
+        finally:
+            self._give_back(mode, engine)
+
+    def _stream(
+        self,
+        engine: SpeculativeEngine,
+        mode: str,
+        ids: list[int],
+        max_tokens: int,
+        params: SamplingParams,
+        k: int | None,
+        stops: tuple[str, ...],
+        logprobs: int | None,
+        tree: bool | None,
+        constraint: GrammarMatcher | None,
+        plan: ToolPlan | None,
+        tools_given: bool,
+    ) -> Iterator[str]:
+        """`stream`'s generation with the engine leased for it."""
         engine.policy.check_k(k)
+        if tree and self.batch is not None:
+            raise GenerationOptionError(
+                f"tree=True: token trees do not share forwards with other generations (parallel={self.parallel})"
+            )
         use_trees(engine, tree, logprobs)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
@@ -403,7 +507,7 @@ class Engine:
         self.last_result = self._result(tokens, ids, stats, mode, elapsed=time.perf_counter() - start, stop=matcher)
         if logprobs is not None:
             self.last_result.logprobs = token_logprobs
-        if tools is not None:
+        if tools_given:
             self.last_result.tool_calls = parse_answer(self.last_result.text)[1] if plan is not None else []
             if self.last_result.tool_calls and self.last_result.finish_reason == "stop":
                 self.last_result.finish_reason = "tool_calls"
@@ -570,6 +674,7 @@ def load(
     gpu: Gpu | None = None,
     warmup: str = defaults.WARMUP,
     kv_cache_mb: int = defaults.KV_CACHE_MB,
+    parallel: int = 1,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -589,9 +694,14 @@ def load(
     (`GenerationResult.cached_tokens`); the output is the same either way. 0: keep none.
     progress: a progress bar while a model converts, and a line on stderr when a speculative mode compiles its
     pipelines or measures this device (before its first generation).
+    parallel: streams that may run at once from different threads (the server's `--parallel`). With more than
+    one, concurrent streams decode together: each step of every running stream shares one forward of the model
+    (`speculative.batch`), and each stream's output is the same as alone. Their drafts must come from the host
+    (prompt lookup; "auto" means prompt lookup then), as chains.
     """
     check_warmup(warmup)
     check_kv_cache_mb(kv_cache_mb)
+    check_parallel(parallel)
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     gpu = gpu or default_gpu(browser_limits)
@@ -641,6 +751,7 @@ def load(
         warmup=warmup,
         kv_cache_mb=kv_cache_mb,
         progress=progress,
+        parallel=parallel,
     )
 
 
@@ -650,6 +761,11 @@ WARMUP_MODES = ("now", "background")
 def check_kv_cache_mb(kv_cache_mb: int) -> None:
     if isinstance(kv_cache_mb, bool) or not isinstance(kv_cache_mb, int) or kv_cache_mb < 0:
         raise GenerationOptionError(f"kv_cache_mb must be a whole number of MiB >= 0, got {kv_cache_mb!r}")
+
+
+def check_parallel(parallel: int) -> None:
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise GenerationOptionError(f"parallel must be a whole number of streams >= 1, got {parallel!r}")
 
 
 def use_trees(engine: SpeculativeEngine, tree: bool | None, logprobs) -> None:

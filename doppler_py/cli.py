@@ -125,8 +125,9 @@ def _tree_option(text: str) -> bool | None:
     raise argparse.ArgumentTypeError(f"expected auto, on or off (the node budget is --k), got {text!r}")
 
 
-def _load(args: argparse.Namespace):
-    """The engine for the model flags, after checking the sampling flags (a bad value fails before loading)."""
+def _load(args: argparse.Namespace, parallel: int = 1):
+    """The engine for the model flags, after checking the sampling flags (a bad value fails before loading);
+    `parallel`: streams it may run at once (the server's)."""
     from doppler_py.api import load
     from doppler_py.sampling import SamplingParams
 
@@ -142,6 +143,7 @@ def _load(args: argparse.Namespace):
         browser_limits=args.browser_limits,
         progress=not args.no_progress,
         warmup=args.warmup,
+        parallel=parallel,
     )
 
 
@@ -479,7 +481,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("DOPPLER_API_KEY") or None,
         defaults=_generation_options(args),
     )
-    with _load(args) as engine:
+    with _load(args, parallel=args.parallel) as engine:
         serve(engine, config)
     return 0
 
@@ -574,6 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/models, /v1/completions, ...)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="generations that run at once, their steps batched into shared forwards (default 1); speculation "
+        "then drafts from the prompt (auto = prompt-lookup), as chains",
+    )
     serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the GPU (default 8)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     serve.add_argument("--model-id", help="the model name clients use (default: derived from --model)")

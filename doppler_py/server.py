@@ -32,8 +32,10 @@ With an API key (`serve --api-key KEY`, or the DOPPLER_API_KEY environment varia
 needs `Authorization: Bearer KEY` (compared in constant time; otherwise 401 with an OpenAI-style error body);
 /health stays open. Binding a non-loopback address without a key prints a warning.
 
-The engine is not thread safe, so every generation runs on ONE worker thread, one at a time; requests wait
-in a bounded queue and a full queue answers 429. A client that disconnects (mid-stream or while queued)
+Generations run on the engine's `parallel` worker threads (`serve --parallel N`, default 1): with more than
+one, the running generations decode together, every step of each sharing one forward of the model
+(`speculative.batch`), and each answer is the one it would be alone. Requests beyond those wait in a bounded
+queue and a full queue answers 429. A client that disconnects (mid-stream or while queued)
 cancels its generation, which closes the engine's stream iterator and so frees its KV cache.
 """
 
@@ -407,7 +409,7 @@ class Job:
                 if self.cancel_requested.is_set():
                     return "cancelled"
                 self._emit(("piece", (piece, engine.piece_logprobs)))
-        self.record = engine.last_result
+        self.record = engine.thread_result
         self._emit(("done", self.record))
         return "completed"
 
@@ -421,8 +423,9 @@ class Job:
 
 
 class GenerationQueue:
-    """Runs jobs one at a time on one worker thread; admits a job while fewer than 1 + queue_size others are
-    running or waiting (jobs whose clients left are not counted: the worker skips them)."""
+    """Runs jobs on the engine's `parallel` worker threads (their steps batched by the engine); admits a job while
+    fewer than parallel + queue_size others are running or waiting (jobs whose clients left are not counted: the
+    workers skip them)."""
 
     def __init__(self, engine: Engine, queue_size: int):
         if queue_size < 0:
@@ -432,14 +435,15 @@ class GenerationQueue:
         self.jobs: set[Job] = set()  # admitted and not finished; touched on the event loop thread only
         self.counts: Counter[str] = Counter()
         self.totals: Counter[str] = Counter()  # over completed generations (`metrics`)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="doppler-gpu")
+        self.workers = engine.parallel
+        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="doppler-gpu")
 
     def submit(self, request: GenerationRequest) -> Job:
-        if sum(job.wanted for job in self.jobs) > self.queue_size:
+        if sum(job.wanted for job in self.jobs) >= self.workers + self.queue_size:
             self.counts["rejected"] += 1
             raise RequestError(
                 429,
-                f"the server is busy (1 generation running, {self.queue_size} waiting); retry later",
+                f"the server is busy ({self.workers} running, {self.queue_size} waiting); retry later",
                 kind="rate_limit_error",
                 code="queue_full",
             )
@@ -468,6 +472,7 @@ class GenerationQueue:
         return {
             "running": sum(job.started for job in self.jobs),
             "waiting": sum(not job.started and job.wanted for job in self.jobs),
+            "parallel": self.workers,
             "queue_size": self.queue_size,
             **{name: self.counts[name] for name in ("completed", "cancelled", "refused", "failed", "rejected")},
         }
@@ -479,7 +484,7 @@ class GenerationQueue:
 
 
 def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
-    """The server's counters and gauges in Prometheus' text format (one generation runs at a time: batch size 1)."""
+    """The server's counters and gauges in Prometheus' text format."""
     status, totals, cache = queue.status(), queue.totals, engine.prefix_cache
     lines = []
 
@@ -498,7 +503,16 @@ def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
         ("forced_tokens", "Draft tokens a grammar forced."),
     ):
         metric(f"{name}_total", "counter", help_text, [("", totals[name])])
-    metric("running", "gauge", "Generations running (at most one: no batching yet).", [("", status["running"])])
+    metric("running", "gauge", "Generations running (their steps batched).", [("", status["running"])])
+    metric("parallel", "gauge", "Generations that may run at once.", [("", status["parallel"])])
+    if engine.batch is not None:
+        sizes = engine.batch.sizes
+        samples = [(f'{{le="{le}"}}', sum(n for size, n in sizes.items() if size <= le)) for le in (1, 2, 4, 8, 16)]
+        samples += [('{le="+Inf"}', sum(sizes.values()))]
+        metric("batch_steps", "histogram", "Batched forwards by the generations' steps they held.", [])
+        lines.extend(f"doppler_batch_steps_bucket{labels} {value:g}" for labels, value in samples)
+        lines.append(f"doppler_batch_steps_sum {sum(size * n for size, n in sizes.items()):g}")
+        lines.append(f"doppler_batch_steps_count {sum(sizes.values()):g}")
     metric("waiting", "gauge", "Generations waiting in the queue.", [("", status["waiting"])])
     metric("queue_size", "gauge", "Waiting generations allowed before 429.", [("", status["queue_size"])])
     metric("prefix_cache_bytes", "gauge", "GPU memory held by the prefix cache.", [("", cache.nbytes)])

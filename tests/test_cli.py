@@ -420,12 +420,22 @@ def test_serve_takes_the_api_key_from_the_flag_or_the_environment(monkeypatch):
 
     keys = []
     monkeypatch.setattr("doppler_py.server.serve", lambda engine, config: keys.append(config.api_key))
-    monkeypatch.setattr(cli, "_load", lambda args: contextlib.nullcontext(None))
+    monkeypatch.setattr(cli, "_load", lambda args, **options: contextlib.nullcontext(None))
     monkeypatch.setenv("DOPPLER_API_KEY", "from-env")
     assert cli.main(["serve"]) == 0 and cli.main(["serve", "--api-key", "from-flag"]) == 0
     monkeypatch.delenv("DOPPLER_API_KEY")
     assert cli.main(["serve"]) == 0
     assert keys == ["from-env", "from-flag", None]
+
+
+def test_serve_parallel_reaches_the_engine(monkeypatch):
+    import contextlib
+
+    loads = []
+    monkeypatch.setattr("doppler_py.server.serve", lambda engine, config: None)
+    monkeypatch.setattr(cli, "_load", lambda args, **options: loads.append(options) or contextlib.nullcontext(None))
+    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--parallel", "3"]) == 0
+    assert loads == [{"parallel": 1}, {"parallel": 3}]
 
 
 @pytest.mark.parametrize(("text", "value"), [("auto", None), ("on", True), ("off", False)])

@@ -1,0 +1,119 @@
+"""The server with `--parallel`: concurrent generations decode together (their steps share forwards) and every
+answer is the one the same request gets alone, under a soak of many clients with mixed parameters and
+cancellations; GPU buffers return to their baseline; /metrics reports the batches."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from reliability.helpers import buffer_use
+from test_server import serving, wait_for
+
+from doppler_py.api import load
+from doppler_py.server import OpenAIServer, ServerConfig
+from doppler_py.testing.tiny import write_tiny_model
+
+PARALLEL = 4
+CLIENTS = 8
+SOAK_REQUESTS = 200
+PROMPTS = ["the cat sat on the mat. the cat sat", "one two three one two", "a", "hello there, hello there, hel"]
+# Mixed parameters: greedy and seeded sampling, plain and speculative, stop strings, lengths.
+OPTIONS = [
+    {"max_tokens": 12, "speculative": "none"},
+    {"max_tokens": 16, "speculative": "prompt-lookup", "k": 3},
+    {"max_tokens": 10, "temperature": 0.9, "top_k": 20, "seed": 3, "speculative": "none"},
+    {"max_tokens": 14, "temperature": 0.7, "seed": 11, "speculative": "prompt-lookup"},
+    {"max_tokens": 20, "stop": ["e"], "speculative": "auto"},
+]
+DONE = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-parallel"))
+
+
+@pytest.fixture(scope="module")
+def solo(folder):
+    """Each (prompt, options) pair's answer from an engine that runs one generation at a time."""
+    with load(folder, weights="f32", progress=False, warmup="now", kv_cache_mb=0) as engine:
+        return {
+            (p, o): engine.generate(PROMPTS[p], chat=False, **OPTIONS[o]).text
+            for p in range(len(PROMPTS))
+            for o in range(len(OPTIONS))
+        }
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    # No prefix cache, so the soak's buffer count has a fixed baseline.
+    with load(folder, weights="f32", progress=False, warmup="background", kv_cache_mb=0, parallel=PARALLEL) as engine:
+        config = ServerConfig(queue_size=CLIENTS)
+        with serving(OpenAIServer(engine, config).app) as url:
+            yield url, engine
+
+
+def complete(url: str, p: int, o: int, *, stream: bool = False, cancel: bool = False) -> str | None:
+    """The answer's text, or None for a client that gave up after its first piece (`cancel`)."""
+    body = {"prompt": PROMPTS[p], **OPTIONS[o], "stream": stream or cancel}
+    if not (stream or cancel):
+        response = httpx.post(f"{url}{DONE}", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", f"{url}{DONE}", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                if cancel:
+                    return None  # closing the stream disconnects mid-generation
+                text += json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+    return text
+
+
+def test_concurrent_answers_equal_the_solo_ones_and_share_forwards(server, solo):
+    url, engine = server
+    pairs = [(p, o) for p in range(len(PROMPTS)) for o in range(len(OPTIONS))]
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        answers = list(pool.map(lambda pair: complete(url, *pair, stream=pair[1] % 2 == 1), pairs))
+    assert dict(zip(pairs, answers, strict=True)) == solo
+    sizes = engine.batch.sizes
+    assert max(sizes) > 1, sizes
+    metrics = httpx.get(f"{url}/metrics").text
+    assert re.search(r'^doppler_batch_steps_bucket\{le="\+Inf"\} [1-9]', metrics, re.M), metrics
+    assert re.search(r"^doppler_parallel 4$", metrics, re.M)
+
+
+def test_a_drafter_that_cannot_share_forwards_is_refused_by_name(server):
+    url, _ = server
+    response = httpx.post(f"{url}{DONE}", json={"prompt": "a", "speculative": "layer-skip"}, timeout=60)
+    assert response.status_code == 400
+    assert "layer-skip" in response.json()["error"]["message"]
+    tree = httpx.post(f"{url}{DONE}", json={"prompt": "a", "speculative": "prompt-lookup", "tree": True}, timeout=60)
+    assert tree.status_code == 400 and "tree" in tree.json()["error"]["message"]
+
+
+def test_a_soak_of_mixed_requests_with_cancellations(server, solo):
+    url, engine = server
+    pairs = [(p, o) for p in range(len(PROMPTS)) for o in range(len(OPTIONS))]
+    # Every option at full concurrency first: the engines each mode leases exist before the baseline.
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        list(pool.map(lambda i: complete(url, i % len(PROMPTS), i // CLIENTS), range(CLIENTS * len(OPTIONS))))
+    baseline = buffer_use()
+    draw = random.Random(20261206)
+    plan = [(*draw.choice(pairs), draw.random() < 0.3, draw.random() < 0.15) for _ in range(SOAK_REQUESTS)]
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        answers = list(pool.map(lambda req: complete(url, req[0], req[1], stream=req[2], cancel=req[3]), plan))
+    completed = [(req, text) for req, text in zip(plan, answers, strict=True) if text is not None]
+    assert len(completed) > SOAK_REQUESTS // 2
+    assert all(text == solo[req[:2]] for req, text in completed)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        status = wait_for(client, lambda s: s["running"] == 0 and s["waiting"] == 0)
+    assert status["failed"] == 0 and status["rejected"] == 0, status
+    assert status["running"] == 0 and engine.batch.members == 0
+    assert buffer_use() == baseline
