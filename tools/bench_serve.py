@@ -27,8 +27,8 @@ pipelines on first use). Both servers run without the prefix cache by default (`
 repeat here, as distinct users' prompts would not, so every request prefills its whole prompt. Greedy, with the same
 `speculative` request option on both (`--speculative`, default "none"; with parallel > 1 "auto" means prompt lookup,
 so with "auto" the two servers do not speculate alike: use "prompt-lookup" to compare speculation like with like);
-every prompt's answers must be the same from both servers (checked). The clients, servers and engines share one
-Python process (and this machine's cores), so client-side work weighs on both servers' figures alike.
+every prompt's answers must be the same from both servers (checked). The clients run in a process of their own (the
+servers and engines share this one), on the same machine's cores.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ import importlib.util
 import itertools
 import json
 import math
+import multiprocessing
 import socket
 import statistics
 import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 QUESTIONS = [
@@ -215,7 +216,15 @@ def one_request(client, model: str, prompt: tuple[str, str, list[dict]], *, max_
     }
 
 
-def run_cell(url: str, model: str, prompts: list, *, clients: int, requests: int, max_tokens: int, speculative: str):
+def run_cell(pool, url: str, model: str, prompts: list, **cell) -> tuple[list[dict], float]:
+    """`run_clients` in the clients' own process (`pool`, one worker): their Python work (the openai client, SSE
+    parsing) would otherwise take turns with the server's for one interpreter lock, as no real client does."""
+    return pool.submit(run_clients, url, model, prompts, **cell).result()
+
+
+def run_clients(
+    url: str, model: str, prompts: list, *, clients: int, requests: int, max_tokens: int, speculative: str
+) -> tuple[list[dict], float]:
     """`clients` threads, each streaming `requests` requests back to back, started together; the cell's requests
     (each with its client's index) and its wall time (first start to last end)."""
     import openai
@@ -315,6 +324,7 @@ def concurrency_part(args) -> dict | None:
     parallel = {"one-at-a-time": 1, "batched": max(clients)}
     runs: dict[str, dict[int, list[dict]]] = {server: {c: [] for c in clients} for server in SERVERS}
     with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
         engines, urls, models = {}, {}, {}
         for server in SERVERS:  # one after the other: each loads, compiles and warms up alone
             engine = doppler_py.load(
@@ -331,14 +341,14 @@ def concurrency_part(args) -> dict | None:
             with openai.OpenAI(base_url=f"{urls[server]}/v1", api_key="x") as client:
                 models[server] = client.models.list().data[0].id
             for c in clients:  # each batch row count's pipelines compile on first use: one request per client
-                run_cell(urls[server], models[server], prompts, clients=c, **cell | {"requests": 1})
+                run_cell(pool, urls[server], models[server], prompts, clients=c, **cell | {"requests": 1})
         for repeat in range(repeats):
             for index, c in enumerate(clients):
                 order = SERVERS if (repeat + index) % 2 == 0 else SERVERS[::-1]
                 for server in order:
                     batch = engines[server].batch
                     before = Counter(batch.sizes) if batch is not None else Counter()
-                    done, wall = run_cell(urls[server], models[server], prompts, clients=c, **cell)
+                    done, wall = run_cell(pool, urls[server], models[server], prompts, clients=c, **cell)
                     sizes = (batch.sizes - before) if batch is not None else Counter()
                     figures = cell_figures(done, wall) | {"mean_rows": mean_rows(sizes), "batch_sizes": dict(sizes)}
                     runs[server][c].append(figures | {"done": done})
