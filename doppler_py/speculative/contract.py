@@ -18,7 +18,8 @@ lookahead), `gates_chains` (it ends its chains by `StepContext.worth_drafting`),
 when it drafts trees; 1: chains only) with `branches` (what this generation asked for), `feature_taps` (target
 layers whose outputs it reads: the engine taps them), `reads_prompt_features` (it needs the target's features
 of every prompt position, which a prefix from the prefix cache lacks), `batches` (its steps can share a forward
-with other generations': it proposes from the host and touches none of the target's buffers) and `compile()`
+with other generations': it proposes from the host and touches none of the target's buffers), `continue_tokens` (a
+chain drafted from tokens alone, to follow the tokens a grammar forces in the same step) and `compile()`
 (builds its own pipelines ahead of use, thread-safe: the engine runs it with its warm-up). A drafter made of
 others (`BestOfDrafter`) declares for the whole, from its parts.
 """
@@ -104,7 +105,8 @@ class Proposal:
                     verify only a leading run (`policy.tree_budget`); None: all n nodes are verified.
     made            drafts the drafter made for this proposal, when the engine cut it shorter (`leading`): their
                     drafting is a cost of the step all the same; None: count
-    forced          the tokens a grammar forces, drafted by the engine (`StepContext.grammar`), not the drafter
+    forced          how many leading tokens a grammar forces, drafted by the engine (`StepContext.grammar`), not the
+                    drafter: always accepted; the tokens after them, if any, continue them (`continue_tokens`)
     """
 
     count: int
@@ -113,7 +115,7 @@ class Proposal:
     parents: Sequence[int] | None = None
     values: Sequence[float] | None = None
     made: int | None = None
-    forced: bool = False
+    forced: int = 0
 
     @property
     def drafts_made(self) -> int:
@@ -168,6 +170,11 @@ class Drafter(Protocol):
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         """At most k tokens to follow ctx.tokens (NO_PROPOSAL when there is nothing worth proposing)."""
 
+    def continue_tokens(self, tokens: Sequence[int], k: int) -> list[int]:
+        """At most k tokens to follow `tokens` (the committed ones and some a grammar forces after them), drafted from
+        those tokens alone, so the engine can verify them behind the forced ones in one step; [] where drafting needs
+        more (the drafter's own state, the target's features of positions not run yet)."""
+
     def commit(self, ctx: StepContext, accepted: int) -> None:
         """The last proposal's first `accepted` tokens and one target token were appended to ctx.tokens (a plain
         step: accepted = 0 of nothing; plain steps batched in one submit while speculation pauses: accepted = 0
@@ -194,6 +201,9 @@ class NoOpHooks:
 
     def compile(self) -> None:
         pass
+
+    def continue_tokens(self, tokens: Sequence[int], k: int) -> list[int]:
+        return []
 
     def start(self, ctx: StepContext) -> None:
         pass

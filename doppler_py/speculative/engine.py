@@ -253,9 +253,9 @@ class SpeculativeEngine:
                     stats.warmup_steps += not speculate
                     k_step = self.policy.next_k(remaining) if speculate else 0
                     forced = grammar.forced_tokens() if speculate and grammar is not None else []
-                    if forced:  # the grammar's own drafts: always accepted, so as many as pay, pause or not
-                        k_step = self.policy.forced_k(min(len(forced), remaining - 1))
-                        proposal = Proposal(k_step, forced[:k_step], forced=True) if k_step else NO_PROPOSAL
+                    if forced:
+                        proposal = self._forced_proposal(ctx, forced, k_step, remaining)
+                        k_step = proposal.count
                     plain_steps = self._paused_batch(remaining) if speculate and k_step == 0 and batching else 1
                 else:
                     k_step = 0
@@ -277,6 +277,17 @@ class SpeculativeEngine:
             if self.batch is not None:
                 self.batch.leave()
             self.close_context(ctx)
+
+    def _forced_proposal(self, ctx: StepContext, forced: list[int], k: int, remaining: int) -> Proposal:
+        """The grammar's own drafts: always accepted, so as many as pay, pause or not (`policy.forced_k`); after the
+        whole forced run, the drafter's continuation of it where it drafts from tokens alone (`continue_tokens`),
+        within the k the policy gave the drafter."""
+        n = self.policy.forced_k(min(len(forced), remaining - 1))
+        tokens = forced[:n]
+        room = min(k, self.capacity - n, remaining - 1 - n)
+        if n == len(forced) and room > 0:
+            tokens += self.drafter.continue_tokens([*ctx.tokens, *tokens], room)[:room]
+        return Proposal(len(tokens), tokens, forced=n) if tokens else NO_PROPOSAL
 
     def open_context(
         self,
@@ -388,14 +399,14 @@ class SpeculativeEngine:
             return outcome.new
         stats.record(outcome.drafted, outcome.accepted, times, outcome.made)
         stats.tree_steps += outcome.tree
-        stats.forced_tokens += outcome.accepted if outcome.forced else 0
+        stats.forced_tokens += min(outcome.accepted, outcome.forced)
         # A step that compiled a pipeline (its own, or one a background warmup finished meanwhile on the same
         # CPU) timed the compiler, not the device, and would leave the policy pausing speculation while that
         # estimate decayed.
         if self.registry.cache_sizes["pipelines"] == pipelines:
             self._price(outcome, times)
-        if outcome.drafted and not outcome.forced:  # the grammar's drafts say nothing of the drafter's
-            self.policy.observe(outcome.drafted, outcome.accepted)
+        if outcome.drafted > outcome.forced:  # the grammar's drafts say nothing of the drafter's
+            self.policy.observe(outcome.drafted - outcome.forced, outcome.accepted - outcome.forced)
         self._check_cache(ctx)
         return outcome.new
 
@@ -406,9 +417,9 @@ class SpeculativeEngine:
         start = time.perf_counter()
         outcome = self.batch.step(self.steps, ctx, k, proposal)
         stats.record(outcome.drafted, outcome.accepted, StepTimes(0.0, time.perf_counter() - start, None, None))
-        stats.forced_tokens += outcome.accepted if outcome.forced else 0
-        if outcome.drafted and not outcome.forced:
-            self.policy.observe(outcome.drafted, outcome.accepted)
+        stats.forced_tokens += min(outcome.accepted, outcome.forced)
+        if outcome.drafted > outcome.forced:
+            self.policy.observe(outcome.drafted - outcome.forced, outcome.accepted - outcome.forced)
         self._check_cache(ctx)
         return outcome.new
 

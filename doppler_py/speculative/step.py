@@ -63,7 +63,7 @@ class StepOutcome:
     on_gpu: bool  # the drafts came from GPU work (else from the host)
     tree: bool = False  # the drafts were a token tree
     made: int = 0  # drafts made, verified or not (more than `drafted` where the policy trimmed the proposal)
-    forced: bool = False  # the drafts were the tokens a grammar forces (the engine's, not the drafter's)
+    forced: int = 0  # leading drafts a grammar forced (the engine's, not the drafter's)
 
 
 class StepMarks(Protocol):
@@ -449,7 +449,8 @@ def _leading_chain(proposal: Proposal, n: int) -> Proposal:
     values = None if proposal.values is None else list(proposal.values)[:n]
     tokens = proposal.tokens if proposal.on_gpu else list(proposal.tokens)[:n]
     logits = proposal.draft_logits if n else None
-    return Proposal(n, tokens if n else (), logits, values=values, made=proposal.drafts_made, forced=proposal.forced)
+    made, forced = proposal.drafts_made, min(n, proposal.forced)
+    return Proposal(n, tokens if n else (), logits, values=values, made=made, forced=forced)
 
 
 def check_status(status: int, pos: int, n_draft: int) -> None:

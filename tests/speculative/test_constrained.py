@@ -69,6 +69,25 @@ def test_greedy_constrained_output_equals_the_masked_reference(models, tokenizer
         assert result.stats.forced_tokens >= 2 and result.stats.accepted >= result.stats.forced_tokens
 
 
+def test_a_drafter_continues_the_forced_tokens_in_the_same_step(models, tokenizer):
+    """Prompt lookup proposes nothing of its own here, only continuations of what the grammar forces (the prompt
+    holds "ab" followed by text the model may write): those are verified behind the forced tokens in one step, and
+    the output is still the reference's."""
+
+    class ContinueOnly(PromptLookupDrafter):
+        def propose(self, ctx: StepContext, k: int) -> Proposal:
+            return Proposal(0)
+
+    target, prompt = models["target"], prompt_ids(tokenizer)
+    expected = reference_decode(target, prompt, 24, GREEDY, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    engine = SpeculativeEngine(target, ContinueOnly(min_ngram=1))
+    result = engine.generate(prompt, 24, GREEDY, k=4, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    engine.close()
+    assert result.tokens == expected
+    assert result.stats.forced_tokens >= 2
+    assert result.stats.drafted > result.stats.forced_tokens  # drafts behind the forced ones
+
+
 def test_drafts_the_grammar_refuses_are_cut_before_verification(models, tokenizer):
     """A drafter that always proposes "z", which the grammar never allows: each proposal is cut to nothing (a plain
     step), so only the grammar's forced tokens are ever verified as drafts, and the output is the reference's."""

@@ -17,6 +17,8 @@ end it, so the policy keeps pricing k for both from their measured acceptance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 
 
@@ -42,6 +44,9 @@ class BestOfDrafter(NoOpHooks):
         self.lookup_rate = RunningMean(0.5)  # accepted / proposed, over lookup's steps
         self.head_accepted = RunningMean(1.0)  # accepted per step, over the head's steps
         self.last: tuple[Drafter, int] | None = None  # who proposed the last proposal, and how many tokens
+
+    def continue_tokens(self, tokens: Sequence[int], k: int) -> list[int]:
+        return self.lookup.continue_tokens(tokens, k)
 
     def compile(self) -> None:
         self.lookup.compile()

@@ -42,6 +42,10 @@ class PromptLookupDrafter(NoOpHooks):
         self.min_ngram = min_ngram
         self.branches = branches
 
+    def continue_tokens(self, tokens: Sequence[int], k: int) -> list[int]:
+        found = self.continuations(tokens, k, 1)
+        return found[0] if found else []
+
     def continuations(self, tokens: Sequence[int], k: int, limit: int) -> list[list[int]]:
         """Up to `limit` distinct continuations (at most k tokens each) of earlier matches of the last n-gram:
         longer n-grams first, and within one n the most recent match first."""
