@@ -23,7 +23,8 @@ as it loads gate_up (Linear's `glu`; act is only written by prefills of more tha
 attention applies RoPE and writes the cache itself for decode and verification calls (ops/attention.py; a
 prefill's rope dispatch goes first): a decode step is 5 dispatches per layer plus 2. All buffers and bind
 groups are created once here; a forward only sets uniforms (rows, positions) and records dispatches. Ops bound
-to a KV cache (cache write, attention) are built once per cache.
+to a KV cache (cache write, attention) are built once per cache. `record_batch` runs several sequences' rows in
+one forward, each segment of rows attending over its own cache.
 """
 
 from __future__ import annotations

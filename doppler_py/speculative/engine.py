@@ -3,7 +3,8 @@ what measures and decides around it. Each step is timed (`timing.StepClock`), re
 priced: its time says what verifying its rows and drafting cost on this device, which the draft-length policy
 (`policy/`) weighs against the drafter's acceptance to choose the next step's k, or a pause of plain steps.
 Plain steps are batched several per submit, sized by their measured cost. Before a generation can speculate at
-full width, the verification pipelines are compiled and their costs measured (`prepare`, `readiness/`).
+full width, the verification pipelines are compiled and their costs measured (`prepare`, `readiness/`). With a
+`batch` attached, each step meets the other running generations' and shares their forward (`batch.py`).
 """
 
 from __future__ import annotations
