@@ -136,7 +136,7 @@ class Engine:
         self.parallel = parallel
         self.batch = StepBatch(model) if parallel > 1 else None
         if self.batch is not None:
-            self.batch.warm_up(background=warmup == "background")
+            self.batch.warm_up(background=warmup != "now")
         self._idle: dict[str, list[SpeculativeEngine]] = {}  # leased engines back from their streams
         self._leases = threading.Lock()
         # Per thread (concurrent streams each have their own): `piece_logprobs` and `thread_result`.
@@ -289,11 +289,13 @@ class Engine:
             )
             costs = load_costs(key)
             engine.on_calibrated = lambda measured: save_costs(key, measured)
-        background = self.warmup == "background" if background is None else background
+        background = self.warmup != "now" if background is None else background
         if self.progress:  # before the first token: a CPU adapter would otherwise sit silent or run slower unsaid
             adapter = self.model.gpu.summary()["adapter"]
             doing = "compile" if costs else "compile and time"
             when = "in the background after the first token (tokens stream plainly until then)" if background else "now"
+            if background and self.warmup == "auto":
+                when += ", once the tokens to come can repay it"
             print(
                 f"doppler-py: {engine.drafter.name}: {doing} its verification pipelines for {adapter} {when}; "
                 f"pipelines compile once per process{'' if costs else ', costs are measured once per device'}",
@@ -301,7 +303,7 @@ class Engine:
                 flush=True,
             )
         start = time.perf_counter()
-        engine.prepare(costs=costs, background=background, compile_now=compile_now)
+        engine.prepare(costs=costs, background=background, compile_now=compile_now, weigh=self.warmup == "auto")
         if self.progress and not background:
             print(f"doppler-py: ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
@@ -686,9 +688,13 @@ def load(
     warmup: how a speculative mode gets ready on first use. "now": compile its pipelines and measure this
     device's verification costs before its first generation starts (its step structure is then the same from
     the first token). "background": compile them in a background thread while the first generations stream
-    plain tokens, then switch speculation on (the default, as in the CLI and the server: the first token comes
-    as fast as without speculation). Either way measured costs are cached on disk per device, model and precision,
-    so later processes skip the measuring.
+    plain tokens, then switch speculation on (the first token comes as fast as without speculation). "auto" (the
+    default, as in the CLI and the server): the same, but the compile starts only once it pays for itself
+    (`speculative.readiness.compile_gate`): at once on a GPU; on a CPU adapter, where compiling competes with
+    decoding for the cores and takes tens of seconds, once the tokens to come (this answer's, plus as many as
+    this engine generated before) could save more than it costs, so a short answer is never slower than plain
+    decoding. Measured costs are cached on disk per device, model and precision, so later processes skip the
+    measuring.
     kv_cache_mb: GPU memory (MiB) kept for earlier sequences' K/V (`model.prefix_cache`): a prompt that shares a
     prefix with an earlier prompt or answer (a chat's next turn, a common system prompt) prefills only the rest
     (`GenerationResult.cached_tokens`); the output is the same either way. 0: keep none.
@@ -755,7 +761,7 @@ def load(
     )
 
 
-WARMUP_MODES = ("now", "background")
+WARMUP_MODES = ("auto", "background", "now")
 
 
 def check_kv_cache_mb(kv_cache_mb: int) -> None:

@@ -69,10 +69,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     group.add_argument(
         "--warmup",
-        choices=("background", "now"),
+        choices=("auto", "background", "now"),
         default=defaults.WARMUP,
-        help="speculation's pipelines compile while the first tokens stream plainly (background, the default) "
-        "or before the first token (now)",
+        help="speculation's pipelines compile while the first tokens stream plainly once that pays for itself "
+        "(auto, the default: at once on a GPU; on a CPU adapter once the tokens to come could save more than "
+        "compiling costs), while the first tokens stream whatever it costs (background), or before the first "
+        "token (now)",
     )
 
 
@@ -206,8 +208,14 @@ def format_stats(result) -> str:
     if result.speculative is None:
         return line + ", no speculation]"
     warming = result.stats.get("warmup_steps", 0)
+    cost, gain = result.stats.get("compile_cost_s"), result.stats.get("compile_gain_s")
     if result.drafted == 0:
         why = "speculation warming up (pipelines compiling)" if warming else "nothing worth drafting"
+        if warming and cost is not None and gain is not None and gain < cost:
+            why = (
+                f"speculation not started: compiling its pipelines (~{cost:.0f} s here) would cost more than this "
+                f"answer could save (~{gain:.1f} s)"
+            )
         line += f" | {result.speculative}: {why}, every token a plain step"
     else:
         line += (

@@ -7,7 +7,7 @@ background thread while the first tokens stream plainly, so nothing waits for th
 """
 
 SPECULATIVE = "auto"  # the drafter (`registry.speculative_modes()`), or None / "none"
-WARMUP = "background"  # "background" or "now": compile and measure before the first token
+WARMUP = "auto"  # "auto", "background" or "now" (`api.load`)
 K = None  # the draft tokens one step verifies; None: the policy chooses per step
 TREE = None  # token trees: None where extra rows are nearly free (GPUs), True, False
 MAX_TOKENS = 128

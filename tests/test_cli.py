@@ -26,7 +26,9 @@ from doppler_py.testing.tiny import write_tiny_model
 STATS_LINE = re.compile(
     r"^\[(?P<tokens>\d+) tokens \(prompt (?P<prompt>\d+)\), [\d.]+ tok/s"
     r"( \| (?P<method>[a-z+-]+): (\d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
-    r"(, \d+ plain steps while warming up)?|(speculation warming up \(pipelines compiling\)|nothing worth drafting), "
+    r"(, \d+ plain steps while warming up)?|(speculation warming up \(pipelines compiling\)|nothing worth drafting|"
+    r"speculation not started: compiling its pipelines \(~\d+ s here\) would cost more than this answer could "
+    r"save \(~[\d.]+ s\)), "
     r"every token a plain step)"
     r"( \| (saved|lost) [\d.]+ ± [\d.]+ s vs plain decoding)?|, no speculation)\]$"
 )
@@ -103,7 +105,9 @@ def stats_lines(stderr: str) -> list[re.Match]:
 
 
 # --- generate ----------------------------------------------------------------------------------------------------
-def spec_result(drafted: int, accepted: int, warmup_steps: int) -> GenerationResult:
+def spec_result(drafted: int, accepted: int, warmup: int | tuple[int, float, float]) -> GenerationResult:
+    """`warmup`: plain steps while warming up, or those with the compile's weighed cost and gain."""
+    steps, cost, gain = warmup if isinstance(warmup, tuple) else (warmup, None, None)
     return GenerationResult(
         text="",
         tokens=[1] * 12,
@@ -117,7 +121,7 @@ def spec_result(drafted: int, accepted: int, warmup_steps: int) -> GenerationRes
         tokens_per_s=20.0,
         elapsed_s=0.6,
         time_saved_s=None,
-        stats={"warmup_steps": warmup_steps},
+        stats={"warmup_steps": steps, "compile_cost_s": cost, "compile_gain_s": gain},
     )
 
 
@@ -128,6 +132,13 @@ def spec_result(drafted: int, accepted: int, warmup_steps: int) -> GenerationRes
         (0, 0, 0, "auto: nothing worth drafting, every token a plain step"),
         (6, 4, 2, "auto: 4/6 drafts accepted (67%), 1.33 accepted/step, 2 plain steps while warming up"),
         (6, 4, 0, "auto: 4/6 drafts accepted (67%), 1.33 accepted/step]"),
+        (
+            0,
+            0,
+            (12, 40.0, 2.5),
+            "auto: speculation not started: compiling its pipelines (~40 s here) would cost more "
+            "than this answer could save (~2.5 s), every token a plain step",
+        ),
     ],
 )
 def test_stats_line_says_why_nothing_was_drafted(drafted, accepted, warmup, says):

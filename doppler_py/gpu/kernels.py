@@ -21,6 +21,7 @@ import os
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -386,6 +387,12 @@ class PipelineCache:
         self.kernels: dict[tuple, Kernel] = {}  # (shader, entry point, override constants) -> pipeline
         self.lock = threading.Lock()  # guards the dicts and `pipeline_locks`
         self.pipeline_locks: dict[tuple, threading.Lock] = {}
+        self.compile_s: list[float] = []  # how long each pipeline took to compile, in order
+
+    def mean_compile_s(self) -> float | None:
+        """Seconds a pipeline took to compile here, on average (None: none compiled yet)."""
+        times = list(self.compile_s)
+        return sum(times) / len(times) if times else None
 
     @staticmethod
     def of(gpu: Gpu, shader_dir: Path) -> PipelineCache:
@@ -454,17 +461,29 @@ class KernelRegistry:
                 cache.modules[key] = (module, source)
             return cache.modules[key]
 
+    @staticmethod
+    def kernel_key(name: str, entry: str = "main", **constants: float | int | bool) -> tuple:
+        """What identifies the pipeline `kernel(name, entry, **constants)` returns."""
+        return (name, entry, tuple(sorted(constants.items())))
+
     def kernel(self, name: str, entry: str = "main", **constants: float | int | bool) -> Kernel:
-        key = (name, entry, tuple(sorted(constants.items())))
+        key = self.kernel_key(name, entry, **constants)
         cache = self.pipelines
         kernel = cache.kernels.get(key)
         if kernel is None:
             with cache.lock:
                 lock = cache.pipeline_locks.setdefault(key, threading.Lock())
             with lock:
-                kernel = cache.kernels.get(key) or self._compile(key)
-                cache.kernels[key] = kernel
+                kernel = cache.kernels.get(key)
+                if kernel is None:
+                    start = time.perf_counter()
+                    kernel = cache.kernels[key] = self._compile(key)
+                    cache.compile_s.append(time.perf_counter() - start)
         return kernel
+
+    def compiled(self, key: tuple) -> bool:
+        """Whether the pipeline of `key` (`kernel_key`) is compiled already."""
+        return key in self.pipelines.kernels
 
     def _compile(self, key: tuple) -> Kernel:
         import wgpu

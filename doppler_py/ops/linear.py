@@ -178,24 +178,29 @@ class Linear:
     def compile(self, rows: int) -> None:
         """Compile the pipeline a call of `rows` rows runs (and nothing else: no bind group, no uniform), so
         another thread may do it ahead of the first such call (~0.6-1.4 s each on lavapipe)."""
-        self._kernel(row_tile(rows, self.tiled_gemm), self.glu is not None and rows <= FUSED_GLU_MAX_ROWS)
+        self._kernel(row_tile(rows, self.tiled_gemm), self._fuses_glu(rows))
+
+    def pipeline_key(self, rows: int) -> tuple:
+        """The pipeline a call of `rows` rows runs (`KernelRegistry.kernel_key`): matmuls of one shape share it."""
+        entry, constants = self._pipeline(row_tile(rows, self.tiled_gemm), self._fuses_glu(rows))
+        return self.registry.kernel_key(SHADER, entry, **constants)
+
+    def _fuses_glu(self, rows: int) -> bool:
+        return self.glu is not None and rows <= FUSED_GLU_MAX_ROWS
 
     def _kernel(self, tile: int, fused_glu: bool) -> Kernel:
+        entry, constants = self._pipeline(tile, fused_glu)
+        return self.registry.kernel(SHADER, entry, **constants)
+
+    def _pipeline(self, tile: int, fused_glu: bool) -> tuple[str, dict]:
+        """The entry point and override constants of the pipeline for a row tile (0: the tiled GEMM)."""
         if tile == 0:
-            return self.registry.kernel(SHADER, "gemm_tiled", **self.flags)
+            return "gemm_tiled", dict(self.flags)
         input_flags = {"RMS_NORM": True} if self.norm is not None else {}
         if fused_glu:
             input_flags["GLU"] = ACTIVATIONS[self.glu.activation] + 1
-        return self.registry.kernel(
-            SHADER,
-            self.entry,
-            ROWS=tile,
-            COLS=COLS,
-            WORKGROUP_SIZE=self.group,
-            **self.flags,
-            **self.device_flags,
-            **input_flags,
-        )
+        constants = dict(ROWS=tile, COLS=COLS, WORKGROUP_SIZE=self.group)
+        return self.entry, constants | self.flags | self.device_flags | input_flags
 
     def _variant(self, tile: int, fused_glu: bool) -> list[tuple[Bound, int]]:
         if (tile, fused_glu) not in self._variants:
@@ -238,7 +243,7 @@ class Linear:
         grid_y = workgroups(rows, tile or GEMM_TILE_ROWS)
         if tile == 0 and self._tiled_norm is not None:
             self._tiled_norm.record(rec, rows)
-        fused_glu = self.glu is not None and rows <= FUSED_GLU_MAX_ROWS
+        fused_glu = self._fuses_glu(rows)
         if self.glu is not None and not fused_glu:
             self._glu_op.record(rec, rows)
         for bound, grid_x in self._variant(tile, fused_glu):

@@ -26,6 +26,7 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
+from doppler_py.speculative.readiness.compile_gate import compile_pays
 from doppler_py.speculative.readiness.warmup import COMPILE_CONTEXT, PipelineWarmup
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.step import MAX_PLAIN_STEPS, StepOutcome, Stepper
@@ -82,6 +83,9 @@ class SpeculativeEngine:
         self.warmup: PipelineWarmup | None = None
         self.warmup_pending = False  # `prepare(background=True)` before the first token of a generation
         self.usable_rows = self.capacity + 1  # most rows a step may verify (fewer while `prepare` compiles)
+        self.tokens_generated = 0  # by this engine's generations so far (`readiness.compile_gate`)
+        self.weigh_compile = False  # `prepare(weigh=True)`
+        self._compile_deferred: StepContext | None = None  # the generation the warm-up was found not to pay for
         self.needs_calibration = False
         self.on_calibrated: Callable[[dict[int, float]], None] | None = None
         # Earlier sequences' K/V (`model.prefix_cache`), shared by every engine of the model; None: none kept.
@@ -97,7 +101,12 @@ class SpeculativeEngine:
 
     # -- getting ready ------------------------------------------------------------------------------------
     def prepare(
-        self, *, costs: dict[int, float] | None = None, background: bool = False, compile_now: bool = True
+        self,
+        *,
+        costs: dict[int, float] | None = None,
+        background: bool = False,
+        compile_now: bool = True,
+        weigh: bool = False,
     ) -> None:
         """Make the engine ready to speculate. `costs`: verification costs measured earlier on this device and
         model (`cost_cache`), so no calibration is needed. `background`: take plain steps while a background
@@ -105,11 +114,13 @@ class SpeculativeEngine:
         token is out: before, it would compete with the prefill and the first step for the CPU and the
         compiler), and speculate with drafts as long as the compiled row counts allow meanwhile; else calibrate
         now, which compiles them all first. `compile_now=False` (with costs): the pipelines compile elsewhere (a
-        batch's warm-up, `StepBatch.warm_up`) or on first use, so no step runs now."""
+        batch's warm-up, `StepBatch.warm_up`) or on first use, so no step runs now. `weigh` (with `background`): start
+        the compile only once it pays for itself (`readiness.compile_gate`)."""
         for rows, seconds in (costs or {}).items():
             self.policy.costs.observe_verify(rows, seconds)
         self.needs_calibration = not costs
         self.warmup_pending = background
+        self.weigh_compile = background and weigh
         self.usable_rows = 1
         if not background:
             if costs and compile_now:  # nothing to measure, but "now": every step size runs without compiling first
@@ -121,11 +132,24 @@ class SpeculativeEngine:
         """Every row count a step may verify: 1 (a plain step) to k_max + 1."""
         return [r for r in range(1, self.policy.k_max + 2) if r <= self.capacity + 1]
 
-    def _ready(self, ctx: StepContext, first_step: bool) -> bool:
+    def _ready(self, ctx: StepContext, first_step: bool, remaining: int, stats: SpecStats) -> bool:
         """Whether this step may speculate (at most `policy.limit` drafts while pipelines still compile)."""
         # A seeded sampled generation (the policy's timing-blind mode): which steps speculate decides which
         # random numbers each token uses, so that must not depend on how long compiling takes.
         seeded = not self.policy.cost_aware
+        if self.warmup_pending and self.weigh_compile and not first_step and not seeded:
+            if self._compile_deferred is ctx:
+                return False
+            pays, stats.compile_cost_s, stats.compile_gain_s = compile_pays(
+                self.target,
+                self.verify_rows(),
+                tokens=remaining + self.tokens_generated,
+                plain_token_s=self._plain_token_s,
+                speedup=self.policy.best_speedup(),
+            )
+            if not pays:  # this answer stays plain; the next one weighs it again, with more tokens behind it
+                self._compile_deferred = ctx
+                return False
         if self.warmup_pending and (not first_step or seeded):
             self.warmup_pending = False
             self.warmup = PipelineWarmup(
@@ -249,7 +273,9 @@ class SpeculativeEngine:
                 proposal = None
                 if self.speculative:
                     speculate = (
-                        self._ready(ctx, first_step=produced == 0) if self.batch is None else self.usable_rows >= 2
+                        self._ready(ctx, produced == 0, remaining, stats)
+                        if self.batch is None
+                        else self.usable_rows >= 2
                     )
                     stats.warmup_steps += not speculate
                     k_step = self.policy.next_k(remaining) if speculate else 0
@@ -274,6 +300,7 @@ class SpeculativeEngine:
                     break
         finally:
             stats.total_s = time.perf_counter() - start
+            self.tokens_generated += produced
             self.steps.logprobs = None
             if self.batch is not None:
                 self.batch.leave()

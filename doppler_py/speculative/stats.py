@@ -24,6 +24,10 @@ class SpecStats:
     forced_tokens: int = 0  # drafts a grammar forced (drafted and accepted count them too)
     plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
     warmup_steps: int = 0  # of those, steps taken because speculation was not ready yet (pipelines compiling)
+    # The compile the warm-up would need, weighed before it starts (`readiness.compile_gate`): its estimated cost,
+    # and what speculation could save over the tokens to come; None: not weighed.
+    compile_cost_s: float | None = None
+    compile_gain_s: float | None = None
     drafted: int = 0
     made: int = 0  # drafts made, verified or not (a drafter's chain cut by the engine, `Proposal.made`)
     accepted: int = 0
@@ -107,6 +111,8 @@ class SpecStats:
             "forced_tokens": self.forced_tokens,
             "plain_steps": self.plain_steps,
             "warmup_steps": self.warmup_steps,
+            "compile_cost_s": None if self.compile_cost_s is None else round(self.compile_cost_s, 2),
+            "compile_gain_s": None if self.compile_gain_s is None else round(self.compile_gain_s, 2),
             "drafted": self.drafted,
             "made": self.made,
             "accepted": self.accepted,

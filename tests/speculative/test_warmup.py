@@ -174,7 +174,11 @@ def test_the_api_says_on_stderr_when_a_mode_compiles_and_measures_before_its_fir
     gpu, tiny_folder, cost_dir, capsys
 ):
     folder = tiny_folder(MODEL)
-    for warmup, said in (("now", "compile and time its verification pipelines"), ("background", "in the background")):
+    for warmup, said in (
+        ("now", "compile and time its verification pipelines"),
+        ("background", "in the background"),
+        ("auto", "once the tokens to come can repay it"),
+    ):
         with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=True, warmup=warmup) as engine:
             engine.generate("hello", max_tokens=2, speculative="prompt-lookup")
         err = capsys.readouterr().err
@@ -183,3 +187,75 @@ def test_the_api_says_on_stderr_when_a_mode_compiles_and_measures_before_its_fir
     with doppler_py.load(folder, "f32", gpu=gpu, max_seq=128, progress=False) as engine:
         engine.generate("hello", max_tokens=2, speculative="prompt-lookup")
     assert capsys.readouterr().err == ""
+
+
+def test_the_compile_is_weighed_before_it_starts_and_again_with_each_answer(models, monkeypatch):
+    """`prepare(background=True, weigh=True)`: an answer the compile cannot pay for streams plainly with no compile
+    thread; the next answer weighs it again, counting the tokens generated before; once it pays, the thread runs."""
+    from doppler_py.speculative import engine as engine_module
+
+    weighed = []
+
+    def pays(target, rows, *, tokens, plain_token_s, speedup):
+        weighed.append(tokens)
+        return len(weighed) > 1, 30.0, 0.5
+
+    monkeypatch.setattr(engine_module, "compile_pays", pays)
+    plain = reference_decode(models["target"], PROMPT, 12, GREEDY)
+    engine = draft_engine(models)
+    engine.prepare(background=True, weigh=True)
+    try:
+        first = engine.generate(PROMPT, 12, GREEDY)
+        assert engine.warmup is None and engine.warmup_pending
+        assert first.tokens == plain and first.stats.drafted == 0 and first.stats.warmup_steps >= 11
+        assert (first.stats.compile_cost_s, first.stats.compile_gain_s) == (30.0, 0.5)
+        second = engine.generate(PROMPT, 12, GREEDY)
+        assert second.tokens == plain
+        assert engine.warmup is not None or engine.usable_rows > 1  # started (maybe done already)
+    finally:
+        engine.close()
+    assert weighed == [11, 11 + 12]  # once per answer: what is left of it, plus the tokens generated before
+
+
+def test_the_compile_pays_by_its_pipelines_and_the_tokens_to_come(models, monkeypatch):
+    from doppler_py.speculative.readiness import compile_gate
+
+    target = models["target"]
+    monkeypatch.setattr(compile_gate, "pipelines_to_compile", lambda target, rows: 10)
+    monkeypatch.setattr(target.registry.pipelines, "mean_compile_s", lambda: 1.0)
+    # 10 pipelines × 1 s against tokens × 0.1 s × (1 - 1/2)
+    assert compile_gate.compile_pays(target, [1, 2], tokens=100, plain_token_s=0.1, speedup=2.0) == (False, 10.0, 5.0)
+    assert compile_gate.compile_pays(target, [1, 2], tokens=300, plain_token_s=0.1, speedup=2.0)[0]
+    # No speedup measured yet: the prior; a predicted slowdown saves nothing.
+    assert compile_gate.compile_pays(target, [1], tokens=1000, plain_token_s=0.1, speedup=None)[2] > 0
+    assert compile_gate.compile_pays(target, [1], tokens=10**6, plain_token_s=0.1, speedup=0.9)[0] is False
+    monkeypatch.setattr(type(target.gpu), "on_cpu", property(lambda gpu: False))  # a GPU: compiling runs beside it
+    assert compile_gate.compile_pays(target, [1, 2], tokens=1, plain_token_s=0.1, speedup=1.0)[0]
+
+
+def test_only_pipelines_not_compiled_yet_are_counted(gpu, tiny_folder, tmp_path):
+    import shutil
+
+    from doppler_py.gpu.kernels import SHADER_DIR, KernelRegistry
+    from doppler_py.model.loader import load_weights
+    from doppler_py.model.transformer import Transformer
+    from doppler_py.speculative.readiness.compile_gate import pipelines_to_compile
+
+    # A registry over a copy of the shaders has a pipeline cache of its own: nothing compiled yet.
+    registry = KernelRegistry(gpu, shutil.copytree(SHADER_DIR, tmp_path / "shaders"))
+    target = Transformer(load_weights(tiny_folder(MODEL), gpu, "f32"), registry, max_rows=8)
+    try:
+        distinct = {linear.pipeline_key(rows) for linear in target.linears() for rows in (2, 3)}
+        assert pipelines_to_compile(target, [2, 3]) == len(distinct) < 2 * len(target.linears())  # shapes share
+        for linear in target.linears():
+            linear.compile(2)
+        assert pipelines_to_compile(target, [2]) == 0
+        assert 0 < pipelines_to_compile(target, [2, 3]) < len(distinct)
+        for linear in target.linears():
+            linear.compile(3)
+        assert pipelines_to_compile(target, [2, 3]) == 0
+        assert registry.pipelines.mean_compile_s() > 0
+    finally:
+        registry.close()
+        target.close()
+        target.weights.destroy()

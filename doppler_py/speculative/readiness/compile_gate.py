@@ -1,0 +1,47 @@
+"""Whether compiling a speculative mode's verification pipelines can pay for itself, before it starts.
+
+On a CPU adapter (lavapipe) the shader compiler and the decoding share the same cores: while the verification
+pipelines compile in the background (`warmup.py`), every plain token is slower, and compiling all of them takes
+tens of seconds there (~0.6-1.4 s a pipeline, several dozen pipelines). A short answer cannot win that back: on a
+fresh 2-core machine the first `generate` of 128 tokens finished ~9 s later than plain decoding, its speculation
+never started. So before the warm-up starts, the engine weighs the compile's cost against what speculation can
+save over the tokens still to come:
+
+    cost = (pipelines not compiled yet) × (mean compile time of this process's pipelines so far)
+    gain = (tokens) × (plain seconds per token) × (1 − 1 / expected speedup)
+
+where `tokens` is what is left of this answer plus what the engine generated before in this process (a process
+that has generated much is likely to generate more: a chat, a server), and the expected speedup is the policy's
+prediction from measured costs (cached on disk per device) or a prior. The warm-up starts once gain ≥ cost, which
+on a GPU (the compiler runs on the CPU, beside the device's work, and pipelines take milliseconds) is at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from doppler_py.model.transformer import Transformer
+
+PRIOR_COMPILE_S = 1.0  # a pipeline's compile on a CPU adapter, before this process compiled any
+PRIOR_SPEEDUP = 1.3  # speculation's speedup before anything was measured
+
+
+def pipelines_to_compile(target: Transformer, rows: Sequence[int]) -> int:
+    """The target's matmul pipelines a step of any of `rows` rows needs that are not compiled yet (the bulk of
+    the verification's pipelines: one per row tile and matmul shape)."""
+    keys = {linear.pipeline_key(count) for linear in target.linears() for count in rows if count <= linear.max_rows}
+    return sum(not target.registry.compiled(key) for key in keys)
+
+
+def compile_pays(
+    target: Transformer, rows: Sequence[int], *, tokens: int, plain_token_s: float | None, speedup: float | None
+) -> tuple[bool, float, float]:
+    """(whether the warm-up should start, its estimated cost in seconds, the estimated gain in seconds)."""
+    if not target.gpu.on_cpu:
+        return True, 0.0, 0.0
+    per_pipeline = target.registry.pipelines.mean_compile_s() or PRIOR_COMPILE_S
+    cost = pipelines_to_compile(target, rows) * per_pipeline
+    if plain_token_s is None:
+        return cost == 0, cost, 0.0
+    gain = tokens * plain_token_s * (1 - 1 / max(speedup or PRIOR_SPEEDUP, 1.0))
+    return gain >= cost, cost, gain
