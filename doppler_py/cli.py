@@ -211,7 +211,9 @@ def format_stats(result) -> str:
     cost, gain = result.stats.get("compile_cost_s"), result.stats.get("compile_gain_s")
     if result.drafted == 0:
         why = "speculation warming up (pipelines compiling)" if warming else "nothing worth drafting"
-        if warming and cost is not None and gain is not None and gain < cost:
+        if warming and cost is not None and gain is None:
+            why = f"speculation not started: its compile (~{cost:.0f} s here) waits until plain tokens are timed"
+        elif warming and cost is not None and gain < cost:
             why = (
                 f"speculation not started: compiling its pipelines (~{cost:.0f} s here) would cost more than this "
                 f"answer could save (~{gain:.1f} s)"

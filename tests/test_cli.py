@@ -28,7 +28,8 @@ STATS_LINE = re.compile(
     r"( \| (?P<method>[a-z+-]+): (\d+/\d+ drafts accepted \(\d+%\), [\d.]+ accepted/step"
     r"(, \d+ plain steps while warming up)?|(speculation warming up \(pipelines compiling\)|nothing worth drafting|"
     r"speculation not started: compiling its pipelines \(~\d+ s here\) would cost more than this answer could "
-    r"save \(~[\d.]+ s\)), "
+    r"save \(~[\d.]+ s\)|speculation not started: its compile \(~\d+ s here\) waits until plain tokens are "
+    r"timed), "
     r"every token a plain step)"
     r"( \| (saved|lost) [\d.]+ ± [\d.]+ s vs plain decoding)?|, no speculation)\]$"
 )
@@ -139,6 +140,7 @@ def spec_result(drafted: int, accepted: int, warmup: int | tuple[int, float, flo
             "auto: speculation not started: compiling its pipelines (~40 s here) would cost more "
             "than this answer could save (~2.5 s), every token a plain step",
         ),
+        (0, 0, (12, 40.0, None), "auto: speculation not started: its compile (~40 s here) waits until plain tokens"),
     ],
 )
 def test_stats_line_says_why_nothing_was_drafted(drafted, accepted, warmup, says):

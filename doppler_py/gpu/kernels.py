@@ -387,11 +387,11 @@ class PipelineCache:
         self.kernels: dict[tuple, Kernel] = {}  # (shader, entry point, override constants) -> pipeline
         self.lock = threading.Lock()  # guards the dicts and `pipeline_locks`
         self.pipeline_locks: dict[tuple, threading.Lock] = {}
-        self.compile_s: list[float] = []  # how long each pipeline took to compile, in order
+        self.compile_s: dict[str, list[float]] = {}  # per shader: how long each of its pipelines took to compile
 
-    def mean_compile_s(self) -> float | None:
-        """Seconds a pipeline took to compile here, on average (None: none compiled yet)."""
-        times = list(self.compile_s)
+    def mean_compile_s(self, shader: str) -> float | None:
+        """Seconds a pipeline of `shader` took to compile here, on average (None: none compiled yet)."""
+        times = list(self.compile_s.get(shader, ()))
         return sum(times) / len(times) if times else None
 
     @staticmethod
@@ -478,7 +478,7 @@ class KernelRegistry:
                 if kernel is None:
                     start = time.perf_counter()
                     kernel = cache.kernels[key] = self._compile(key)
-                    cache.compile_s.append(time.perf_counter() - start)
+                    cache.compile_s.setdefault(name, []).append(time.perf_counter() - start)
         return kernel
 
     def compiled(self, key: tuple) -> bool:

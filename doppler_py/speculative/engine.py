@@ -84,8 +84,7 @@ class SpeculativeEngine:
         self.warmup_pending = False  # `prepare(background=True)` before the first token of a generation
         self.usable_rows = self.capacity + 1  # most rows a step may verify (fewer while `prepare` compiles)
         self.tokens_generated = 0  # by this engine's generations so far (`readiness.compile_gate`)
-        self.weigh_compile = False  # `prepare(weigh=True)`
-        self._compile_deferred: StepContext | None = None  # the generation the warm-up was found not to pay for
+        self.weigh_compile = False  # `prepare(weigh=True)`, until the compile pays (`_weigh_compile`)
         self.needs_calibration = False
         self.on_calibrated: Callable[[dict[int, float]], None] | None = None
         # Earlier sequences' K/V (`model.prefix_cache`), shared by every engine of the model; None: none kept.
@@ -132,24 +131,33 @@ class SpeculativeEngine:
         """Every row count a step may verify: 1 (a plain step) to k_max + 1."""
         return [r for r in range(1, self.policy.k_max + 2) if r <= self.capacity + 1]
 
-    def _ready(self, ctx: StepContext, first_step: bool, remaining: int, stats: SpecStats) -> bool:
+    def _weigh_compile(self, max_new_tokens: int, params: SamplingParams, stats: SpecStats) -> bool:
+        """Before a generation of `prepare(weigh=True)`'s engine whose compile has not started: whether it pays now
+        (`readiness.compile_gate`), over this generation's tokens and those generated before. If so the warm-up
+        goes ahead as in background mode; if not, this generation runs plainly without the drafter (no upkeep, no
+        pipelines of its own compiling) and the next one weighs it again."""
+        seeded = not params.greedy and params.seed is not None  # its tokens must not depend on timing
+        if not (self.warmup_pending and self.weigh_compile) or seeded:
+            return True
+        pays, stats.compile_cost_s, stats.compile_gain_s = compile_pays(
+            self.target,
+            self.verify_rows(),
+            tokens=max_new_tokens + self.tokens_generated,
+            plain_token_s=self._plain_token_s,
+            # From verification costs of several rows (cached, or calibrated): live plain steps alone would
+            # extrapolate them linearly from one row, which no device's costs follow.
+            speedup=None if self.needs_calibration else self.policy.best_speedup(),
+        )
+        self.weigh_compile = not pays
+        return pays
+
+    def _ready(self, ctx: StepContext, first_step: bool) -> bool:
         """Whether this step may speculate (at most `policy.limit` drafts while pipelines still compile)."""
         # A seeded sampled generation (the policy's timing-blind mode): which steps speculate decides which
         # random numbers each token uses, so that must not depend on how long compiling takes.
         seeded = not self.policy.cost_aware
-        if self.warmup_pending and self.weigh_compile and not first_step and not seeded:
-            if self._compile_deferred is ctx:
-                return False
-            pays, stats.compile_cost_s, stats.compile_gain_s = compile_pays(
-                self.target,
-                self.verify_rows(),
-                tokens=remaining + self.tokens_generated,
-                plain_token_s=self._plain_token_s,
-                speedup=self.policy.best_speedup(),
-            )
-            if not pays:  # this answer stays plain; the next one weighs it again, with more tokens behind it
-                self._compile_deferred = ctx
-                return False
+        if self.warmup_pending and self.weigh_compile:  # not worth compiling yet (`_weigh_compile`)
+            return False
         if self.warmup_pending and (not first_step or seeded):
             self.warmup_pending = False
             self.warmup = PipelineWarmup(
@@ -256,10 +264,17 @@ class SpeculativeEngine:
         """
         check_top_logprobs(logprobs)
         start = time.perf_counter()
-        ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k, grammar=grammar)
+        stats.drafter = self.drafter.name
+        drafter = self.steps.drafter
+        if not self._weigh_compile(max_new_tokens, params, stats):
+            self.steps.drafter = _NoDrafter()
+        try:
+            ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k, grammar=grammar)
+        except BaseException:
+            self.steps.drafter = drafter
+            raise
         stats.prefill_s = time.perf_counter() - start
         stats.cached_tokens = ctx.cached
-        stats.drafter = self.drafter.name
         self.steps.logprobs = logprobs
         produced = 0
         # Plain steps several per submit; not under a grammar (each step's masks come from the tokens before it)
@@ -270,20 +285,20 @@ class SpeculativeEngine:
         try:
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
-                proposal = None
+                proposal, speculate = None, True
                 if self.speculative:
-                    speculate = (
-                        self._ready(ctx, produced == 0, remaining, stats)
-                        if self.batch is None
-                        else self.usable_rows >= 2
-                    )
-                    stats.warmup_steps += not speculate
+                    speculate = self._ready(ctx, produced == 0) if self.batch is None else self.usable_rows >= 2
                     k_step = self.policy.next_k(remaining) if speculate else 0
                     forced = grammar.forced_tokens() if speculate and grammar is not None else []
                     if forced:
                         proposal = self._forced_proposal(ctx, forced, k_step, remaining)
                         k_step = proposal.count
-                    plain_steps = self._paused_batch(remaining) if speculate and k_step == 0 and batching else 1
+                    if not batching or k_step:
+                        plain_steps = 1
+                    elif speculate:
+                        plain_steps = self._paused_batch(remaining)
+                    else:  # not ready (compiling, or not worth compiling for this answer): plain decoding's batches
+                        plain_steps = self._batch_size(remaining, first=produced == 0)
                 else:
                     k_step = 0
                     plain_steps = self._batch_size(remaining, first=produced == 0) if batching else 1
@@ -293,6 +308,7 @@ class SpeculativeEngine:
                         new, stats.stopped_by = new[: j + 1], "eos"
                         break
                 produced += len(new)
+                stats.warmup_steps += len(new) if not speculate else 0
                 stats.generated = produced
                 stats.total_s = time.perf_counter() - start
                 yield new
@@ -305,6 +321,7 @@ class SpeculativeEngine:
             if self.batch is not None:
                 self.batch.leave()
             self.close_context(ctx)
+            self.steps.drafter = drafter
 
     def _forced_proposal(self, ctx: StepContext, forced: list[int], k: int, remaining: int) -> Proposal:
         """The grammar's own drafts: always accepted, so as many as pay, pause or not (`policy.forced_k`); after the

@@ -23,7 +23,7 @@ class SpecStats:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     forced_tokens: int = 0  # drafts a grammar forced (drafted and accepted count them too)
     plain_steps: int = 0  # single-token steps taken while speculation was off or nothing was drafted
-    warmup_steps: int = 0  # of those, steps taken because speculation was not ready yet (pipelines compiling)
+    warmup_steps: int = 0  # of those, tokens made while speculation was not ready (compiling, or not worth it yet)
     # The compile the warm-up would need, weighed before it starts (`readiness.compile_gate`): its estimated cost,
     # and what speculation could save over the tokens to come; None: not weighed.
     compile_cost_s: float | None = None

@@ -190,31 +190,37 @@ def test_the_api_says_on_stderr_when_a_mode_compiles_and_measures_before_its_fir
 
 
 def test_the_compile_is_weighed_before_it_starts_and_again_with_each_answer(models, monkeypatch):
-    """`prepare(background=True, weigh=True)`: an answer the compile cannot pay for streams plainly with no compile
-    thread; the next answer weighs it again, counting the tokens generated before; once it pays, the thread runs."""
+    """`prepare(background=True, weigh=True)`: an answer the compile cannot pay for runs plainly without the drafter
+    (never started, so no upkeep) and no compile thread; the next answer weighs it again, counting the tokens
+    generated before; once it pays, the drafter runs and the thread starts."""
     from doppler_py.speculative import engine as engine_module
 
     weighed = []
 
     def pays(target, rows, *, tokens, plain_token_s, speedup):
-        weighed.append(tokens)
+        weighed.append((tokens, plain_token_s is not None))
         return len(weighed) > 1, 30.0, 0.5
 
     monkeypatch.setattr(engine_module, "compile_pays", pays)
     plain = reference_decode(models["target"], PROMPT, 12, GREEDY)
     engine = draft_engine(models)
+    started = []
+    start = engine.drafter.start
+    monkeypatch.setattr(engine.drafter, "start", lambda ctx: (started.append(len(ctx.tokens)), start(ctx)))
     engine.prepare(background=True, weigh=True)
     try:
         first = engine.generate(PROMPT, 12, GREEDY)
-        assert engine.warmup is None and engine.warmup_pending
-        assert first.tokens == plain and first.stats.drafted == 0 and first.stats.warmup_steps >= 11
+        assert engine.warmup is None and engine.warmup_pending and not started
+        assert first.tokens == plain and first.stats.drafted == 0 and first.stats.warmup_steps == 12
         assert (first.stats.compile_cost_s, first.stats.compile_gain_s) == (30.0, 0.5)
+        assert first.stats.drafter == engine.drafter.name
         second = engine.generate(PROMPT, 12, GREEDY)
-        assert second.tokens == plain
+        assert second.tokens == plain and started == [len(PROMPT)]
         assert engine.warmup is not None or engine.usable_rows > 1  # started (maybe done already)
     finally:
         engine.close()
-    assert weighed == [11, 11 + 12]  # once per answer: what is left of it, plus the tokens generated before
+    # Once per answer until it pays: the answer's tokens plus those generated before; plain tokens timed by then.
+    assert weighed == [(12, False), (24, True)]
 
 
 def test_the_compile_pays_by_its_pipelines_and_the_tokens_to_come(models, monkeypatch):
@@ -222,7 +228,7 @@ def test_the_compile_pays_by_its_pipelines_and_the_tokens_to_come(models, monkey
 
     target = models["target"]
     monkeypatch.setattr(compile_gate, "pipelines_to_compile", lambda target, rows: 10)
-    monkeypatch.setattr(target.registry.pipelines, "mean_compile_s", lambda: 1.0)
+    monkeypatch.setattr(target.registry.pipelines, "mean_compile_s", lambda shader: 1.0)
     # 10 pipelines × 1 s against tokens × 0.1 s × (1 - 1/2)
     assert compile_gate.compile_pays(target, [1, 2], tokens=100, plain_token_s=0.1, speedup=2.0) == (False, 10.0, 5.0)
     assert compile_gate.compile_pays(target, [1, 2], tokens=300, plain_token_s=0.1, speedup=2.0)[0]
@@ -254,7 +260,7 @@ def test_only_pipelines_not_compiled_yet_are_counted(gpu, tiny_folder, tmp_path)
         for linear in target.linears():
             linear.compile(3)
         assert pipelines_to_compile(target, [2, 3]) == 0
-        assert registry.pipelines.mean_compile_s() > 0
+        assert registry.pipelines.mean_compile_s(target.linears()[0].pipeline_key(2)[0]) > 0
     finally:
         registry.close()
         target.close()

@@ -4,16 +4,19 @@ On a CPU adapter (lavapipe) the shader compiler and the decoding share the same 
 pipelines compile in the background (`warmup.py`), every plain token is slower, and compiling all of them takes
 tens of seconds there (~0.6-1.4 s a pipeline, several dozen pipelines). A short answer cannot win that back: on a
 fresh 2-core machine the first `generate` of 128 tokens finished ~9 s later than plain decoding, its speculation
-never started. So before the warm-up starts, the engine weighs the compile's cost against what speculation can
-save over the tokens still to come:
+never started. So before each generation while the warm-up has not started, the engine weighs the compile's cost
+against what speculation can save over the tokens to come:
 
-    cost = (pipelines not compiled yet) × (mean compile time of this process's pipelines so far)
+    cost = (matmul pipelines not compiled yet) × (mean compile time of this process's matmul pipelines so far)
     gain = (tokens) × (plain seconds per token) × (1 − 1 / expected speedup)
 
 where `tokens` is what is left of this answer plus what the engine generated before in this process (a process
 that has generated much is likely to generate more: a chat, a server), and the expected speedup is the policy's
 prediction from measured costs (cached on disk per device) or a prior. The warm-up starts once gain ≥ cost, which
 on a GPU (the compiler runs on the CPU, beside the device's work, and pipelines take milliseconds) is at once.
+Until then a generation runs without its drafter: plain decoding, with no drafter upkeep (an EAGLE head runs over
+every committed token and compiles pipelines of its own) and the plain seconds per token measured for the next
+weighing.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.linear import SHADER as MATMUL_SHADER
 
-PRIOR_COMPILE_S = 1.0  # a pipeline's compile on a CPU adapter, before this process compiled any
+PRIOR_COMPILE_S = 1.0  # a matmul pipeline's compile on a CPU adapter, before this process compiled any
 PRIOR_SPEEDUP = 1.3  # speculation's speedup before anything was measured
 
 
@@ -35,13 +39,14 @@ def pipelines_to_compile(target: Transformer, rows: Sequence[int]) -> int:
 
 def compile_pays(
     target: Transformer, rows: Sequence[int], *, tokens: int, plain_token_s: float | None, speedup: float | None
-) -> tuple[bool, float, float]:
-    """(whether the warm-up should start, its estimated cost in seconds, the estimated gain in seconds)."""
+) -> tuple[bool, float, float | None]:
+    """(whether the warm-up should start, its estimated cost in seconds, the estimated gain in seconds: None before
+    this process timed a plain token)."""
     if not target.gpu.on_cpu:
         return True, 0.0, 0.0
-    per_pipeline = target.registry.pipelines.mean_compile_s() or PRIOR_COMPILE_S
+    per_pipeline = target.registry.pipelines.mean_compile_s(MATMUL_SHADER) or PRIOR_COMPILE_S
     cost = pipelines_to_compile(target, rows) * per_pipeline
     if plain_token_s is None:
-        return cost == 0, cost, 0.0
+        return cost == 0, cost, None
     gain = tokens * plain_token_s * (1 - 1 / max(speedup or PRIOR_SPEEDUP, 1.0))
     return gain >= cost, cost, gain
