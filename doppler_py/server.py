@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -887,3 +887,29 @@ def serve(engine: Engine, config: ServerConfig = ServerConfig(), *, log_level: s
         )
     print(f"doppler-py: serving {server.model_id!r} at http://{config.host}:{config.port}/v1", flush=True)
     uvicorn.run(server.app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+@contextlib.contextmanager
+def serving_in_background(app: Starlette, host: str = "127.0.0.1") -> Iterator[str]:
+    """`app` (an `OpenAIServer`'s) served by uvicorn on a free port of `host` in a background thread, for a Python
+    program or notebook that serves and calls the server itself; yields the base URL and stops the server on exit."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="doppler-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise DopplerError(f"the server on {host}:{port} did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

@@ -7,10 +7,8 @@ reproducible instead of a race.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +19,7 @@ import uvicorn
 from support.schemas import PERSON, check_person
 
 from doppler_py.api import load
-from doppler_py.server import OpenAIServer, ServerConfig, is_loopback, serve
+from doppler_py.server import OpenAIServer, ServerConfig, is_loopback, serve, serving_in_background
 from doppler_py.testing.tiny import write_tiny_model
 
 MAX_BODY = 16_384
@@ -55,28 +53,10 @@ def engine(tmp_path_factory):
         yield GatedEngine(engine)
 
 
-@contextlib.contextmanager
-def serving(app):
-    """`app` served by uvicorn on a free loopback port; yields its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(engine):
     config = ServerConfig(queue_size=1, max_body_bytes=MAX_BODY, defaults={"max_tokens": 12, "speculative": "auto"})
-    with serving(OpenAIServer(engine, config).app) as url:
+    with serving_in_background(OpenAIServer(engine, config).app) as url:
         yield url
 
 
@@ -401,7 +381,7 @@ API_KEY = "sk-test-0123456789"
 @pytest.fixture(scope="module")
 def keyed_server(engine):
     config = ServerConfig(api_key=API_KEY, defaults={"max_tokens": 4, "speculative": "none"})
-    with serving(OpenAIServer(engine, config).app) as url:
+    with serving_in_background(OpenAIServer(engine, config).app) as url:
         yield url
 
 

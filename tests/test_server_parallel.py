@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from reliability.helpers import buffer_use
-from test_server import serving, wait_for
+from test_server import wait_for
 
 from doppler_py.api import load
-from doppler_py.server import OpenAIServer, ServerConfig
+from doppler_py.server import OpenAIServer, ServerConfig, serving_in_background
 from doppler_py.testing.tiny import write_tiny_model
 
 PARALLEL = 4
@@ -54,7 +54,7 @@ def server(folder):
     # No prefix cache, so the soak's buffer count has a fixed baseline.
     with load(folder, weights="f32", progress=False, warmup="background", kv_cache_mb=0, parallel=PARALLEL) as engine:
         config = ServerConfig(queue_size=CLIENTS)
-        with serving(OpenAIServer(engine, config).app) as url:
+        with serving_in_background(OpenAIServer(engine, config).app) as url:
             yield url, engine
 
 

@@ -40,7 +40,6 @@ import itertools
 import json
 import math
 import multiprocessing
-import socket
 import statistics
 import sys
 import threading
@@ -155,29 +154,6 @@ def load_prompts(groups: list[str]) -> list[tuple[str, str, list[dict]]]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return [(group, name, messages) for name, (group, messages) in module.PROMPTS.items() if group in groups]
-
-
-@contextlib.contextmanager
-def serving(app):
-    """`app` served by uvicorn on a free loopback port in a thread; yields its base URL."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
 
 
 def one_request(client, model: str, prompt: tuple[str, str, list[dict]], *, max_tokens: int, speculative: str):
@@ -306,7 +282,7 @@ def concurrency_part(args) -> dict | None:
 
     import doppler_py
     from doppler_py.ops.linear import compile_rows
-    from doppler_py.server import OpenAIServer, ServerConfig
+    from doppler_py.server import OpenAIServer, ServerConfig, serving_in_background
 
     clients = sorted(set(args.clients))
     repeats = 1 if args.repeats is None else args.repeats
@@ -337,7 +313,10 @@ def concurrency_part(args) -> dict | None:
             )
             stack.callback(engine.close)  # after its server has stopped (the stack unwinds in reverse)
             compile_rows(engine.model.linears())  # every prefill chunk's row count, outside the timings
-            engines[server], urls[server] = engine, stack.enter_context(serving(OpenAIServer(engine, config).app))
+            engines[server], urls[server] = (
+                engine,
+                stack.enter_context(serving_in_background(OpenAIServer(engine, config).app)),
+            )
             with openai.OpenAI(base_url=f"{urls[server]}/v1", api_key="x") as client:
                 models[server] = client.models.list().data[0].id
             for c in clients:  # each batch row count's pipelines compile on first use: one request per client
