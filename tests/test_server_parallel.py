@@ -22,13 +22,15 @@ PARALLEL = 4
 CLIENTS = 8
 SOAK_REQUESTS = 200
 PROMPTS = ["the cat sat on the mat. the cat sat", "one two three one two", "a", "hello there, hello there, hel"]
-# Mixed parameters: greedy and seeded sampling, plain and speculative, stop strings, lengths.
+# Mixed parameters: greedy and seeded sampling, plain and speculative, stop strings, lengths, a constraint.
 OPTIONS = [
     {"max_tokens": 12, "speculative": "none"},
     {"max_tokens": 16, "speculative": "prompt-lookup", "k": 3},
     {"max_tokens": 10, "temperature": 0.9, "top_k": 20, "seed": 3, "speculative": "none"},
     {"max_tokens": 14, "temperature": 0.7, "seed": 11, "speculative": "prompt-lookup"},
     {"max_tokens": 20, "stop": ["e"], "speculative": "auto"},
+    # A constraint (each step's rows masked in the batch) and log-probs (read from the batch's moved rows).
+    {"max_tokens": 12, "regex": "[a-e ]{3,10}!", "speculative": "prompt-lookup", "logprobs": 2},
 ]
 DONE = "/v1/completions"
 
@@ -40,13 +42,13 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def solo(folder):
-    """Each (prompt, options) pair's answer from an engine that runs one generation at a time."""
-    with load(folder, weights="f32", progress=False, warmup="now", kv_cache_mb=0) as engine:
-        return {
-            (p, o): engine.generate(PROMPTS[p], chat=False, **OPTIONS[o]).text
-            for p in range(len(PROMPTS))
-            for o in range(len(OPTIONS))
-        }
+    """Each (prompt, options) pair's answer (its whole choice: text, log-probs, finish reason) from a server that
+    runs one generation at a time."""
+    with (
+        load(folder, weights="f32", progress=False, warmup="now", kv_cache_mb=0) as engine,
+        serving_in_background(OpenAIServer(engine, ServerConfig()).app) as url,
+    ):
+        return {(p, o): answer(url, p, o) for p in range(len(PROMPTS)) for o in range(len(OPTIONS))}
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +60,16 @@ def server(folder):
             yield url, engine
 
 
-def complete(url: str, p: int, o: int, *, stream: bool = False, cancel: bool = False) -> str | None:
-    """The answer's text, or None for a client that gave up after its first piece (`cancel`)."""
-    body = {"prompt": PROMPTS[p], **OPTIONS[o], "stream": stream or cancel}
-    if not (stream or cancel):
-        response = httpx.post(f"{url}{DONE}", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["text"]
+def answer(url: str, p: int, o: int) -> dict:
+    response = httpx.post(f"{url}{DONE}", json={"prompt": PROMPTS[p], **OPTIONS[o]}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def streamed(url: str, p: int, o: int, *, cancel: bool = False) -> str | None:
+    """The streamed answer's text, or None for a client that gave up after its first piece (`cancel`)."""
     text = ""
+    body = {"prompt": PROMPTS[p], **OPTIONS[o], "stream": True}
     with httpx.stream("POST", f"{url}{DONE}", json=body, timeout=120) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -76,12 +80,19 @@ def complete(url: str, p: int, o: int, *, stream: bool = False, cancel: bool = F
     return text
 
 
+def complete(url: str, p: int, o: int, *, stream: bool = False, cancel: bool = False) -> str | None:
+    """The answer's text (None: a client that cancelled)."""
+    return streamed(url, p, o, cancel=cancel) if stream or cancel else answer(url, p, o)["text"]
+
+
 def test_concurrent_answers_equal_the_solo_ones_and_share_forwards(server, solo):
     url, engine = server
     pairs = [(p, o) for p in range(len(PROMPTS)) for o in range(len(OPTIONS))]
     with ThreadPoolExecutor(CLIENTS) as pool:
-        answers = list(pool.map(lambda pair: complete(url, *pair, stream=pair[1] % 2 == 1), pairs))
-    assert dict(zip(pairs, answers, strict=True)) == solo
+        answers = list(pool.map(lambda pair: answer(url, *pair), pairs))
+        texts = list(pool.map(lambda pair: streamed(url, *pair), pairs))
+    assert dict(zip(pairs, answers, strict=True)) == solo  # texts, log-probs and finish reasons
+    assert texts == [solo[pair]["text"] for pair in pairs]
     sizes = engine.batch.sizes
     assert max(sizes) > 1, sizes
     metrics = httpx.get(f"{url}/metrics").text
@@ -111,7 +122,7 @@ def test_a_soak_of_mixed_requests_with_cancellations(server, solo):
         answers = list(pool.map(lambda req: complete(url, req[0], req[1], stream=req[2], cancel=req[3]), plan))
     completed = [(req, text) for req, text in zip(plan, answers, strict=True) if text is not None]
     assert len(completed) > SOAK_REQUESTS // 2
-    assert all(text == solo[req[:2]] for req, text in completed)
+    assert all(text == solo[req[:2]]["text"] for req, text in completed)
     with httpx.Client(base_url=url, timeout=60) as client:
         status = wait_for(client, lambda s: s["running"] == 0 and s["waiting"] == 0)
     assert status["failed"] == 0 and status["rejected"] == 0, status

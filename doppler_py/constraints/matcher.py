@@ -159,6 +159,19 @@ class GrammarMatcher:
             raise InternalError(f"llguidance could not roll back {count - own} tokens: {self._matcher.get_error()}")
         self.length -= count
 
+    def walk(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
+        """How many of `tokens` the grammar allows in a row from here, and the tokens it forces after those
+        (`forced_tokens` there). The matcher ends where it started."""
+        valid = 0
+        try:
+            for token in tokens:
+                if not self._allows(self.mask(), int(token)) or not self._commit(int(token)):
+                    break
+                valid += 1
+            return valid, self.forced_tokens()
+        finally:
+            self.rollback(valid)
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next, whatever the model says (e.g. `{"name": "` after a schema's start).
 

@@ -70,7 +70,6 @@ class StepBatch:
         self._running = False  # a batch's steps are running
         self._run_ended = 0.0  # when the last one ended (time.monotonic)
         self.sizes: Counter[int] = Counter()  # steps per batch run, over the batch's life (`/metrics`)
-        self.rows_run = 0  # rows of all batched forwards
         self._logits_scratch: Tensor | None = None  # the batch's logits while each step's rows move into place
         self._warmup: threading.Thread | None = None
         self._stop = threading.Event()
@@ -162,7 +161,6 @@ class StepBatch:
             request.stepper.record_inputs(rec, pending, row0)
             segments.append((pending.ctx.target_cache, pending.pos, pending.rows))
             row0 += pending.rows
-        self.rows_run += row0
         try:
             target.record_batch(rec, segments)
             copy = self._logits_copy() if len(group) > 1 else None

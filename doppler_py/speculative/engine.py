@@ -326,12 +326,21 @@ class SpeculativeEngine:
     def _forced_proposal(self, ctx: StepContext, forced: list[int], k: int, remaining: int) -> Proposal:
         """The grammar's own drafts: always accepted, so as many as pay, pause or not (`policy.forced_k`); after the
         whole forced run, the drafter's continuation of it where it drafts from tokens alone (`continue_tokens`),
-        within the k the policy gave the drafter."""
+        within the k the policy gave the drafter, and after that continuation the tokens the grammar would force
+        next (a JSON value copied from the prompt, then the next key), and so on while room is left."""
         n = self.policy.forced_k(min(len(forced), remaining - 1))
         tokens = forced[:n]
         room = min(k, self.capacity - n, remaining - 1 - n)
-        if n == len(forced) and room > 0:
-            tokens += self.drafter.continue_tokens([*ctx.tokens, *tokens], room)[:room]
+        while n == len(forced) and room > 0:
+            more = self.drafter.continue_tokens([*ctx.tokens, *tokens], room)[:room]
+            valid, then_forced = ctx.grammar.walk([*tokens, *more])
+            more = more[: valid - len(tokens)]  # up to the first draft the grammar refuses
+            tokens += more
+            room -= len(more)
+            if not more or not then_forced:
+                break
+            tokens += then_forced[:room]
+            room -= len(then_forced[:room])
         return Proposal(len(tokens), tokens, forced=n) if tokens else NO_PROPOSAL
 
     def open_context(

@@ -76,6 +76,16 @@ def test_a_refused_token_raises_and_commits_nothing(char_tokenizer, char_ll):
     np.testing.assert_array_equal(matcher.mask(), before)
 
 
+def test_a_walk_counts_the_allowed_tokens_and_the_forced_ones_after_them_and_moves_nothing(char_tokenizer, char_ll):
+    matcher = GrammarMatcher(char_ll, constraint_from_options(regex=r"ab(cab|dab)ee!"), TINY_MODEL_VOCAB)
+    encode = lambda text: char_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    matcher.advance(encode("a"))
+    assert matcher.walk(encode("bd")) == (2, encode("abee!"))  # "bd" allowed, then "abee!" forced
+    assert matcher.walk(encode("bcx")) == (2, encode("abee!"))  # "x" refused: what is forced after "bc"
+    assert matcher.walk([]) == (0, encode("b"))
+    assert matcher.length == 1 and matcher.forced_tokens() == encode("b")
+
+
 def test_eos_after_a_finished_grammar_rolls_back_like_any_token(char_tokenizer, char_ll):
     """llguidance does not record an eos once stopped; the matcher counts it so rollback undoes the eos first."""
     (eos,) = char_tokenizer.eos_token_ids

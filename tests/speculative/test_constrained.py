@@ -88,6 +88,24 @@ def test_a_drafter_continues_the_forced_tokens_in_the_same_step(models, tokenize
     assert result.stats.drafted > result.stats.forced_tokens  # drafts behind the forced ones
 
 
+def test_forced_tokens_after_a_continuation_join_the_same_step(models, tokenizer, monkeypatch):
+    """ "ab" is forced, lookup continues it with "cab" (the prompt's), then the grammar forces "xy": one proposal
+    holds all three runs, and the output is still the masked reference's."""
+    pattern = r"ab(cab|dab)ee [a-e ]{2,8}!"
+    target, prompt = models["target"], prompt_ids(tokenizer)
+    expected = reference_decode(target, prompt, 20, GREEDY, stop_ids=[EOS], grammar=matcher_for(tokenizer, pattern))
+    engine = SpeculativeEngine(target, PromptLookupDrafter(min_ngram=1))
+    proposals = []
+    make = engine._forced_proposal
+    monkeypatch.setattr(engine, "_forced_proposal", lambda *args: proposals.append(make(*args)) or proposals[-1])
+    result = engine.generate(prompt, 20, GREEDY, k=8, stop_ids=[EOS], grammar=matcher_for(tokenizer, pattern))
+    engine.close()
+    assert result.tokens == expected
+    # The forced "ab", lookup's next letter(s) from the prompt, then what the grammar forces after them.
+    assert re.match(r"ab(cab|dab)ee ", tokenizer.decode(list(proposals[0].tokens))), proposals[0]
+    assert proposals[0].forced == len(tokenizer.encode("ab", add_special_tokens=False))
+
+
 def test_drafts_the_grammar_refuses_are_cut_before_verification(models, tokenizer):
     """A drafter that always proposes "z", which the grammar never allows: each proposal is cut to nothing (a plain
     step), so only the grammar's forced tokens are ever verified as drafts, and the output is the reference's."""
