@@ -44,6 +44,8 @@ def worker(weights: str, new_tokens: int, modes: list[str]) -> None:
 
     has_heads = "draft_head" in inspect.signature(doppler_py.load).parameters
     options = {"draft_head": False} if has_heads and not modes else {}
+    if "warmup" in inspect.signature(doppler_py.load).parameters:  # modes compiled and calibrated when made
+        options["warmup"] = "now"
     engine = doppler_py.load(weights=weights, progress=False, max_seq=256, **options)
     model = engine.model
     ids = np.random.default_rng(0).integers(100, 30000, size=16 + FORWARDS).tolist()

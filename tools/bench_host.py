@@ -91,7 +91,7 @@ def cold_start(speculative: str, weights: str, cache: Path, *extra: str) -> dict
 def cold_starts(weights: str) -> list[dict]:
     """Fresh processes: speculation auto with no measured costs on disk; one with `--warmup now`, which
     compiles and calibrates before its first token and stores the costs (a 32-token answer with the default
-    background warmup ends before the compiling does, so it stores none); auto again, now with the costs
+    warmup never starts compiling on a CPU adapter, so it stores none); auto again, now with the costs
     cached; and none. They share every other cached thing (the models, the compiled dispatch loop)."""
     from doppler_py.paths import cache_dir
 

@@ -2,10 +2,11 @@
 
 An entry is a finished generation's committed tokens (prompt and answer, all but the last, whose K/V were never
 written) and a compact copy of their K/V rows in every layer. A new prompt takes the longest common prefix with
-any entry, cut to a whole number of BLOCK tokens (so a hit is worth its copy, and chats that differ in their last
-few tokens still share everything before), and at least one token is always left to prefill: the engine feeds
-the prompt's last token with its first step. The rows are copied into the new generation's own cache on the
-GPU (one copy per layer and K/V), so entries are never written while in use and a generation may outlive them.
+any entry, to the token, when it is at least MIN_HIT tokens (a shorter one is not worth its copy: one copy per
+layer and K/V), and at least one token is always left to prefill: the engine feeds the prompt's last token with
+its first step. A chat's next turn shares everything up to where the template closes the last answer. The rows
+are copied into the new generation's own cache on the GPU, so entries are never written while in use and a
+generation may outlive them.
 
 Entries are evicted least recently used first when their total size passes the budget (`budget_bytes`); an entry
 whose tokens are a prefix of a new one is replaced by it. K/V rows depend only on the tokens before them, so a
@@ -23,7 +24,7 @@ from doppler_py.errors import GenerationOptionError
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 
-BLOCK = 16  # tokens: hits are whole blocks
+MIN_HIT = 16  # tokens: a shorter shared prefix is prefilled
 
 
 @dataclass
@@ -53,16 +54,16 @@ class PrefixCache:
         return len(self._entries)
 
     def lookup(self, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with `prompt` and that prefix's length in whole blocks, below
-        len(prompt) (None, 0: no entry shares a block)."""
+        """The entry sharing the longest prefix with `prompt` and that prefix's length, below len(prompt) (None, 0:
+        no entry shares MIN_HIT tokens)."""
         self.lookups += 1
         best, best_len = None, 0
         for entry in self._entries.values():
             shared = _common_prefix(entry.tokens, prompt)
             if shared > best_len:
                 best, best_len = entry, shared
-        usable = min(best_len, len(prompt) - 1) // BLOCK * BLOCK
-        if best is None or usable == 0:
+        usable = min(best_len, len(prompt) - 1)
+        if best is None or usable < MIN_HIT:
             return None, 0
         self._entries.move_to_end(id(best.cache))
         self.hits += 1
@@ -76,7 +77,7 @@ class PrefixCache:
     def store(self, tokens: Sequence[int], cache: KVCache) -> None:
         """Keep `cache`'s rows of `tokens` (its first len(tokens) positions), evicting as the budget needs."""
         tokens = tuple(tokens)
-        if len(tokens) < BLOCK or self.budget_bytes == 0:
+        if len(tokens) < MIN_HIT or self.budget_bytes == 0:
             return
         for key, entry in list(self._entries.items()):
             if entry.tokens[: len(tokens)] == tokens:  # already held by a longer or equal entry

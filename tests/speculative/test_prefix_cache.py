@@ -9,7 +9,7 @@ import pytest
 from speculative.conftest import TARGET
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.model.prefix_cache import BLOCK, PrefixCache
+from doppler_py.model.prefix_cache import MIN_HIT, PrefixCache
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.drafters.draft_model import DraftModelDrafter
 from doppler_py.speculative.drafters.heads.eagle import EagleDrafter, load_head
@@ -60,11 +60,15 @@ def test_every_turn_is_the_same_with_the_cache_and_later_turns_prefill_only_thei
     if drafter == "eagle" and params == "sampled":  # its seeded drafts would differ after a hit: none taken
         assert hits == [0, 0, 0]
     else:
-        assert hits[0] == 0 and all(h > len(SYSTEM) - BLOCK and h % BLOCK == 0 for h in hits[1:]), hits
+        # Each turn takes all of the last sequence the cache holds: its prompt and answer but the answer's last
+        # token, whose K/V the last step never wrote.
+        answers = [len(tokens) for tokens, _ in runs[True]]
+        prompts = [len(SYSTEM) + 3 + sum(answers[:t]) + 3 * t for t in range(3)]
+        assert hits == [0, prompts[0] + answers[0] - 1, prompts[1] + answers[1] - 1], hits
     assert all(cached == 0 for _, cached in runs[False])
 
 
-def test_hits_are_whole_blocks_short_of_the_prompt_and_prefix_entries_are_replaced(models):
+def test_hits_are_the_shared_prefix_short_of_the_prompt_and_prefix_entries_are_replaced(models):
     target = models["target"]
     cache = PrefixCache(target, 64 << 20)
     kv = target.new_cache(128)
@@ -75,15 +79,15 @@ def test_hits_are_whole_blocks_short_of_the_prompt_and_prefix_entries_are_replac
     assert len(cache) == 1
     cache.store(sequence[:30], kv)  # already held
     assert len(cache) == 1
-    assert cache.lookup(sequence[:33])[1] == 32  # two blocks
-    assert cache.lookup(sequence[:32])[1] == 16  # one token is always left to prefill
-    assert cache.lookup([3, 4, 5, 99])[1] == 0  # less than a block
+    assert cache.lookup(sequence[:33])[1] == 32  # one token is always left to prefill
+    assert cache.lookup([*sequence[:20], 99, 98])[1] == 20  # the shared prefix, to the token
+    assert cache.lookup([*sequence[: MIN_HIT - 1], 99])[1] == 0  # too short to be worth a copy
     restored = target.new_cache(64)
     entry, length = cache.lookup(sequence)
     cache.restore(entry, length, restored)
-    assert restored.length == 32
+    assert restored.length == 39
     for ours, theirs in zip(restored.keys + restored.values, kv.keys + kv.values, strict=True):
-        assert (ours.numpy()[:32] == theirs.numpy()[:32]).all()
+        assert (ours.numpy()[:39] == theirs.numpy()[:39]).all()
     target.release_cache(kv)
     target.release_cache(restored)
     cache.clear()
@@ -104,7 +108,7 @@ def test_entries_stay_within_the_budget_least_recently_used_first(models):
     target.forward(sequences[3], kv, 0, logits="none")
     cache.store(sequences[3], kv)
     assert len(cache) == 3 and cache.nbytes <= 3 * per_entry
-    assert cache.lookup(sequences[1])[1] == 0 and cache.lookup(sequences[0])[1] == 32
+    assert cache.lookup(sequences[1])[1] == 0 and cache.lookup(sequences[0])[1] == 47  # all but the last token
     target.release_cache(kv)
     cache.clear()
     with pytest.raises(GenerationOptionError, match="budget"):
@@ -120,7 +124,7 @@ def test_the_api_reports_cached_tokens_and_kv_cache_mb_turns_the_cache_off(tiny_
         with load(folder, "f32", progress=False, kv_cache_mb=budget) as engine:
             first = engine.generate(prompt, max_tokens=6, chat=False, speculative=None)
             second = engine.generate(prompt + first.text + " de", max_tokens=6, chat=False, speculative=None)
-        assert first.cached_tokens == 0 and (second.cached_tokens >= BLOCK) == hit
+        assert first.cached_tokens == 0 and (second.cached_tokens >= MIN_HIT) == hit
         assert second.stats["cached_tokens"] == second.cached_tokens
     with pytest.raises(GenerationOptionError, match="kv_cache_mb"):
         load(folder, "f32", progress=False, kv_cache_mb=-1)
@@ -142,5 +146,5 @@ def test_smollm2_a_chats_second_turn_is_the_same_from_the_cache(smollm2_engine, 
     hit = engine.generate(second_turn, **options)
     engine.prefix_cache.clear()
     cold = engine.generate(second_turn, **options)
-    assert hit.cached_tokens >= BLOCK and cold.cached_tokens == 0
+    assert hit.cached_tokens >= MIN_HIT and cold.cached_tokens == 0
     assert hit.tokens == cold.tokens
