@@ -145,7 +145,8 @@ def test_a_chats_next_turn_reports_the_prompt_tokens_it_took_from_the_prefix_cac
     turn = [*STORY, {"role": "assistant", "content": answer}, {"role": "user", "content": "Go on, please."}]
     second = client.post("/v1/chat/completions", json={"messages": turn}).json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= 16 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
+    # At least the first turn's prompt (its answer too, where the template renders it as it was generated).
+    assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
 
 
 def test_metrics_count_requests_tokens_and_prefix_cache_hits_in_prometheus_text(client):
