@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.schemas import person_schema
 
 from doppler_py.errors import GenerationOptionError
 from doppler_py.tool_calls import ToolCallParser, chat_messages, parse_answer, tool_plan
@@ -117,15 +118,7 @@ def test_history_calls_and_results_are_rendered_in_the_answer_format():
 
 
 # --- the real model --------------------------------------------------------------------------------------------
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
+PERSON = person_schema(name_length=12, max_age=150)
 
 
 @pytest.mark.realmodel

@@ -335,12 +335,13 @@ class SpeculativeEngine:
             more = self.drafter.continue_tokens([*ctx.tokens, *tokens], room)[:room]
             valid, then_forced = ctx.grammar.walk([*tokens, *more])
             more = more[: valid - len(tokens)]  # up to the first draft the grammar refuses
-            tokens += more
-            room -= len(more)
-            if not more or not then_forced:
+            if not more:
                 break
-            tokens += then_forced[:room]
-            room -= len(then_forced[:room])
+            then_forced = then_forced[: room - len(more)]
+            tokens += more + then_forced
+            room -= len(more) + len(then_forced)
+            if not then_forced:
+                break
         return Proposal(len(tokens), tokens, forced=n) if tokens else NO_PROPOSAL
 
     def open_context(
@@ -451,18 +452,13 @@ class SpeculativeEngine:
             self._observe_plain(per_token)
             self._check_cache(ctx)
             return outcome.new
-        stats.record(outcome.drafted, outcome.accepted, times, outcome.made)
         stats.tree_steps += outcome.tree
-        stats.forced_tokens += min(outcome.accepted, outcome.forced)
         # A step that compiled a pipeline (its own, or one a background warmup finished meanwhile on the same
         # CPU) timed the compiler, not the device, and would leave the policy pausing speculation while that
         # estimate decayed.
         if self.registry.cache_sizes["pipelines"] == pipelines:
             self._price(outcome, times)
-        if outcome.drafted > outcome.forced:  # the grammar's drafts say nothing of the drafter's
-            self.policy.observe(outcome.drafted - outcome.forced, outcome.accepted - outcome.forced)
-        self._check_cache(ctx)
-        return outcome.new
+        return self._account(ctx, outcome, stats, times)
 
     def _batched_step(self, ctx: StepContext, k: int, stats: SpecStats, proposal: Proposal | None) -> list[int]:
         """One step run together with the other generations' (`batch`). Its wall time is the batch's, which says
@@ -470,9 +466,13 @@ class SpeculativeEngine:
         when the engine was prepared."""
         start = time.perf_counter()
         outcome = self.batch.step(self.steps, ctx, k, proposal)
-        stats.record(outcome.drafted, outcome.accepted, StepTimes(0.0, time.perf_counter() - start, None, None))
+        return self._account(ctx, outcome, stats, StepTimes(0.0, time.perf_counter() - start, None, None))
+
+    def _account(self, ctx: StepContext, outcome: StepOutcome, stats: SpecStats, times: StepTimes) -> list[int]:
+        """A step's statistics, the drafter's acceptance for the policy, and the KV-cache invariant check."""
+        stats.record(outcome.drafted, outcome.accepted, times, outcome.made)
         stats.forced_tokens += min(outcome.accepted, outcome.forced)
-        if outcome.drafted > outcome.forced:
+        if outcome.drafted > outcome.forced:  # the grammar's drafts say nothing of the drafter's
             self.policy.observe(outcome.drafted - outcome.forced, outcome.accepted - outcome.forced)
         self._check_cache(ctx)
         return outcome.new
