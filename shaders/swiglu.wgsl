@@ -3,9 +3,12 @@
 //   ACTIVATION 0: silu(x) = x * sigmoid(x) (LLaMA's SwiGLU),
 //   ACTIVATION 1: gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) = x * sigmoid(2 sqrt(2 / pi)
 //                 (x + 0.044715 x^3)) (Gemma's GeGLU, torch's gelu(approximate="tanh")).
-// Bindings: 0 params (uniform Params), 1 gate_up (read, [rows, 2 * ffn_dim]), 2 out (read_write, [rows, ffn_dim]).
-// Params: ffn_dim = MLP width.
-// Overrides: ACTIVATION (0 silu, 1 gelu_tanh).
+// Entry point `sigmoid_gate` (Qwen 3.5's gated attention): out[t, j] *= sigmoid(gate_up[t, j]) in place, with
+// gate_up the gate's rows [rows, ffn_dim] and out the attention's output.
+// Bindings: 0 params (uniform Params), 1 gate_up (read, [rows, 2 * ffn_dim]; sigmoid_gate: [rows, ffn_dim]),
+//           2 out (read_write, [rows, ffn_dim]).
+// Params: ffn_dim = MLP width (sigmoid_gate: the row width).
+// Overrides: ACTIVATION (0 silu, 1 gelu_tanh; main only).
 // Dispatch: (ceil(ffn_dim / 256), rows, 1) workgroups of 256; one invocation per output element.
 
 struct Params {
@@ -40,4 +43,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     z = 1.5957691216057308 * (g + 0.044715 * g * g * g);  // 2 * sqrt(2 / pi) * (...)
   }
   out[gid.y * params.ffn_dim + j] = g * sigmoid(z) * u;
+}
+
+@compute @workgroup_size(256)
+fn sigmoid_gate(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let j = gid.x;
+  if (j >= params.ffn_dim) {
+    return;
+  }
+  let i = gid.y * params.ffn_dim + j;
+  out[i] = out[i] * sigmoid(gate_up[i]);
 }

@@ -7,6 +7,7 @@ the same way here as in transformers. Both the transformers 4 spelling (`rope_th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -31,6 +32,7 @@ class _Architecture:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     head_dim: int | None = None  # transformers' default head_dim (None: hidden_size / num_attention_heads)
     gemma: bool = False  # the Gemma 2/3 block: see ModelConfig.norm_offset, sandwich_norms, embed_scale, ...
+    hybrid: bool = False  # Qwen 3.5: Gated DeltaNet layers between gated full-attention layers
 
 
 ARCHITECTURES: dict[str, _Architecture] = {
@@ -40,6 +42,16 @@ ARCHITECTURES: dict[str, _Architecture] = {
     "Qwen3ForCausalLM": _Architecture("qwen3", 32768, qk_norm=True, head_dim=128),
     "Gemma2ForCausalLM": _Architecture("gemma2", 8192, head_dim=256, gemma=True),
     "Gemma3ForCausalLM": _Architecture("gemma3_text", 131072, qk_norm=True, head_dim=256, gemma=True),
+    "Qwen3_5ForCausalLM": _Architecture("qwen3_5_text", 32768, qk_norm=True, head_dim=256, hybrid=True),
+    # Loads the language model of the image-text checkpoint (its text_config); images are not supported.
+    "Qwen3_5ForConditionalGeneration": _Architecture("qwen3_5", 32768, qk_norm=True, head_dim=256, hybrid=True),
+}
+# Image-text architectures whose language model loads as this text architecture, with its weights under this prefix.
+TEXT_PARTS = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "model.language_model.")}
+# Architectures of the supported families that need something this engine lacks, and what.
+MISSING_FEATURES = {
+    "Qwen3_5MoeForCausalLM": "mixture-of-experts MLP layers",
+    "Qwen3_5MoeForConditionalGeneration": "mixture-of-experts MLP layers",
 }
 # Activations of the gated MLP, act(gate) * up, by their transformers names.
 HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -58,6 +70,37 @@ _DEFAULT_ROPE_THETA = 10000.0
 _FLOAT_MAX = sys.float_info.max
 # attention.wgsl splits a head into 16-lane pieces (doppler_py/ops/attention.py refuses other head dims).
 HEAD_DIM_MULTIPLE = 16
+
+
+# shaders/linear_attention.wgsl keeps a key-dim column of the state per invocation and a value head per workgroup.
+MAX_LINEAR_KEY_DIM = 128
+MAX_LINEAR_VALUE_DIM = 128
+MAX_CONV_TAPS = 16
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The shape of Qwen 3.5's Gated DeltaNet layers (transformers' `linear_*` config fields)."""
+
+    conv_taps: int  # linear_conv_kernel_dim: the causal depthwise convolution's width
+    key_heads: int
+    value_heads: int  # a multiple of key_heads; value head h reads key head h // (value_heads // key_heads)
+    key_dim: int
+    value_dim: int
+
+    @property
+    def channels(self) -> int:
+        """Width of the convolved [q | k | v] rows."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.value_heads * self.value_dim
+
+    @property
+    def mix_width(self) -> int:
+        """Width of the input projection's rows, [q | k | v | z | b | a]."""
+        return self.channels + self.value_width + 2 * self.value_heads
 
 
 @dataclass(frozen=True)
@@ -99,6 +142,21 @@ class ModelConfig:
     # Gemma 2: scores, then the final logits, pass through c * tanh(x / c); None = not capped
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Qwen 3.5: "linear_attention" layers (layer_types) are Gated DeltaNet layers of this shape; the full-attention
+    # layers gate their output by sigmoid(x·Wgate) and rotate only the first rotary_dim dims of each head.
+    linear_attention: LinearAttention | None = None
+    attention_gate: bool = False
+    rotary_dim: int | None = None  # None: the whole head
+    weight_prefix: str = "model."  # of the embedding, layers and final norm in the safetensors files
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention (Gated DeltaNet) layer rather than an attention layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with a KV cache, in order."""
+        return [i for i in range(self.num_hidden_layers) if not self.is_linear(i)]
 
     def layer_window(self, layer: int) -> int:
         """Keys the queries of `layer` see (0 = every earlier position)."""
@@ -130,6 +188,8 @@ class ModelConfig:
         """Check `data` (a parsed config.json); `source` names it in error messages."""
         fields = _Fields(data, source)
         architecture = _architecture(data, source)
+        if architecture in TEXT_PARTS:
+            return _text_part(data, architecture, source)
         arch = ARCHITECTURES[architecture]
 
         ints = {name: fields.positive_int(name) for name in _REQUIRED_INTS}
@@ -155,6 +215,9 @@ class ModelConfig:
         if arch.gemma:
             family = _gemma(fields, ints, architecture, source)
             rope_theta, rope_scaling = family.pop("rope")
+        elif arch.hybrid:
+            family = _qwen3_5(fields, ints, head_dim, source)
+            rope_theta, rope_scaling = _rope(fields, source)
         else:
             family = _sliding_window(fields, architecture, ints["num_hidden_layers"], source)
             hidden_act = fields.get("hidden_act", "silu")
@@ -190,6 +253,20 @@ class ModelConfig:
         )
 
 
+def _text_part(data: dict[str, Any], architecture: str, source: str) -> ModelConfig:
+    """The language model of an image-text checkpoint: its text_config, read as the text architecture."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"{source}: {architecture} needs a 'text_config' object, got {text!r:.80}")
+    text_architecture, prefix = TEXT_PARTS[architecture]
+    merged = {**text, "architectures": [text_architecture]}
+    merged.pop("model_type", None)
+    if data.get("tie_word_embeddings") is not None:  # transformers ties the image-text model's head by its own flag
+        merged["tie_word_embeddings"] = data["tie_word_embeddings"]
+    config = ModelConfig.from_dict(merged, f"{source} (text_config)")
+    return dataclasses.replace(config, architecture=architecture, weight_prefix=prefix)
+
+
 def _architecture(data: dict[str, Any], source: str) -> str:
     architectures = data.get("architectures")
     model_type = data.get("model_type")
@@ -197,6 +274,11 @@ def _architecture(data: dict[str, Any], source: str) -> str:
         if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
             raise ModelFormatError(f"{source}: field 'architectures' must be a list of names, got {architectures!r}")
         name = architectures[0]
+        if name in MISSING_FEATURES:
+            raise UnsupportedModelError(
+                f"{source}: architecture {name!r} is not supported: doppler-py lacks its {MISSING_FEATURES[name]}",
+                advice="",
+            )
         if name not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{source}: architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
@@ -355,6 +437,79 @@ def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str
         "rope_local_theta": local[0],
         "rope": full,
         **softcaps,
+    }
+
+
+def _qwen3_5(fields: _Fields, ints: dict[str, int], head_dim: int, source: str) -> dict[str, Any]:
+    """Qwen 3.5's text fields (transformers' Qwen3_5TextConfig defaults): the Gated DeltaNet shape, which layers
+    are linear (every 4th is full attention unless layer_types says), partial RoPE, the attention output gate and
+    the zero-centred (1 + w) norms."""
+    layers = ints["num_hidden_layers"]
+    layer_types = fields.get("layer_types", None)
+    if layer_types is None:
+        interval = fields.positive_int("full_attention_interval", default=4)
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(kind not in ("full_attention", "linear_attention") for kind in layer_types)
+    ):
+        raise ModelFormatError(
+            f"{source}: field 'layer_types' must list 'full_attention' or 'linear_attention' for each of the "
+            f"{layers} layers, got {layer_types!r:.120}"
+        )
+    shape = LinearAttention(
+        conv_taps=fields.positive_int("linear_conv_kernel_dim", default=4),
+        key_heads=fields.positive_int("linear_num_key_heads", default=16),
+        value_heads=fields.positive_int("linear_num_value_heads", default=32),
+        key_dim=fields.positive_int("linear_key_head_dim", default=128),
+        value_dim=fields.positive_int("linear_value_head_dim", default=128),
+    )
+    if shape.value_heads % shape.key_heads:
+        raise ModelFormatError(
+            f"{source}: field 'linear_num_key_heads' = {shape.key_heads} does not divide "
+            f"linear_num_value_heads = {shape.value_heads}"
+        )
+    for name, value, limit in (
+        ("linear_key_head_dim", shape.key_dim, MAX_LINEAR_KEY_DIM),
+        ("linear_value_head_dim", shape.value_dim, MAX_LINEAR_VALUE_DIM),
+        ("linear_conv_kernel_dim", shape.conv_taps, MAX_CONV_TAPS),
+    ):
+        if value > limit:
+            raise UnsupportedModelError(
+                f"{source}: field {name!r} = {value} is not supported: the linear-attention kernel takes at most "
+                f"{limit}",
+                advice="",
+            )
+    if shape.value_width % BLOCK:
+        raise UnsupportedModelError(
+            f"{source}: linear_num_value_heads * linear_value_head_dim = {shape.value_width} is not supported: the "
+            f"matmul kernels need a multiple of {BLOCK}",
+            advice="",
+        )
+    hidden_act = fields.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+    parameters = fields.get("rope_parameters", None)
+    factor = fields.get("partial_rotary_factor", None)
+    if factor is None and isinstance(parameters, dict):
+        factor = parameters.get("partial_rotary_factor")
+    factor = 0.25 if factor is None else factor
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise ModelFormatError(f"{source}: field 'partial_rotary_factor' must be in (0, 1], got {factor!r}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise UnsupportedModelError(
+            f"{source}: partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotary_dim} dims; RoPE "
+            "needs a positive even number",
+            advice="",
+        )
+    return {
+        "norm_offset": 1.0,
+        "layer_types": tuple(layer_types),
+        "linear_attention": shape,
+        "attention_gate": True,
+        "rotary_dim": None if rotary_dim == head_dim else rotary_dim,
     }
 
 

@@ -3,13 +3,21 @@
 Layout per layer: keys and values each `[max_seq, n_kv_heads, head_dim]` f32. The cache only tracks a
 length; `truncate(n)` moves it back (rejected draft positions are overwritten by the next write), so
 rolling back a speculative step costs nothing on the GPU.
+
+A hybrid model (Qwen 3.5) keeps K/V for its attention layers only, and its linear-attention layers' recurrent
+states in `recurrent` (ops/linear_attention.py), which the model's next forward brings to the truncated length.
 """
 
 from __future__ import annotations
 
-from doppler_py.errors import CapacityError
+from typing import TYPE_CHECKING
+
+from doppler_py.errors import CapacityError, UnsupportedModelError
 from doppler_py.gpu.device import Gpu
 from doppler_py.gpu.tensor import Tensor
+
+if TYPE_CHECKING:
+    from doppler_py.ops.linear_attention import RecurrentState
 
 
 class KVCache:
@@ -29,6 +37,7 @@ class KVCache:
         self.keys = [Tensor.empty(gpu, shape, "f32", f"{label}.k{i}") for i in range(num_layers)]
         self.values = [Tensor.empty(gpu, shape, "f32", f"{label}.v{i}") for i in range(num_layers)]
         self.length = 0
+        self.recurrent: RecurrentState | None = None
         self.closed = False
 
     @property
@@ -41,7 +50,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_per_token * self.max_seq
+        return self.bytes_per_token * self.max_seq + (self.recurrent.nbytes if self.recurrent is not None else 0)
 
     @property
     def free(self) -> int:
@@ -77,6 +86,11 @@ class KVCache:
         """Positions 0..length-1 of every layer copied into `other` on the GPU (queued now), which then holds
         `length` positions."""
         other.check_room(0, length)
+        if self.recurrent is not None:
+            raise UnsupportedModelError(
+                "a prefix of a hybrid model's cache cannot be copied: its linear-attention state is kept only at "
+                "the latest position"
+            )
         if length:
             encoder = self.gpu.device.create_command_encoder()
             used = length * self.n_kv_heads * self.head_dim * 4
@@ -89,4 +103,6 @@ class KVCache:
         if not self.closed:
             for t in self.keys + self.values:
                 t.destroy()
+            if self.recurrent is not None:
+                self.recurrent.close()
             self.closed = True

@@ -19,6 +19,7 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import BLOCK, BLOCK_BYTES, Weight, dequantize_blocks
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.safetensors_file import TensorInfo, index_folder, load_array
+from doppler_py.ops.rope import partial_rotary_order
 
 WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1", "keep")
 BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
@@ -28,8 +29,19 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass
+class LinearMixerWeights:
+    """A Gated DeltaNet layer's weights besides its input and output projections (LayerWeights.qkv and .o)."""
+
+    conv: Tensor  # [channels, taps]: the depthwise causal convolution over the [q | k | v] channels
+    gates: Tensor  # [-exp(A_log) (n_v) | dt_bias (n_v) | the gated RMSNorm's weight (value_dim)]
+
+
+@dataclass
 class LayerWeights:
-    """One layer's weights. RMSNorm weights already include the config's norm_offset (Gemma's 1 + w)."""
+    """One layer's weights. RMSNorm weights already include the config's norm_offset (Gemma's 1 + w).
+
+    A linear-attention layer (Qwen 3.5) keeps its input projection in `qkv` ([q; k; v; z; b; a] rows, the
+    LinearAttention.mix_width of them) and its output projection in `o`; `linear` holds the rest."""
 
     attn_norm: Tensor
     qkv: Weight  # [q; k; v] rows: (n_heads + 2 n_kv_heads) * head_dim
@@ -42,8 +54,14 @@ class LayerWeights:
     qk_norm: Tensor | None = None  # [q_norm; k_norm]: 2 * head_dim (Qwen3, Gemma 3)
     post_attn_norm: Tensor | None = None  # on the attention output (Gemma post_attention_layernorm)
     post_mlp_norm: Tensor | None = None  # on the MLP output (Gemma post_feedforward_layernorm)
+    attn_gate: Weight | None = None  # Qwen 3.5: the attention output is multiplied by sigmoid(x·Wgate)
+    linear: LinearMixerWeights | None = None  # Qwen 3.5's Gated DeltaNet layers
+
+    def matrices(self) -> list[Weight]:
+        return [w for w in (self.qkv, self.o, self.gate_up, self.down, self.attn_gate) if w is not None]
 
     def vectors(self) -> list[Tensor]:
+        linear = [self.linear.conv, self.linear.gates] if self.linear else []
         return [
             t
             for t in (
@@ -54,6 +72,7 @@ class LayerWeights:
                 self.qk_norm,
                 self.post_attn_norm,
                 self.post_mlp_norm,
+                *linear,
             )
             if t is not None
         ]
@@ -74,7 +93,7 @@ class ModelWeights:
         for w in [
             self.embed,
             self.lm_head,
-            *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+            *(x for layer in self.layers for x in layer.matrices()),
         ]:
             seen[id(w)] = w.nbytes
         small = [self.norm] + [t for layer in self.layers for t in layer.vectors()]
@@ -84,7 +103,7 @@ class ModelWeights:
         for w in {id(w): w for w in [self.embed, self.lm_head]}.values():
             w.destroy()
         for layer in self.layers:
-            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for w in layer.matrices():
                 w.destroy()
             for t in layer.vectors():
                 t.destroy()
@@ -156,15 +175,79 @@ def _matrix(gpu: Gpu, reader: _Reader, names: list[str], shapes: list[tuple[int,
     # one block format into another would add a second rounding error (the default model's Q8_0 embedding
     # stays Q8_0 when the Q4_1 file is loaded as "q4_1").
     keeps_blocks = precision == "keep" or precision in BLOCK_FORMATS
-    target = stored if keeps_blocks and stored in BLOCK_FORMATS else precision
-    if target == "keep":
-        target = "f16" if all(i.dtype in ("F16", "BF16") for i in infos) else "f32"
+    target = stored if keeps_blocks and stored in BLOCK_FORMATS else _dense_target(infos, precision)
     if stored is not None and stored == target:
         raw = np.concatenate([load_array(i) for i in infos]) if len(infos) > 1 else load_array(infos[0])
         return Weight.from_gguf_blocks(gpu, raw, target, (n_rows, k), name=label)
     dense = [reader.dense(n, s) for n, s in zip(names, shapes, strict=True)]
     matrix = np.concatenate(dense) if len(dense) > 1 else dense[0]
     return Weight.from_numpy(gpu, matrix, target, name=label)
+
+
+def _dense_target(infos: list[TensorInfo], precision: str) -> str:
+    """The format a dense matrix is uploaded in: `precision`, or under "keep" its stored float width."""
+    if precision == "keep":
+        return "f16" if all(i.dtype in ("F16", "BF16") for i in infos) else "f32"
+    return precision
+
+
+def _rearranged(
+    gpu: Gpu, reader: _Reader, names: list[str], shapes: list[tuple[int, int]], rows: np.ndarray, precision: str
+) -> Weight:
+    """Like `_matrix` for a matrix whose rows are picked or reordered (`rows` indexes the stacked tensors' rows):
+    always through float32, so GGUF blocks are dequantised and quantised again."""
+    infos = [reader.info(n, s) for n, s in zip(names, shapes, strict=True)]
+    dense = np.concatenate([reader.dense(n, s) for n, s in zip(names, shapes, strict=True)])
+    return Weight.from_numpy(gpu, dense[rows], _dense_target(infos, precision), name="+".join(names))
+
+
+def _qwen3_5_attention(
+    gpu: Gpu, reader: _Reader, config: ModelConfig, prefix: str, precision: str
+) -> tuple[Weight, Weight, Tensor]:
+    """A Qwen 3.5 full-attention layer's [q; k; v] rows, its output gate's rows and [q_norm; k_norm].
+
+    q_proj holds [q | gate] per head (2 * head_dim rows each): the q rows go into the fused projection, the gate
+    rows into their own. Under partial RoPE the q and k dims (and their norm weights) are reordered as
+    `partial_rotary_order` says."""
+    h, hd = config.hidden_size, config.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    order = np.arange(hd) if config.rotary_dim is None else partial_rotary_order(hd, config.rotary_dim)
+    a = prefix + "self_attn."
+    names = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+    shapes = [(2 * heads * hd, h), (kv_heads * hd, h), (kv_heads * hd, h)]
+    q_rows = (np.arange(heads)[:, None] * 2 * hd + order[None, :]).reshape(-1)
+    k_rows = 2 * heads * hd + (np.arange(kv_heads)[:, None] * hd + order[None, :]).reshape(-1)
+    v_rows = 2 * heads * hd + kv_heads * hd + np.arange(kv_heads * hd)
+    qkv = _rearranged(gpu, reader, names, shapes, np.concatenate([q_rows, k_rows, v_rows]), precision)
+    gate_rows = (np.arange(heads)[:, None] * 2 * hd + hd + np.arange(hd)[None, :]).reshape(-1)
+    gate = _rearranged(gpu, reader, names[:1], shapes[:1], gate_rows, precision)
+    norms = [reader.dense(a + f"{x}_norm.weight", (hd,))[order] + np.float32(config.norm_offset) for x in "qk"]
+    qk_norm = Tensor.from_numpy(gpu, np.concatenate(norms).astype(np.float32), "f32", label=a + "q_norm+k_norm")
+    return qkv, gate, qk_norm
+
+
+def _linear_attention(
+    gpu: Gpu, reader: _Reader, config: ModelConfig, prefix: str, precision: str
+) -> tuple[Weight, Weight, LinearMixerWeights]:
+    """A Gated DeltaNet layer's input projection ([q; k; v; z; b; a] rows), output projection and the rest."""
+    shape, h = config.linear_attention, config.hidden_size
+    assert shape is not None
+    a = prefix + "linear_attn."
+    names = [a + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+    shapes = [(shape.channels, h), (shape.value_width, h), (shape.value_heads, h), (shape.value_heads, h)]
+    in_proj = _matrix(gpu, reader, names, shapes, precision)
+    out = _matrix(gpu, reader, [a + "out_proj.weight"], [(h, shape.value_width)], precision)
+    conv = reader.dense(a + "conv1d.weight", (shape.channels, 1, shape.conv_taps)).reshape(shape.channels, -1)
+    # transformers: g = -A_log.float().exp() * softplus(...); the first factor is a constant of the layer.
+    neg_a = -np.exp(reader.dense(a + "A_log", (shape.value_heads,)))
+    gates = np.concatenate(
+        [neg_a, reader.dense(a + "dt_bias", (shape.value_heads,)), reader.dense(a + "norm.weight", (shape.value_dim,))]
+    )
+    linear = LinearMixerWeights(
+        conv=Tensor.from_numpy(gpu, np.ascontiguousarray(conv, dtype=np.float32), "f32", label=a + "conv1d"),
+        gates=Tensor.from_numpy(gpu, gates.astype(np.float32), "f32", label=a + "gates"),
+    )
+    return in_proj, out, linear
 
 
 def _vector(gpu: Gpu, reader: _Reader, name: str, size: int) -> Tensor:
@@ -199,10 +282,11 @@ def load_weights(
     reader = _Reader(folder)
     h, hd = config.hidden_size, config.head_dim
     q_rows, kv_rows, ffn = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
-    embed = _matrix(gpu, reader, ["model.embed_tokens.weight"], [(config.vocab_size, h)], precision)
+    prefix = config.weight_prefix
+    embed = _matrix(gpu, reader, [prefix + "embed_tokens.weight"], [(config.vocab_size, h)], precision)
     layers = []
     for i in range(num_layers if num_layers is not None else config.num_hidden_layers):
-        p = f"model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         bias = None
         if config.attention_bias:
             bias_parts = [
@@ -211,6 +295,25 @@ def load_weights(
             ]
             bias = Tensor.from_numpy(gpu, np.concatenate(bias_parts), "f32", label=p + "qkv_bias")
         a = p + "self_attn."
+        attn_gate = linear = None
+        if config.is_linear(i):
+            qkv, o, linear = _linear_attention(gpu, reader, config, p, precision)
+            qk_norm = None
+        elif config.attention_gate:
+            qkv, attn_gate, qk_norm = _qwen3_5_attention(gpu, reader, config, p, precision)
+            o = _matrix(gpu, reader, [a + "o_proj.weight"], [(h, q_rows)], precision)
+        else:
+            qkv = _matrix(
+                gpu,
+                reader,
+                [a + f"{x}_proj.weight" for x in "qkv"],
+                [(q_rows, h), (kv_rows, h), (kv_rows, h)],
+                precision,
+            )
+            o = _matrix(gpu, reader, [a + "o_proj.weight"], [(h, q_rows)], precision)
+            qk_norm = (
+                _norm(gpu, reader, config, [a + "q_norm.weight", a + "k_norm.weight"], hd) if config.qk_norm else None
+            )
         if config.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention output
             mlp_norm = _norm(gpu, reader, config, [p + "pre_feedforward_layernorm.weight"], h)
             post_attn_norm = _norm(gpu, reader, config, [p + "post_attention_layernorm.weight"], h)
@@ -221,29 +324,23 @@ def load_weights(
         layers.append(
             LayerWeights(
                 attn_norm=_norm(gpu, reader, config, [p + "input_layernorm.weight"], h),
-                qkv=_matrix(
-                    gpu,
-                    reader,
-                    [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
-                    [(q_rows, h), (kv_rows, h), (kv_rows, h)],
-                    precision,
-                ),
+                qkv=qkv,
                 qkv_bias=bias,
-                o=_matrix(gpu, reader, [p + "self_attn.o_proj.weight"], [(h, q_rows)], precision),
+                o=o,
                 o_bias=_vector(gpu, reader, p + "self_attn.o_proj.bias", h) if config.attention_out_bias else None,
                 mlp_norm=mlp_norm,
                 gate_up=_matrix(
                     gpu, reader, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(ffn, h), (ffn, h)], precision
                 ),
                 down=_matrix(gpu, reader, [p + "mlp.down_proj.weight"], [(h, ffn)], precision),
-                qk_norm=_norm(gpu, reader, config, [a + "q_norm.weight", a + "k_norm.weight"], hd)
-                if config.qk_norm
-                else None,
+                qk_norm=qk_norm,
                 post_attn_norm=post_attn_norm,
                 post_mlp_norm=post_mlp_norm,
+                attn_gate=attn_gate,
+                linear=linear,
             )
         )
-    norm = _norm(gpu, reader, config, ["model.norm.weight"], h)
+    norm = _norm(gpu, reader, config, [prefix + "norm.weight"], h)
     if config.tie_word_embeddings:
         lm_head = embed
     else:

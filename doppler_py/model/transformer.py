@@ -8,6 +8,12 @@
                           └──────────────────────────────────────────────────────────────────┘
     x ─ rmsnorm ─ LM head ─▶ logits       (stay on the GPU: the speculative engine's verifier picks tokens)
 
+Qwen 3.5 (hybrid) replaces most layers' attention with a Gated DeltaNet (ops/linear_attention.py): mix =
+rmsnorm(x)·Win; a causal conv over its [q | k | v] channels, the gated delta rule over the sequence's recurrent
+state, a gated RMSNorm; x += core·Wout. Its attention layers multiply their output by sigmoid(rmsnorm(x)·Wgate)
+and rotate only part of each head (rope_inv_freq). A forward leaves the recurrent states as they were; the next
+forward on the cache first commits the rows that were kept (`_settle`).
+
 Gemma 3 departs from this in a few places, all set by the config: embeddings × sqrt(H); (1 + w) norms (the
 loader folds the 1 in); the attention and MLP outputs are normalised before the residual add (y = a·Wo;
 x += rmsnorm(y), the same after the MLP); gelu_tanh(g)·u instead of silu(g)·u; scores scaled by
@@ -34,16 +40,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from doppler_py.errors import CapacityError, GenerationOptionError
+from doppler_py.errors import CapacityError, GenerationOptionError, UnsupportedModelError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder, Tape, UniformSlot
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
 from doppler_py.ops.attention import Attention
-from doppler_py.ops.elementwise import LogitSoftCap
+from doppler_py.ops.elementwise import LogitSoftCap, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
+from doppler_py.ops.linear_attention import GatedDeltaNet, RecurrentState, l2_norm_weight
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
 from doppler_py.ops.rope import rope_table
 from doppler_py.ops.tree import MAX_TREE_ROWS
@@ -53,13 +60,16 @@ LOGITS_MODES = ("last", "all", "none")
 
 @dataclass
 class _LayerOps:
-    qkv: Linear  # normalises x first (input_layernorm)
+    qkv: Linear  # normalises x first (input_layernorm); a linear-attention layer's input projection, into mix
     qk_norm: HeadRMSNorm | None  # q_norm / k_norm of every head, in place in qkv (Qwen3, Gemma 3)
     o: Linear  # into x (residual add), or into y when post_attn normalises it
     post_attn: RMSNorm | None  # x += rmsnorm(y) (Gemma post_attention_layernorm)
     gate_up: Linear  # normalises x first (LLaMA post_attention_layernorm, Gemma pre_feedforward_layernorm)
     down: Linear  # silu(gate)·up from gate_up, into x, or into y when post_mlp normalises it
     post_mlp: RMSNorm | None  # x += rmsnorm(y) (Gemma post_feedforward_layernorm)
+    linear: bool = False  # a Gated DeltaNet layer: its cache op is a GatedDeltaNet, o reads core
+    attn_gate: Linear | None = None  # gate = rmsnorm(x)·Wgate (Qwen 3.5 attention layers)
+    gate: SigmoidGate | None = None  # attn *= sigmoid(gate)
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,7 @@ class Segment:
     """One sequence's rows in a forward: rows row0..row0+rows-1 of the activations, at positions start_pos..,
     attending through `attention` (its cache's ops)."""
 
-    attention: list[Attention]
+    attention: list[Attention | GatedDeltaNet]
     rows: int
     start_pos: int
     row0: int = 0
@@ -125,6 +135,12 @@ class Transformer:
         self.attn = Tensor.empty(gpu, (max_rows, self.q_size), "f32", "attn")
         self.gate_up = Tensor.empty(gpu, (max_rows, 2 * ffn), "f32", "gate_up")
         self.act = Tensor.empty(gpu, (max_rows, ffn), "f32", "act")  # silu(gate)·up, only for long prefills
+        # Qwen 3.5: the linear layers' input projection rows and output (before Wout), the attention gate.
+        shape = cfg.linear_attention
+        self.mix = Tensor.empty(gpu, (max_rows, shape.mix_width) if shape else (1, 4), "f32", "mix")
+        self.core = Tensor.empty(gpu, (max_rows, shape.value_width) if shape else (1, 4), "f32", "core")
+        self.l2_weight = Tensor.from_numpy(gpu, l2_norm_weight(shape) if shape else np.zeros(4, np.float32), "f32")
+        self.gate = Tensor.empty(gpu, (max_rows, self.q_size) if cfg.attention_gate else (1, 4), "f32", "gate")
         self.x_last = Tensor.empty(gpu, (1, h), "f32", "x_last")
         self.xn_head = Tensor.empty(gpu, (self.max_logit_rows, h), "f32", "xn_head")
         self.logits = Tensor.empty(gpu, (self.max_logit_rows, vocab), "f32", "logits")
@@ -141,7 +157,7 @@ class Transformer:
         for theta, scaling in self.layer_rope:
             key = _rope_key(theta, scaling)
             if key not in self.rope_tables:
-                table = rope_table(hd, self.max_positions, theta, scaling)
+                table = rope_table(hd, self.max_positions, theta, scaling, cfg.rotary_dim)
                 self.rope_tables[key] = Tensor.from_numpy(gpu, table, "f32", f"rope {theta:g}")
         self.embed = Embedding(registry, weights.embed, self.ids, self.x, max_rows=max_rows, scale=cfg.embed_scale)
         self.layers = [self._layer_ops(lw) for lw in weights.layers]
@@ -163,7 +179,8 @@ class Transformer:
         # attention uniforms' values in a call.
         self._window_layers: dict[int, int] = {}
         for i in range(len(self.layers)):
-            self._window_layers.setdefault(cfg.layer_window(i), i)
+            if not cfg.is_linear(i):
+                self._window_layers.setdefault(cfg.layer_window(i), i)
         self._tapes: dict[tuple, _ForwardTape] = {}
         # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
         # latest forward that ran it (`tap_layers`).
@@ -190,6 +207,17 @@ class Transformer:
 
     def _layer_ops(self, lw: LayerWeights) -> _LayerOps:
         cfg, reg, rows, eps = self.config, self.registry, self.max_rows, self.config.rms_norm_eps
+        if lw.linear is not None:
+            return _LayerOps(
+                qkv=Linear(reg, lw.qkv, self.x, self.mix, max_rows=rows, norm=InputNorm(lw.attn_norm, eps, self.xn)),
+                qk_norm=None,
+                o=Linear(reg, lw.o, self.core, self.x, max_rows=rows, accumulate=True),
+                post_attn=None,
+                gate_up=self._gate_up(lw),
+                down=self._down(lw, self.x),
+                post_mlp=None,
+                linear=True,
+            )
         # Gemma normalises the o and down outputs (in y) before adding them to x; LLaMA adds them directly.
         out = self.y if cfg.sandwich_norms else self.x
 
@@ -224,19 +252,27 @@ class Transformer:
             qk_norm=qk_norm,
             o=Linear(reg, lw.o, self.attn, out, max_rows=rows, bias=lw.o_bias, accumulate=out is self.x),
             post_attn=post_norm(lw.post_attn_norm),
-            gate_up=Linear(
-                reg, lw.gate_up, self.x, self.gate_up, max_rows=rows, norm=InputNorm(lw.mlp_norm, eps, self.xn)
-            ),
-            down=Linear(
-                reg,
-                lw.down,
-                self.gate_up,
-                out,
-                max_rows=rows,
-                accumulate=out is self.x,
-                glu=GatedInput(cfg.hidden_act, self.act),
-            ),
+            gate_up=self._gate_up(lw),
+            down=self._down(lw, out),
             post_mlp=post_norm(lw.post_mlp_norm),
+            attn_gate=None
+            if lw.attn_gate is None
+            else Linear(
+                reg, lw.attn_gate, self.x, self.gate, max_rows=rows, norm=InputNorm(lw.attn_norm, eps, self.xn)
+            ),
+            gate=None
+            if lw.attn_gate is None
+            else SigmoidGate(reg, self.gate, self.attn, width=self.q_size, max_rows=rows),
+        )
+
+    def _gate_up(self, lw: LayerWeights) -> Linear:
+        norm = InputNorm(lw.mlp_norm, self.config.rms_norm_eps, self.xn)
+        return Linear(self.registry, lw.gate_up, self.x, self.gate_up, max_rows=self.max_rows, norm=norm)
+
+    def _down(self, lw: LayerWeights, out: Tensor) -> Linear:
+        glu = GatedInput(self.config.hidden_act, self.act)
+        return Linear(
+            self.registry, lw.down, self.gate_up, out, max_rows=self.max_rows, accumulate=out is self.x, glu=glu
         )
 
     @property
@@ -245,50 +281,104 @@ class Transformer:
 
     def linears(self) -> list[Linear]:
         """Every matmul of the model (each layer's four, then the LM head's two), e.g. to compile ahead of use."""
-        layers = [op for layer in self.layers for op in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        layers = [
+            op
+            for layer in self.layers
+            for op in (layer.qkv, layer.attn_gate, layer.o, layer.gate_up, layer.down)
+            if op is not None
+        ]
         return [*layers, self.lm_head, self.lm_head_last]
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state (Qwen 3.5), which cannot go back to an earlier position."""
+        return self.config.linear_attention is not None
 
     # -- KV caches -------------------------------------------------------------------------------------
     def new_cache(self, max_seq: int | None = None) -> KVCache:
         cfg = self.config
         max_seq = min(max_seq or self.max_positions, self.max_positions)
-        return KVCache(self.gpu, self.num_layers, max_seq, cfg.num_key_value_heads, cfg.head_dim)
+        attention_layers = len([i for i in cfg.attention_layers if i < self.num_layers])
+        cache = KVCache(self.gpu, attention_layers, max_seq, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.linear_attention is not None:
+            linear = self.num_layers - attention_layers
+            cache.recurrent = RecurrentState(self.gpu, cfg.linear_attention, linear, self.max_rows)
+        return cache
 
     def attention_ops(self, cache: KVCache) -> list[Attention]:
         """Each layer's attention over `cache` (RoPE and the cache write included), built once per cache."""
         entry = self._cache_ops.get(id(cache))
         if entry is None or entry[0] is not cache:
-            cfg = self.config
+            kv = iter(zip(cache.keys, cache.values, strict=True))
+            states = iter(cache.recurrent.layers if cache.recurrent is not None else [])
             ops = [
-                Attention(
-                    self.registry,
-                    self.qkv,
-                    k,
-                    v,
-                    self.attn,
-                    n_heads=cfg.num_attention_heads,
-                    n_kv_heads=cfg.num_key_value_heads,
-                    head_dim=cfg.head_dim,
-                    max_seq=cache.max_seq,
-                    max_rows=self.max_rows,
-                    window=cfg.layer_window(i),
-                    scale=cfg.attention_scale,
-                    rope=self.rope_tables[_rope_key(*self.layer_rope[i])],
-                    softcap=cfg.attn_logit_softcapping or 0.0,
-                    tree=self.tree,
-                )
-                for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True))
+                self._linear_op(cache, next(states), i) if layer.linear else self._attention_op(cache, *next(kv), i)
+                for i, layer in enumerate(self.layers)
             ]
             entry = (cache, ops)
             self._cache_ops[id(cache)] = entry
             self._drop_tapes(cache)  # a cache that was not released may have left tapes under the same id
         return entry[1]
 
+    def _attention_op(self, cache: KVCache, k: Tensor, v: Tensor, layer: int) -> Attention:
+        cfg = self.config
+        return Attention(
+            self.registry,
+            self.qkv,
+            k,
+            v,
+            self.attn,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            max_seq=cache.max_seq,
+            max_rows=self.max_rows,
+            window=cfg.layer_window(layer),
+            scale=cfg.attention_scale,
+            rope=self.rope_tables[_rope_key(*self.layer_rope[layer])],
+            softcap=cfg.attn_logit_softcapping or 0.0,
+            tree=self.tree,
+        )
+
+    def _linear_op(self, cache: KVCache, state, layer: int) -> GatedDeltaNet:
+        assert cache.recurrent is not None and self.config.linear_attention is not None
+        weights = self.weights.layers[layer].linear
+        assert weights is not None
+        return GatedDeltaNet(
+            self.registry,
+            self.config.linear_attention,
+            state,
+            cache.recurrent.order,
+            mix=self.mix,
+            out=self.core,
+            conv=weights.conv,
+            gates=weights.gates,
+            l2_weight=self.l2_weight,
+            tree=self.tree,
+            eps=self.config.rms_norm_eps,
+            max_rows=self.max_rows,
+        )
+
+    def _settle(self, rec: Recorder, cache: KVCache, start_pos: int) -> None:
+        """Before a forward at start_pos: commit the rows of the cache's previous forward that were kept (the
+        cache was truncated to start_pos since) into its recurrent states (hybrid models; nothing otherwise)."""
+        state = cache.recurrent
+        if state is None:
+            return
+        kept = state.rows_kept(start_pos)
+        if kept:
+            for op in self.attention_ops(cache):
+                if isinstance(op, GatedDeltaNet):
+                    op.record_commit(rec, kept, state.ordered)
+        state.committed(start_pos)
+
     def compact(self, rec: Recorder, cache: KVCache, start_pos: int, moves: Sequence[tuple[int, int]]) -> None:
         """Record a token tree's compaction in every layer of `cache`: (source row, destination row) moves
         relative to start_pos (`ops.tree.compaction_moves`); nothing when there are none."""
         if not moves:
             return
+        if cache.recurrent is not None:
+            cache.recurrent.reorder(moves)
         entry = self._compactors.get(id(cache))
         if entry is None or entry[0] is not cache:
             cfg = self.config
@@ -313,7 +403,8 @@ class Transformer:
         compactor = self._compactors.pop(id(cache), None)
         if compactor is not None and compactor[0] is cache:
             compactor[1].release(self.registry)
-        for t in cache.keys + cache.values:
+        recurrent = cache.recurrent.tensors if cache.recurrent is not None else []
+        for t in cache.keys + cache.values + recurrent:
             self.registry.forget_buffer(t.buffer)
         cache.close()
 
@@ -362,12 +453,20 @@ class Transformer:
         if logits == "all" and rows > self.max_logit_rows:
             raise CapacityError(f"logits for {rows} rows requested; at most {self.max_logit_rows} per forward")
         cache.check_room(start_pos, rows)
+        if num_layers is not None and self.hybrid:
+            raise UnsupportedModelError(
+                "running only the first layers of a hybrid model (layer-skip drafting) would move its recurrent "
+                "state past the tokens the model keeps"
+            )
         attention = self.attention_ops(cache)
+        self._settle(rec, cache, start_pos)
+        if cache.recurrent is not None:
+            cache.recurrent.ran(start_pos, rows)
         key = None
         if rec.can_play_tapes:
             calls = {window: attention[i].call(rows, start_pos, tree=tree) for window, i in self._window_layers.items()}
             grids = tuple((window, grid) for window, (_, grid) in calls.items())
-            key = (id(cache), rows, logits, num_layers, embedded, rec.phase, grids)
+            key = (id(cache), rows, logits, num_layers, embedded, rec.phase, tree, grids)
             played = self._tapes.get(key)
             if played is not None:
                 played.tape.restore()
@@ -395,6 +494,8 @@ class Transformer:
         (cache, start_pos, rows) segment's rows attend over its own cache (and write their K/V there), every
         matmul runs once over all rows. Writes the logits of every row (rows ≤ max_logit_rows in all)."""
         total = sum(rows for _, _, rows in segments)
+        if self.hybrid:
+            raise UnsupportedModelError("batched generations of a hybrid (linear-attention) model are not supported")
         if not 1 <= total <= self.max_logit_rows:
             raise CapacityError(f"a batched forward takes 1..{self.max_logit_rows} rows in all, got {total}")
         stacked, row0 = [], 0
@@ -423,6 +524,13 @@ class Transformer:
         if not embedded:
             self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
         for i, layer in enumerate(self.layers[:num_layers]):
+            if layer.linear:
+                layer.qkv.record(rec, rows=rows)  # matmul: mix = rmsnorm(x)·Win
+                for seg in segments:  # conv, norms, gated delta rule: core = the gated DeltaNet's output
+                    seg.attention[i].record(rec, rows=seg.rows, tree=tree)
+                layer.o.record(rec, rows=rows)  # matmul: x += core·Wout
+                self._record_mlp(rec, layer, rows, i)
+                continue
             layer.qkv.record(rec, rows=rows)  # matmul: qkv = rmsnorm(x)·Wqkv (+ b)
             if layer.qk_norm:
                 layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
@@ -431,15 +539,13 @@ class Transformer:
                 op = seg.attention[i]
                 for kind, slot in op.record(rec, rows=seg.rows, start_pos=seg.start_pos, tree=tree, row0=seg.row0):
                     positioned.setdefault((op.window, kind), []).append(slot)
+            if layer.attn_gate is not None and layer.gate is not None:
+                layer.attn_gate.record(rec, rows=rows)  # matmul: gate = rmsnorm(x)·Wgate
+                layer.gate.record(rec, rows=rows)  # attn *= sigmoid(gate)
             layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
             if layer.post_attn:
                 layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
-            layer.gate_up.record(rec, rows=rows)  # matmul: gate_up = rmsnorm(x)·[Wg; Wu]
-            layer.down.record(rec, rows=rows)  # matmul: x += (silu(gate)·up)·Wd (Gemma: gelu_tanh; into y)
-            if layer.post_mlp:
-                layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
-            if i in self.taps:
-                rec.copy(self.x, self.taps[i], rows * self.config.hidden_size * 4)  # copy: tap_i = x
+            self._record_mlp(rec, layer, rows, i)
         if logits == "all" or (logits == "last" and rows == 1):
             self.lm_head.record(rec, rows=rows)  # matmul: logits = rmsnorm(x)·Wlm
         elif logits == "last":
@@ -454,6 +560,14 @@ class Transformer:
         if self.logit_softcap is not None and logits != "none":
             self.logit_softcap.record(rec, rows=rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
         return positioned
+
+    def _record_mlp(self, rec: Recorder, layer: _LayerOps, rows: int, i: int) -> None:
+        layer.gate_up.record(rec, rows=rows)  # matmul: gate_up = rmsnorm(x)·[Wg; Wu]
+        layer.down.record(rec, rows=rows)  # matmul: x += (silu(gate)·up)·Wd (Gemma: gelu_tanh; into y)
+        if layer.post_mlp:
+            layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
+        if i in self.taps:
+            rec.copy(self.x, self.taps[i], rows * self.config.hidden_size * 4)  # copy: tap_i = x
 
     def forward(
         self,
@@ -503,6 +617,7 @@ class Transformer:
             return
         self.registry.release_tensors(
             self.ids, self.tree, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
-            self.xn_head, self.logits, *self.rope_tables.values(), *self.taps.values(),
+            self.xn_head, self.logits, self.mix, self.core, self.l2_weight, self.gate, *self.rope_tables.values(),
+            *self.taps.values(),
         )  # fmt: skip
         self.closed = True

@@ -1,5 +1,5 @@
-"""The element-wise ops of a transformer (SwiGLU / GeGLU, Gemma 2's logit soft-capping) and the shape checks
-all ops share.
+"""The element-wise ops of a transformer (SwiGLU / GeGLU, Qwen 3.5's attention gate, Gemma 2's logit
+soft-capping) and the shape checks all ops share.
 
 The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op only the
 tests run is tests/support/residual.py's `Residual`.
@@ -56,6 +56,24 @@ class SwiGLU:
     def record(self, rec: Recorder, rows: int) -> None:
         require_rows(rows, self.max_rows, "SwiGLU")
         rec.dispatch(self.bound, workgroups(self.ffn_dim, 256), rows)
+
+
+class SigmoidGate:
+    """out[t, j] *= sigmoid(gate[t, j]) in place over rows of [max_rows, width] tensors (Qwen 3.5's gated
+    attention output, shaders/swiglu.wgsl's `sigmoid_gate`)."""
+
+    def __init__(self, registry: KernelRegistry, gate: Tensor, out: Tensor, *, width: int, max_rows: int):
+        require_f32(gate, max_rows * width, "SigmoidGate gate")
+        require_f32(out, max_rows * width, "SigmoidGate out")
+        self.width = width
+        self.max_rows = max_rows
+        self.bound = registry.bind(
+            registry.kernel("swiglu", entry="sigmoid_gate"), params={"ffn_dim": width}, gate_up=gate, out=out
+        )
+
+    def record(self, rec: Recorder, rows: int) -> None:
+        require_rows(rows, self.max_rows, "SigmoidGate")
+        rec.dispatch(self.bound, workgroups(self.width, 256), rows)
 
 
 MAX_SOFTCAP_WORKGROUPS = 65535  # WebGPU's default per-dimension limit; logit_softcap.wgsl strides past it

@@ -75,3 +75,7 @@ class HeadRMSNorm:
     def record(self, rec: Recorder, rows: int) -> None:
         require_rows(rows, self.max_rows, "HeadRMSNorm")
         rec.dispatch(self.bound, self.n_heads, rows)
+
+    def release(self, registry: KernelRegistry) -> None:
+        """Give back the uniform slot (an op bound to a sequence's buffers, freed with them)."""
+        registry.release_slot(self.bound.params)

@@ -26,10 +26,23 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _F32 = np.float32
 
 
-def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None) -> np.ndarray:
-    """The float32 inverse frequencies [head_dim // 2] that HF computes for `rope_scaling` (a config.json dict)."""
+def rope_inv_freq(
+    head_dim: int, theta: float, rope_scaling: dict | None = None, rotary_dim: int | None = None
+) -> np.ndarray:
+    """The float32 inverse frequencies [head_dim // 2] that HF computes for `rope_scaling` (a config.json dict).
+
+    Partial RoPE (`rotary_dim` < head_dim, Qwen 3.5): HF rotates dims i and i + rotary_dim / 2 for i < rotary_dim / 2
+    and passes the rest through. The kernels rotate dims i and i + head_dim / 2 instead, so the loader moves each q
+    and k head's dims to those slots (`partial_rotary_order`) and the frequencies here are HF's rotary_dim / 2, then
+    zeros: angle 0, a rotation that leaves the passed-through dims alone."""
     if head_dim <= 0 or head_dim % 2:
         raise UnsupportedModelError(f"RoPE needs a positive even head_dim, got {head_dim}")
+    if rotary_dim is not None and rotary_dim != head_dim:
+        if not 0 < rotary_dim < head_dim or rotary_dim % 2:
+            raise UnsupportedModelError(f"partial RoPE needs an even rotary_dim below {head_dim}, got {rotary_dim}")
+        padded = np.zeros(head_dim // 2, dtype=_F32)
+        padded[: rotary_dim // 2] = rope_inv_freq(rotary_dim, theta, rope_scaling)
+        return padded
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(_F32) / _F32(head_dim)
     # numpy's float32 pow is an ulp off where torch's is right; float64 rounded once matches torch.
     inv_freq = _reciprocal(np.power(np.float64(_F32(theta)), exponents.astype(np.float64)).astype(_F32))
@@ -41,14 +54,30 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None)
     return inv_freq
 
 
-def rope_table(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None = None) -> np.ndarray:
+def rope_table(
+    head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None = None, rotary_dim: int | None = None
+) -> np.ndarray:
     """cos/sin of every (position, frequency): float32 [max_positions, head_dim // 2, 2], [..., 0] = cos."""
-    inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
+    inv_freq = rope_inv_freq(head_dim, theta, rope_scaling, rotary_dim)
     angles = np.arange(max_positions, dtype=_F32)[:, None] * inv_freq[None, :]  # float32 product, as in HF
     table = np.empty((max_positions, head_dim // 2, 2), dtype=_F32)
     table[..., 0] = np.cos(angles.astype(np.float64))
     table[..., 1] = np.sin(angles.astype(np.float64))
     return table
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """For each slot of a head as the kernels hold it, the HF dim stored there (`rope_inv_freq`): HF's rotated
+    pairs (i, i + rotary_dim / 2) move to (i, i + head_dim / 2), the passed-through dims fill the other slots in
+    order. q and k (and their norm weights) are permuted alike, so every score q·k is unchanged."""
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    order = np.empty(head_dim, dtype=np.int64)
+    order[:rot_half] = np.arange(rot_half)
+    order[half : half + rot_half] = np.arange(rot_half, rotary_dim)
+    rest = iter(range(rotary_dim, head_dim))
+    for slot in [*range(rot_half, half), *range(half + rot_half, head_dim)]:
+        order[slot] = next(rest)
+    return order
 
 
 def _reciprocal(x: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "mistral", "qwen2", "qwen3", "gemma2" or "gemma3"
+    arch: str = "llama"  # "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3" or "qwen3_5"
     vocab_size: int = 128  # room for the character tokenizer (99 tokens)
     hidden_size: int = 64
     intermediate_size: int = 160
@@ -46,6 +46,12 @@ class TinySpec:
     # Gemma 2's score and final-logit soft-capping (written for gemma2 only)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Qwen 3.5: which layers are Gated DeltaNet ("linear_attention") layers, their shape, and partial RoPE.
+    hybrid_pattern: tuple[str, ...] = ("linear_attention", "full_attention", "linear_attention")
+    linear_heads: tuple[int, int] = (2, 4)  # key heads, value heads
+    linear_dims: tuple[int, int] = (16, 16)  # key head dim, value head dim
+    conv_taps: int = 4
+    partial_rotary_factor: float = 0.25
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +84,7 @@ _ARCH = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
 }
 GEMMA = ("gemma2", "gemma3")
 
@@ -128,6 +135,18 @@ def config_dict(spec: TinySpec) -> dict:
         cfg["attn_logit_softcapping"] = spec.attn_logit_softcapping
     if spec.arch == "gemma3":
         cfg["rope_local_base_freq"] = spec.rope_local_base_freq
+    if spec.arch == "qwen3_5":
+        del cfg["rope_theta"], cfg["rope_scaling"]
+        cfg["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "partial_rotary_factor": spec.partial_rotary_factor,
+        }
+        cfg["head_dim"] = spec.head_dim
+        cfg["layer_types"] = [spec.hybrid_pattern[i % len(spec.hybrid_pattern)] for i in range(spec.num_hidden_layers)]
+        cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] = spec.linear_heads
+        cfg["linear_key_head_dim"], cfg["linear_value_head_dim"] = spec.linear_dims
+        cfg["linear_conv_kernel_dim"] = spec.conv_taps
     return cfg
 
 
@@ -137,8 +156,8 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * spec.weight_std).astype(np.float32)
 
-    # Gemma scales by (1 + w): its weights are drawn around 0 so both kinds of norm scale by about 1.
-    offset = 0.0 if spec.arch in GEMMA else 1.0
+    # Gemma and Qwen 3.5 scale by (1 + w): their weights are drawn around 0 so both kinds of norm scale by about 1.
+    offset = 0.0 if spec.arch in (*GEMMA, "qwen3_5") else 1.0
 
     def norm(size: int) -> np.ndarray:
         return (offset + 0.1 * rng.standard_normal(size)).astype(np.float32)
@@ -151,6 +170,9 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": norm(h)}
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
+        if spec.arch == "qwen3_5":
+            tensors.update(_qwen3_5_layer(spec, i, mat, norm, rng))
+            continue
         tensors.update(
             {
                 p + "input_layernorm.weight": norm(h),
@@ -175,6 +197,48 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
             tensors[p + "post_feedforward_layernorm.weight"] = norm(h)
     if not spec.tie_word_embeddings:
         tensors["lm_head.weight"] = mat(spec.vocab_size, h)
+    return tensors
+
+
+def _qwen3_5_layer(spec: TinySpec, i: int, mat, norm, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A Qwen 3.5 layer: Gated DeltaNet or gated attention (q_proj holds [q | gate] per head), then the MLP."""
+    p, h, hd, ffn = f"model.layers.{i}.", spec.hidden_size, spec.head_dim, spec.intermediate_size
+    tensors = {
+        p + "input_layernorm.weight": norm(h),
+        p + "post_attention_layernorm.weight": norm(h),
+        p + "mlp.gate_proj.weight": mat(ffn, h),
+        p + "mlp.up_proj.weight": mat(ffn, h),
+        p + "mlp.down_proj.weight": mat(h, ffn),
+    }
+    if spec.hybrid_pattern[i % len(spec.hybrid_pattern)] == "full_attention":
+        q, kv, a = spec.num_attention_heads * hd, spec.num_key_value_heads * hd, p + "self_attn."
+        tensors.update(
+            {
+                a + "q_proj.weight": mat(2 * q, h),
+                a + "k_proj.weight": mat(kv, h),
+                a + "v_proj.weight": mat(kv, h),
+                a + "o_proj.weight": mat(h, q),
+                a + "q_norm.weight": norm(hd),
+                a + "k_norm.weight": norm(hd),
+            }
+        )
+        return tensors
+    (nk, nv), (dk, dv), a = spec.linear_heads, spec.linear_dims, p + "linear_attn."
+    channels = 2 * nk * dk + nv * dv
+    tensors.update(
+        {
+            a + "in_proj_qkv.weight": mat(channels, h),
+            a + "in_proj_z.weight": mat(nv * dv, h),
+            a + "in_proj_b.weight": mat(nv, h),
+            a + "in_proj_a.weight": mat(nv, h),
+            a + "conv1d.weight": (rng.standard_normal((channels, 1, spec.conv_taps)) * 0.5).astype(np.float32),
+            # Slow decays (exp(g) near 1), so the state carries tokens far back and its rollback is tested.
+            a + "A_log": np.log(rng.uniform(0.02, 0.5, nv)).astype(np.float32),
+            a + "dt_bias": (rng.standard_normal(nv) * 0.3).astype(np.float32),
+            a + "norm.weight": (1.0 + 0.1 * rng.standard_normal(dv)).astype(np.float32),
+            a + "out_proj.weight": mat(h, nv * dv),
+        }
+    )
     return tensors
 
 
@@ -284,6 +348,19 @@ TINY_SPECS: dict[str, TinySpec] = {
         sliding_window=8,
         attn_logit_softcapping=1.5,
         final_logit_softcapping=0.5,
+    ),
+    # Layers linear, full, linear: Gated DeltaNet layers (2 key heads, 4 value heads of 16) beside gated
+    # attention with partial RoPE (8 of 32 dims), as Qwen 3.5 interleaves them.
+    "qwen3_5-hybrid": TinySpec(
+        arch="qwen3_5",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        explicit_head_dim=32,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        seed=11,
     ),
     "mistral-sliding": TinySpec(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6, seed=8),
     "qwen3-sliding": TinySpec(

@@ -364,3 +364,61 @@ def test_gemma3_caps_only_where_its_config_sets_a_cap():
     cfg = config(**gemma3)
     assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
     assert config(**gemma3, final_logit_softcapping=30.0).final_logit_softcapping == 30.0
+
+
+# A Qwen 3.5 text config at a small model's scale (transformers' Qwen3_5TextConfig fields as config.json spells them).
+QWEN3_5 = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}
+
+
+def qwen3_5(**changes):
+    data = {**QWEN3_5, **changes}
+    return ModelConfig.from_dict({k: v for k, v in data.items() if v is not None}, source=SOURCE)
+
+
+def test_qwen3_5_reads_its_hybrid_layers_and_partial_rope():
+    cfg = qwen3_5()
+    assert [cfg.is_linear(i) for i in range(8)] == [True, True, True, False] * 2  # every 4th layer attends
+    assert cfg.attention_layers == [3, 7, 11, 15, 19, 23]
+    assert cfg.rotary_dim == 64 and cfg.attention_gate and cfg.norm_offset == 1.0 and cfg.rope_theta == 1e7
+    shape = cfg.linear_attention
+    assert (shape.channels, shape.value_width, shape.mix_width) == (6144, 2048, 6144 + 2048 + 32)
+    assert cfg.weight_prefix == "model." and not cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"linear_key_head_dim": 256}, "field 'linear_key_head_dim' = 256 is not supported"),
+        ({"linear_value_head_dim": 192}, "field 'linear_value_head_dim' = 192 is not supported"),
+        ({"linear_conv_kernel_dim": 32}, "field 'linear_conv_kernel_dim' = 32 is not supported"),
+        (
+            {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": None},
+            "architecture 'Qwen3_5MoeForCausalLM' is not supported: doppler-py lacks its mixture-of-experts MLP",
+        ),
+    ],
+    ids=["key-dim", "value-dim", "conv-taps", "moe"],
+)
+def test_qwen3_5_variants_beyond_the_kernels_are_refused_naming_what(changes, message):
+    with pytest.raises(UnsupportedModelError, match=re.escape(f"{SOURCE}: {message}")):
+        qwen3_5(**changes)
+
+
+def test_qwen3_5_layer_types_must_name_known_kinds():
+    with pytest.raises(ModelFormatError, match="'linear_attention'"):
+        qwen3_5(num_hidden_layers=2, layer_types=["linear_attention", "mamba"])

@@ -50,10 +50,11 @@ def test_f32_logits_match_transformers_through_prefill_and_decode(tiny_model, na
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding"])
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding", "qwen3_5-hybrid"])
 def test_chunked_prefill_equals_one_pass(tiny_model, named_folder, name):
     """A prompt longer than max_rows is run in chunks; the logits must not depend on the chunking (for Gemma,
-    chunks of 8 rows whose windows reach back into the previous chunk)."""
+    chunks of 8 rows whose windows reach back into the previous chunk; for Qwen 3.5, recurrent states committed
+    between chunks)."""
     folder = named_folder(name)
     ids = sequence(TINY_SPECS[name].vocab_size, 45, seed=5)
     small = tiny_model(folder, max_rows=8)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from doppler_py.errors import GenerationOptionError
+from doppler_py.errors import GenerationOptionError, UnsupportedModelError
 from doppler_py.gpu.kernels import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
@@ -191,6 +191,14 @@ class ModelDrafter(NoOpHooks):
     name = ""
 
     def __init__(self, model: Transformer, vocab: int, num_layers: int | None = None):
+        if model.hybrid:
+            # Drafts run ahead on the model's cache and are then truncated away, which a recurrent state cannot do.
+            raise UnsupportedModelError(
+                f"{self.name} drafting cannot run on {model.config.architecture}: its linear-attention layers keep "
+                "a recurrent state that cannot be rolled back past drafted tokens; use prompt-lookup, lookahead or a "
+                "draft model of another family",
+                advice="",
+            )
         self.model = model
         self.num_layers = num_layers
         self.sampling = DraftSampler(model, vocab)

@@ -60,6 +60,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "attention": {"main": _product(HEAD_DIM=_HEAD_DIMS, FUSED_ROPE=[False, True])},
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
+    "linear_attention": {"conv": [], "delta": [], "commit_state": [], "commit_conv": []},
     "logit_softcap": {"main": []},
     "logprobs": {"main": []},
     "matmul": {
@@ -82,7 +83,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
     "token_mask": {"main": []},
     "subgroup_size": {"main": []},
-    "swiglu": {"main": [{"ACTIVATION": 1}]},
+    "swiglu": {"main": [{"ACTIVATION": 1}], "sigmoid_gate": []},
     "kv_compact": {"main": []},
     "vocab_scatter": {"main": []},
 }

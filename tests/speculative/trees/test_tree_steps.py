@@ -108,7 +108,7 @@ class SideBranchOracle(NoOpHooks):
         return Proposal(len(tokens), tokens, parents=parents)
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding"])
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding", "qwen3_5-hybrid"])
 def test_accepted_side_branches_are_moved_into_place(tiny_model, name):
     """Every step's accepted path is a side branch, so the K/V of each accepted node are moved in every layer;
     any mistake in the move shows in later tokens (the Gemma model's 8-key window included)."""
