@@ -129,8 +129,7 @@ class Engine:
                 "linear-attention layers are not batched); serve one stream at a time",
                 advice="",
             )
-        # A hybrid model's recurrent state exists only at a sequence's latest position: no prefix can be reused.
-        self.prefix_cache = PrefixCache(model, 0 if model.hybrid else kv_cache_mb << 20)
+        self.prefix_cache = PrefixCache(model, kv_cache_mb << 20)
         self.model = model
         self.tokenizer = tokenizer
         self.name = name

@@ -78,6 +78,10 @@ class KVCache:
 
     def fork(self) -> KVCache:
         """A second cache starting with this one's prefix (copied on the GPU; later writes are independent)."""
+        if self.recurrent is not None:
+            raise UnsupportedModelError(
+                "a hybrid model's cache is not forked: its recurrent state has room for one sequence's rows"
+            )
         other = KVCache(self.gpu, self.num_layers, self.max_seq, self.n_kv_heads, self.head_dim, "kv-fork")
         self.copy_prefix(other, self.length)
         return other
@@ -86,16 +90,18 @@ class KVCache:
         """Positions 0..length-1 of every layer copied into `other` on the GPU (queued now), which then holds
         `length` positions."""
         other.check_room(0, length)
-        if self.recurrent is not None:
+        if self.recurrent is not None and length != self.recurrent.length:
             raise UnsupportedModelError(
-                "a prefix of a hybrid model's cache cannot be copied: its linear-attention state is kept only at "
-                "the latest position"
+                f"a prefix of {length} positions of a hybrid model's cache cannot be copied: its linear-attention "
+                f"state exists only at position {self.recurrent.length}"
             )
         if length:
             encoder = self.gpu.device.create_command_encoder()
             used = length * self.n_kv_heads * self.head_dim * 4
             for src, dst in zip(self.keys + self.values, other.keys + other.values, strict=True):
                 encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, used)
+            if self.recurrent is not None and other.recurrent is not None:
+                self.recurrent.copy_into(other.recurrent, encoder)
             self.gpu.queue.submit([encoder.finish()])
         other.length = length
 

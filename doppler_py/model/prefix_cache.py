@@ -12,6 +12,9 @@ Entries are evicted least recently used first when their total size passes the b
 whose tokens are a prefix of a new one is replaced by it. K/V rows depend only on the tokens before them, so a
 hit gives the rows a prefill of the same tokens gives (the tests check greedy and seeded outputs are the same
 with and without hits).
+
+A hybrid model's entry (Qwen 3.5) also holds its sequence's recurrent states, which exist only at the entry's end:
+it is hit only by a prompt that extends all of its tokens (a chat's next turn), never by a shorter shared prefix.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class PrefixCache:
         best, best_len = None, 0
         for entry in self._entries.values():
             shared = _common_prefix(entry.tokens, prompt)
+            if entry.cache.recurrent is not None and not len(entry.tokens) == shared < len(prompt):
+                continue
             if shared > best_len:
                 best, best_len = entry, shared
         usable = min(best_len, len(prompt) - 1)
@@ -86,9 +91,12 @@ class PrefixCache:
             if tokens[: len(entry.tokens)] == entry.tokens:  # a prefix of the new one: replaced by it
                 self._drop(key)
         copy = KVCache(self.model.gpu, cache.num_layers, len(tokens), cache.n_kv_heads, cache.head_dim, "prefix")
+        if cache.recurrent is not None:
+            copy.recurrent = cache.recurrent.snapshot(self.model.gpu)
         if copy.nbytes > self.budget_bytes:
             copy.close()
             return
+        self.model.settle(cache)
         cache.copy_prefix(copy, len(tokens))
         self._entries[id(copy)] = _Entry(tokens, copy)
         while self.nbytes > self.budget_bytes:

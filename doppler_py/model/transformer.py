@@ -372,6 +372,14 @@ class Transformer:
                     op.record_commit(rec, kept, state.ordered)
         state.committed(start_pos)
 
+    def settle(self, cache: KVCache) -> None:
+        """Commit the rows of the cache's last forward that it kept (up to its length) into its recurrent states
+        now, so that they hold the state at `cache.length` (before copying it); nothing for other models."""
+        if cache.recurrent is not None and cache.recurrent.pending is not None:
+            rec = self.registry.recorder()
+            self._settle(rec, cache, cache.length)
+            rec.submit()
+
     def compact(self, rec: Recorder, cache: KVCache, start_pos: int, moves: Sequence[tuple[int, int]]) -> None:
         """Record a token tree's compaction in every layer of `cache`: (source row, destination row) moves
         relative to start_pos (`ops.tree.compaction_moves`); nothing when there are none."""

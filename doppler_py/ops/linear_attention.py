@@ -54,6 +54,7 @@ class RecurrentState:
     and the rows of its latest forward waiting for the next one to say how many were kept (`pending`)."""
 
     def __init__(self, gpu: Gpu, shape: LinearAttention, layers: int, max_rows: int, label: str = "kv"):
+        self.shape = shape
         self.layers = [LayerState(gpu, shape, max_rows, f"{label}.linear{i}") for i in range(layers)]
         self.order = Tensor.empty(gpu, max_rows, "u32", f"{label}.kept order")
         self.max_rows = max_rows
@@ -95,6 +96,20 @@ class RecurrentState:
             order[dst] = src
         self.order.write(order)
         self.ordered = True
+
+    def snapshot(self, gpu: Gpu) -> RecurrentState:
+        """An empty state of the same shape with room for no forward rows (one), to hold a copy (`copy_into`)."""
+        return RecurrentState(gpu, self.shape, len(self.layers), 1, "snapshot")
+
+    def copy_into(self, other: RecurrentState, encoder) -> None:
+        """Record copies of the committed states into `other` (same shape), which is then at this one's length;
+        only a state with no rows waiting (`pending`) is whole."""
+        if self.pending is not None:
+            raise CapacityError("a recurrent state with uncommitted rows cannot be copied: settle it first")
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            for src, dst in ((mine.state, theirs.state), (mine.conv_state, theirs.conv_state)):
+                encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, src.nbytes)
+        other.committed(self.length)
 
     def committed(self, start_pos: int) -> None:
         self.length, self.pending, self.ordered = start_pos, None, False

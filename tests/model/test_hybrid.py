@@ -81,7 +81,14 @@ def test_a_chain_cut_at_every_length_rolls_the_state_back(hybrid, plain):
 
 @pytest.mark.parametrize(
     "drafter, k",
-    [("prompt-lookup", 4), ("prompt-lookup-tree", 6), ("lookahead", None), ("draft-model", 4), ("draft-tree", 6)],
+    [
+        ("prompt-lookup", 4),
+        ("prompt-lookup", None),  # the policy's k: plain steps share submits, each committing the one before
+        ("prompt-lookup-tree", 6),
+        ("lookahead", None),
+        ("draft-model", 4),
+        ("draft-tree", 6),
+    ],
 )
 def test_greedy_speculative_equals_plain_greedy(hybrid, plain, tiny_model, drafter, k):
     draft = tiny_model(draft_spec(hybrid.config.vocab_size, 3), max_rows=32)
@@ -183,3 +190,25 @@ def test_the_language_model_of_an_image_text_checkpoint_loads_as_the_text_model(
     image_text = tiny_model(tmp_path, "f32", max_rows=32)
     assert image_text.config.architecture == "Qwen3_5ForConditionalGeneration"
     assert reference_decode(image_text, PROMPT, 16, GREEDY) == reference_decode(hybrid, PROMPT, 16, GREEDY)
+
+
+def test_a_chats_next_turn_takes_the_whole_last_sequence_and_a_part_of_it_nothing(hybrid):
+    """A recurrent state exists only at its sequence's end: an entry is hit by a prompt extending all of it (with
+    the state copied), never by a shorter shared prefix. Output with the hit equals output without."""
+    from doppler_py.model.prefix_cache import PrefixCache
+
+    engine = SpeculativeEngine(hybrid, PromptLookupDrafter())
+    engine.prefix_cache = PrefixCache(hybrid, 64 << 20)
+    try:
+        first = engine.generate(PROMPT, 12, GREEDY).tokens
+        next_turn = PROMPT + first + [5, 9, 3]
+        result = engine.generate(next_turn, 12, GREEDY)
+        assert result.stats.cached_tokens == len(PROMPT) + len(first) - 1
+        assert result.tokens == reference_decode(hybrid, next_turn, 12, GREEDY)
+        other = PROMPT + first[:4] + [7, 7, 7]  # shares 21 tokens with the entries, all of neither
+        result = engine.generate(other, 8, GREEDY)
+        assert result.stats.cached_tokens == 0
+        assert result.tokens == reference_decode(hybrid, other, 8, GREEDY)
+    finally:
+        engine.prefix_cache.clear()
+        engine.close()
