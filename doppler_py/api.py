@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from doppler_py import defaults
-from doppler_py.errors import DopplerError, GenerationOptionError, UnsupportedModelError, VocabularyMismatchError
+from doppler_py.errors import DopplerError, GenerationOptionError, VocabularyMismatchError
 from doppler_py.gpu.device import Gpu, default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
 from doppler_py.model.catalog import DEFAULT_MODEL, known_head, open_model
@@ -123,12 +123,6 @@ class Engine:
         check_warmup(warmup)
         check_kv_cache_mb(kv_cache_mb)
         check_parallel(parallel)
-        if model.hybrid and parallel > 1:
-            raise UnsupportedModelError(
-                f"parallel={parallel}: {model.config.architecture} generations do not share forwards yet (its "
-                "linear-attention layers are not batched); serve one stream at a time",
-                advice="",
-            )
         self.prefix_cache = PrefixCache(model, kv_cache_mb << 20)
         self.model = model
         self.tokenizer = tokenizer

@@ -27,7 +27,9 @@
 //           conv: 1, 2, 3, 4, 8 (tree); delta: 1, 4, 5, 6, 7, 8 (tree); commit_state: 1, 4, 5, 6, 8 (order);
 //           commit_conv: 1, 3, 8 (order). State and conv_state are only read by conv and delta.
 // Params: rows (forward rows; commits: kept rows), tree (1: rows are a token tree), ordered (commits: 1 reads
-//         order), channels (2 * n_k * dk + n_v * dv), mix_stride, taps (K), n_k, n_v, dk, dv, eps (gated norm).
+//         order), channels (2 * n_k * dk + n_v * dv), mix_stride, taps (K), n_k, n_v, dk, dv, eps (gated norm),
+//         row0 (conv and delta: the forward's rows are rows row0 .. of mix and out, as one sequence's segment of a
+//         batched forward; conv_rows, the tree layout and the commits count from the segment's first row).
 // Dispatch: conv (ceil(channels / 64), rows); delta and commit_state (n_v); commit_conv (ceil(channels / 64)).
 // Limits: dk <= MAX_DK (a private state column per invocation), dv <= WG, taps <= MAX_TAPS.
 
@@ -46,6 +48,7 @@ struct Params {
   dk: u32,
   dv: u32,
   eps: f32,
+  row0: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -110,10 +113,10 @@ fn conv(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wi
     let back = window - j;
     var v: f32;
     if (back == 0u) {
-      v = mix[r * params.mix_stride + ch];
+      v = mix[(params.row0 + r) * params.mix_stride + ch];
     } else if (back <= depth) {
       let row = select(r - back, tree_ancestor(r, depth - back), params.tree == 1u);
-      v = mix[row * params.mix_stride + ch];
+      v = mix[(params.row0 + row) * params.mix_stride + ch];
     } else {
       v = conv_state[(window - (back - depth)) * params.channels + ch];
     }
@@ -135,7 +138,7 @@ fn load_kq(lid: u32, row: u32, kh: u32) {
 
 // s (one value column of S) advanced by row `row` of value head h, with its key already in kq.
 fn advance(row: u32, h: u32, col: u32) {
-  let mix_row = row * params.mix_stride + params.channels + params.n_v * params.dv;
+  let mix_row = (params.row0 + row) * params.mix_stride + params.channels + params.n_v * params.dv;
   let g = gates[h] * softplus(mix[mix_row + params.n_v + h] + gates[params.n_v + h]);
   let decay = exp(g);
   let beta = sigmoid(mix[mix_row + h]);
@@ -193,9 +196,9 @@ fn delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     }
     let inv_rms = inverseSqrt(partial[0] / f32(params.dv) + params.eps);
     if (in_head) {
-      let z = mix[r * params.mix_stride + params.channels + h * params.dv + col];
+      let z = mix[(params.row0 + r) * params.mix_stride + params.channels + h * params.dv + col];
       let normed = gates[2u * params.n_v + col] * (o * inv_rms);
-      out[(r * params.n_v + h) * params.dv + col] = normed * silu(z);
+      out[((params.row0 + r) * params.n_v + h) * params.dv + col] = normed * silu(z);
     }
     workgroupBarrier();
   }

@@ -502,18 +502,19 @@ class Transformer:
         (cache, start_pos, rows) segment's rows attend over its own cache (and write their K/V there), every
         matmul runs once over all rows. Writes the logits of every row (rows ≤ max_logit_rows in all)."""
         total = sum(rows for _, _, rows in segments)
-        if self.hybrid:
-            raise UnsupportedModelError("batched generations of a hybrid (linear-attention) model are not supported")
         if not 1 <= total <= self.max_logit_rows:
             raise CapacityError(f"a batched forward takes 1..{self.max_logit_rows} rows in all, got {total}")
         stacked, row0 = [], 0
         for cache, start_pos, rows in segments:
             cache.check_room(start_pos, rows)
             stacked.append(Segment(self.attention_ops(cache), rows, start_pos, row0))
+            self._settle(rec, cache, start_pos)
             row0 += rows
         self._record_layers(rec, total, stacked, "all", None, False)
         for cache, start_pos, rows in segments:
             cache.advance_to(max(cache.length, start_pos + rows))
+            if cache.recurrent is not None:
+                cache.recurrent.ran(start_pos, rows)
 
     def _record_layers(
         self,
@@ -535,7 +536,7 @@ class Transformer:
             if layer.linear:
                 layer.qkv.record(rec, rows=rows)  # matmul: mix = rmsnorm(x)·Win
                 for seg in segments:  # conv, norms, gated delta rule: core = the gated DeltaNet's output
-                    seg.attention[i].record(rec, rows=seg.rows, tree=tree)
+                    seg.attention[i].record(rec, rows=seg.rows, tree=tree, row0=seg.row0)
                 layer.o.record(rec, rows=rows)  # matmul: x += core·Wout
                 self._record_mlp(rec, layer, rows, i)
                 continue

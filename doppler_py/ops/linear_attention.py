@@ -203,11 +203,14 @@ class GatedDeltaNet:
             order=order,
         )
 
-    def record(self, rec: Recorder, rows: int, tree: bool = False) -> None:
-        require_rows(rows, self.max_rows, "GatedDeltaNet")
-        self.conv.params.set(rows=rows, tree=int(tree))
+    def record(self, rec: Recorder, rows: int, tree: bool = False, row0: int = 0) -> None:
+        """The forward's rows, rows row0 .. row0 + rows - 1 of mix and out (a sequence's segment of a batched
+        forward)."""
+        require_rows(row0 + rows, self.max_rows, "GatedDeltaNet")
+        self.conv.params.set(rows=rows, tree=int(tree), row0=row0)
         rec.dispatch(self.conv, workgroups(self.shape.channels, 64), rows)
-        rec.copy(self.mix, self.layer.mix_rows, rows * self.shape.mix_width * 4)
+        row_bytes = self.shape.mix_width * 4
+        rec.copy(self.mix, self.layer.mix_rows, rows * row_bytes, src_offset=row0 * row_bytes)
         self.norm.record(rec, rows)
         rec.dispatch(self.delta, self.shape.value_heads)
 

@@ -117,15 +117,18 @@ class Layer:
         )
         self.registry = registry
 
-    def forward(self, mix, parents=None):
+    def forward(self, mix, parents=None, row0=0):
+        """Out of the rows `mix`, placed at rows row0.. of the op's mix and read back from the same rows of out."""
         rows = mix.shape[0]
-        self.mix.view(mix.shape).write(mix.astype(np.float32))
+        placed = np.zeros((row0 + rows, self.shape.mix_width), np.float32)
+        placed[row0:] = mix
+        self.mix.view(placed.shape).write(placed)
         if parents is not None:
             self.tree.view((rows, 2)).write(layout_words(parents))
         rec = self.registry.recorder()
-        self.op.record(rec, rows, tree=parents is not None)
+        self.op.record(rec, rows, tree=parents is not None, row0=row0)
         rec.submit()
-        return self.out.numpy()[:rows]
+        return self.out.numpy()[row0 : row0 + rows]
 
     def commit(self, kept, moves=()):
         if moves:
@@ -159,11 +162,12 @@ def random_mix(rng, shape, rows):
 
 
 @pytest.mark.parametrize("layer", sorted(SHAPES), indirect=True)
-@pytest.mark.parametrize("rows, kept", [(1, 1), (7, 0), (7, 4), (7, 7)])
-def test_chain_rows_and_the_commit_of_those_kept_match_numpy(layer, rng, rows, kept):
+@pytest.mark.parametrize("rows, kept, row0", [(1, 1, 0), (7, 0, 0), (7, 4, 0), (7, 7, 0), (5, 3, 9)])
+def test_chain_rows_and_the_commit_of_those_kept_match_numpy(layer, rng, rows, kept, row0):
+    """row0 > 0: the rows are one sequence's segment of a batched forward, further down mix and out."""
     mix = random_mix(rng, layer.shape, rows)
     out, states = reference(layer.shape, mix, layer.conv_w, layer.conv_state, layer.state, layer.gates)
-    np.testing.assert_allclose(layer.forward(mix), out, atol=2e-4, rtol=0)
+    np.testing.assert_allclose(layer.forward(mix, row0=row0), out, atol=2e-4, rtol=0)
     if kept == 0:
         return
     state, conv_state = layer.commit(kept)

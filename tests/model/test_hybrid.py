@@ -148,15 +148,6 @@ def test_a_forward_behind_the_committed_state_is_refused(hybrid):
         hybrid.release_cache(cache)
 
 
-def test_batched_generations_are_refused(hybrid):
-    cache = hybrid.new_cache(8)
-    try:
-        with pytest.raises(UnsupportedModelError, match="batched"):
-            hybrid.record_batch(hybrid.registry.recorder(), [(cache, 0, 1)])
-    finally:
-        hybrid.release_cache(cache)
-
-
 def test_the_tiny_model_is_a_hybrid():
     spec = TINY_SPECS[NAME]
     assert "linear_attention" in spec.hybrid_pattern and "full_attention" in spec.hybrid_pattern

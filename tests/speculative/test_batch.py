@@ -99,6 +99,18 @@ def test_each_batched_generation_equals_its_solo_run(models, drafter, params, st
     assert batch.members == 0
 
 
+@pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
+def test_hybrid_generations_batch_with_their_own_recurrent_states(tiny_model, params):
+    """Qwen 3.5: each segment's Gated DeltaNet rows read its own state and the rows kept are committed per
+    sequence before the next batched forward."""
+    from doppler_py.testing.tiny import TINY_SPECS
+
+    hybrid = tiny_model(TINY_SPECS["qwen3_5-hybrid"], max_rows=32)
+    outputs, batch = batched_runs(hybrid, "prompt-lookup", params, staggered=True)
+    assert outputs == solo_runs(hybrid, "prompt-lookup", params)
+    assert sum(count for size, count in batch.sizes.items() if size > 1) > 0, batch.sizes
+
+
 def test_a_failing_generation_leaves_the_others_unharmed(models):
     target = models["target"]
 
