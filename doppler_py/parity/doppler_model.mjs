@@ -29,6 +29,13 @@ const { applyRepetitionPenalty, sample } = await fromPackage('inference/pipeline
 const GREEDY = { temperature: 0 };
 const NO_PENALTY = 1.0;
 
+// A failure's message is the last line on stderr, where the Python side reads it (a stack trace ends in frames).
+process.on('uncaughtException', (error) => {
+  console.error(error?.stack ?? error);
+  console.error(`doppler-gpu failed: ${error?.message ?? error}`);
+  process.exit(1);
+});
+
 const model = await load({ url: pathToFileURL(rdrrDir).href });
 try {
   const ids = [...job.ids];

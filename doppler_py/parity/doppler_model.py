@@ -39,14 +39,27 @@ DRIVER = Path(__file__).with_name("doppler_model.mjs")
 CONVERT_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 600
 
-# The package's conversion configs the generated ones start from: plain Qwen3 (0.6B) and Gemma 3 (270m).
-# A LLaMA layer is a Qwen3 layer without the q/k norms.
+# The package's conversion configs the generated ones start from: plain Qwen3 (0.6B), Gemma 3 (270m) and
+# Qwen 3.5 (9B, its f32-activation config). A LLaMA layer is a Qwen3 layer without the q/k norms.
 TEMPLATES = {
     "llama": "qwen3/qwen-3-reranker-0-6b-f16-af32.json",
     "qwen3": "qwen3/qwen-3-reranker-0-6b-f16-af32.json",
     "gemma3_text": "gemma3/gemma-3-270m-it-f16-af32.json",
+    "qwen3_5_text": "qwen3/qwen-3-5-9b-f16-af32.json",
 }
 GEMMA_TYPES = ("gemma3_text",)
+# Qwen 3.5 text: Gated DeltaNet layers between gated full-attention layers, (1 + w) norms, partial RoPE.
+QWEN3_5_TYPES = ("qwen3_5_text",)
+QWEN3_5_LAYER_TYPES = ("linear_attention", "full_attention")
+# The converter reads a Gated DeltaNet layer's shape from config.json itself (src/converter/core.js); the lane
+# requires them so that a folder missing one is refused here, not deep in the package's loader.
+QWEN3_5_LINEAR_FIELDS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 
 # float32 kernels of the package that do what its f16 configs' kernels do: (file, entry).
 F32_MATMUL = ("matmul_f32.wgsl", "main")
@@ -92,6 +105,10 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
         raise DopplerParityError(f"{model_type} with use_sliding_window: not mapped to doppler-gpu's layer pattern")
     if hf.get("rope_scaling"):
         raise DopplerParityError(f"rope_scaling {hf['rope_scaling']!r}: not mapped to doppler-gpu's RoPE fields")
+    qwen3_5 = model_type in QWEN3_5_TYPES
+    rope = _rope_parameters(hf, model_type)
+    if qwen3_5:
+        _check_qwen3_5(hf)
     config = json.loads((package / "src/config/conversion" / TEMPLATES[model_type]).read_text())
     gemma = model_type in GEMMA_TYPES
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -110,9 +127,11 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
         queryKeyNorm=model_type != "llama",
         attentionBias=bool(hf.get("attention_bias", False)),
     )
+    if qwen3_5:  # HF's Qwen 3.5 attention always gates its output by sigmoid(gate), q_proj holding [q | gate]
+        inference["attention"]["attentionOutputGate"] = True
     inference["normalization"].update(
         rmsNormEps=hf["rms_norm_eps"],
-        rmsNormWeightOffset=gemma,
+        rmsNormWeightOffset=gemma or qwen3_5,
         postAttentionNorm=True,
         preFeedforwardNorm=gemma,
         postFeedforwardNorm=gemma,
@@ -120,15 +139,24 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
     activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
     inference["ffn"]["activation"] = "gelu" if activation.startswith("gelu") else activation
     inference["rope"].update(
-        ropeTheta=hf.get("rope_theta", 10000.0),
+        ropeTheta=rope.get("rope_theta", 10000.0),
         ropeLocalTheta=hf.get("rope_local_base_freq") if gemma else None,
     )
+    if qwen3_5:
+        # Plain (not multimodal) RoPE unless the folder names sections: the template's mrope sections fit the
+        # 9B's 64 rotary dims, and the converter falls back to them when config.json names none.
+        inference["rope"].update(
+            # transformers' Qwen3_5TextConfig defaults the factor to 0.25 where config.json names none
+            partialRotaryFactor=rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)),
+            mropeInterleaved=bool(rope.get("mrope_interleaved", False)),
+            mropeSection=rope.get("mrope_section"),
+        )
     inference["output"].update(
         finalLogitSoftcapping=hf.get("final_logit_softcapping"),
         tieWordEmbeddings=bool(hf.get("tie_word_embeddings", gemma)),
         scaleEmbeddings=gemma,
     )
-    layer_types = hf.get("layer_types") if gemma else None
+    layer_types = hf.get("layer_types") if gemma or qwen3_5 else None
     inference["layerPattern"].update(
         type="custom" if layer_types else "uniform",
         globalPattern=None,
@@ -143,6 +171,31 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
     session["decodeLoop"]["batchSize"] = 1
     _float32_kernels(config["execution"], kernel_digests(package))
     return config
+
+
+def _rope_parameters(hf: dict, model_type: str) -> dict:
+    """rope_theta and friends, from config.json's top level or from transformers 5's `rope_parameters`."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if "rope_theta" in hf:
+        rope.setdefault("rope_theta", hf["rope_theta"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise DopplerParityError(f"{model_type} rope_type {rope_type!r}: not mapped to doppler-gpu's RoPE fields")
+    return rope
+
+
+def _check_qwen3_5(hf: dict) -> None:
+    """Refuse, by name, a Qwen 3.5 config the lane's mapping does not cover."""
+    missing = [name for name in QWEN3_5_LINEAR_FIELDS if name not in hf]
+    if missing:
+        raise DopplerParityError(f"qwen3_5_text without {', '.join(missing)}: the Gated DeltaNet shape is unknown")
+    layer_types = hf.get("layer_types")
+    if not layer_types or any(kind not in QWEN3_5_LAYER_TYPES for kind in layer_types):
+        raise DopplerParityError(
+            f"qwen3_5_text layer_types {layer_types!r}: the lane maps {' and '.join(QWEN3_5_LAYER_TYPES)} layers"
+        )
+    if hf.get("attention_bias"):
+        raise DopplerParityError("qwen3_5_text with attention_bias: doppler-gpu's Qwen 3.5 configs have none")
 
 
 def _float32_kernels(execution: dict, digests: dict[str, str]) -> None:
