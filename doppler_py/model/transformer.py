@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from doppler_py.errors import CapacityError, GenerationOptionError, UnsupportedModelError
+from doppler_py.errors import CapacityError, GenerationOptionError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder, Tape, UniformSlot
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
@@ -367,7 +367,7 @@ class Transformer:
             return
         kept = state.rows_kept(start_pos)
         if kept:
-            for op in self.attention_ops(cache):
+            for op in self.attention_ops(cache)[: state.pending_layers]:
                 if isinstance(op, GatedDeltaNet):
                     op.record_commit(rec, kept, state.ordered)
         state.committed(start_pos)
@@ -461,15 +461,10 @@ class Transformer:
         if logits == "all" and rows > self.max_logit_rows:
             raise CapacityError(f"logits for {rows} rows requested; at most {self.max_logit_rows} per forward")
         cache.check_room(start_pos, rows)
-        if num_layers is not None and self.hybrid:
-            raise UnsupportedModelError(
-                "running only the first layers of a hybrid model (layer-skip drafting) would move its recurrent "
-                "state past the tokens the model keeps"
-            )
         attention = self.attention_ops(cache)
         self._settle(rec, cache, start_pos)
         if cache.recurrent is not None:
-            cache.recurrent.ran(start_pos, rows)
+            cache.recurrent.ran(start_pos, rows, num_layers)
         key = None
         if rec.can_play_tapes:
             calls = {window: attention[i].call(rows, start_pos, tree=tree) for window, i in self._window_layers.items()}

@@ -60,11 +60,15 @@ class RecurrentState:
         self.max_rows = max_rows
         self.length = 0
         self.pending: tuple[int, int] | None = None  # (start position, rows) of the latest forward
+        self.pending_layers: int | None = None  # the linear layers that forward ran (None: all)
         self.ordered = False
+        self._saved: list[tuple[Tensor, Tensor]] | None = None  # `checkpoint`'s copies, made on first use
+        self._saved_length = 0
 
     @property
     def tensors(self) -> list[Tensor]:
-        return [t for layer in self.layers for t in layer.tensors] + [self.order]
+        saved = [t for pair in self._saved or [] for t in pair]
+        return [t for layer in self.layers for t in layer.tensors] + [self.order, *saved]
 
     @property
     def nbytes(self) -> int:
@@ -111,11 +115,44 @@ class RecurrentState:
                 encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, src.nbytes)
         other.committed(self.length)
 
-    def committed(self, start_pos: int) -> None:
-        self.length, self.pending, self.ordered = start_pos, None, False
+    def checkpoint(self, gpu: Gpu) -> None:
+        """Keep a copy of the committed states (no rows may be waiting), to come back to with `rollback`: drafting
+        runs ahead on a model's own states and commits its drafts as it goes."""
+        if self.pending is not None:
+            raise CapacityError("a recurrent state with uncommitted rows cannot be checkpointed: settle it first")
+        if self._saved is None:
+            self._saved = [
+                (Tensor.empty(gpu, layer.state.shape, "f32"), Tensor.empty(gpu, layer.conv_state.shape, "f32"))
+                for layer in self.layers
+            ]
+        self._copy(gpu, [(mine, saved) for mine, saved in zip(self._pairs(), self._saved, strict=True)])
+        self._saved_length = self.length
 
-    def ran(self, start_pos: int, rows: int) -> None:
-        self.pending = (start_pos, rows)
+    def rollback(self, gpu: Gpu) -> int:
+        """Back to the last `checkpoint` (its states, its position, nothing waiting); returns that position."""
+        if self._saved is None:
+            raise CapacityError("no checkpoint to roll the recurrent state back to")
+        self._copy(gpu, [(saved, mine) for mine, saved in zip(self._pairs(), self._saved, strict=True)])
+        self.committed(self._saved_length)
+        return self._saved_length
+
+    def _pairs(self) -> list[tuple[Tensor, Tensor]]:
+        return [(layer.state, layer.conv_state) for layer in self.layers]
+
+    @staticmethod
+    def _copy(gpu: Gpu, moves: list[tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]]) -> None:
+        encoder = gpu.device.create_command_encoder()
+        for source, destination in moves:
+            for src, dst in zip(source, destination, strict=True):
+                encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, src.nbytes)
+        gpu.queue.submit([encoder.finish()])
+
+    def committed(self, start_pos: int) -> None:
+        self.length, self.pending, self.pending_layers, self.ordered = start_pos, None, None, False
+
+    def ran(self, start_pos: int, rows: int, layers: int | None = None) -> None:
+        """A forward of `rows` at start_pos ran the linear layers among the model's first `layers` (None: all)."""
+        self.pending, self.pending_layers = (start_pos, rows), layers
 
     def close(self) -> None:
         for t in self.tensors:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from doppler_py.errors import GenerationOptionError, UnsupportedModelError
+from doppler_py.errors import GenerationOptionError
 from doppler_py.gpu.kernels import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
@@ -191,14 +191,6 @@ class ModelDrafter(NoOpHooks):
     name = ""
 
     def __init__(self, model: Transformer, vocab: int, num_layers: int | None = None):
-        if model.hybrid:
-            # Drafts run ahead on the model's cache and are then truncated away, which a recurrent state cannot do.
-            raise UnsupportedModelError(
-                f"{self.name} drafting cannot run on {model.config.architecture}: its linear-attention layers keep "
-                "a recurrent state that cannot be rolled back past drafted tokens; use prompt-lookup, lookahead or a "
-                "draft model of another family",
-                advice="",
-            )
         self.model = model
         self.num_layers = num_layers
         self.sampling = DraftSampler(model, vocab)
@@ -226,6 +218,13 @@ class ModelDrafter(NoOpHooks):
             return False
         model.ids.view((len(pending),)).write(model.check_ids(pending))
         rows, pos = len(pending), cache.length
+        recurrent = cache.recurrent
+        if recurrent is not None:
+            # A hybrid model's drafts move its recurrent states on as they are fed; they come back to here after
+            # the last draft, so the cache holds the pending tokens again as unfed (the next proposal feeds them
+            # with what is committed after them) and, on the target's own cache, the verification starts here.
+            model.settle(cache)
+            recurrent.checkpoint(model.gpu)
         for i in range(k):
             rec = model.registry.recorder()
             model.record_forward(rec, rows, cache, pos, logits="last", num_layers=self.num_layers)
@@ -234,6 +233,8 @@ class ModelDrafter(NoOpHooks):
                 last(rec)
             self.sampling.submit(rec, ctx.rng.random())
             pos, rows = pos + rows, 1
+        if recurrent is not None:
+            cache.truncate(recurrent.rollback(model.gpu))
         return True
 
     def close(self) -> None:
