@@ -199,7 +199,8 @@ def _check_qwen3_5(hf: dict) -> None:
 
 
 def _float32_kernels(execution: dict, digests: dict[str, str]) -> None:
-    """Point every kernel the step lists use at its float32 counterpart (f32 weights and KV cache)."""
+    """Point every kernel the step lists use at its float32 counterpart (f32 weights and KV cache), each with
+    the digest the package's kernel-ref-digests.js lists for it."""
     kernels = execution["kernels"]
     roles = {"decode": F32_DECODE_ATTENTION, "prefill": F32_PREFILL_ATTENTION}
     for phase, attention in roles.items():
@@ -211,6 +212,11 @@ def _float32_kernels(execution: dict, digests: dict[str, str]) -> None:
             kernels[key] = _kernel(digests, *F32_MATMUL)
         elif kernel["kernel"].startswith("gather"):
             kernels[key] = _kernel(digests, *F32_GATHER)
+        else:
+            # The digest the package lists, not the template's: its Qwen3 / Qwen 3.5 configs name silu.wgsl#main
+            # with a digest kernel-ref-digests.js does not list (the loader checks only a digest's form).
+            extra = {name: value for name, value in kernel.items() if name not in ("kernel", "entry", "digest")}
+            kernels[key] = _kernel(digests, kernel["kernel"], kernel["entry"], **extra)
 
 
 def _node() -> str:

@@ -1,16 +1,20 @@
 """Whole-model parity with the JS original: doppler-gpu 0.5.1's converter and pipeline (Node, Dawn on SwiftShader)
-against our engine and HF transformers on tiny random LLaMA, Qwen3 and Gemma 3 models, all in float32.
+against our engine and HF transformers on tiny random LLaMA, Qwen3, Gemma 3 and Qwen 3.5 models, all in float32.
 
 Where the engines agree, logits agree to a few 1e-6 (atol 1e-4, the model-families issue's bound) and greedy
 tokens are identical. On Gemma 3 with the window active they do not: the JS original's logits are instead held
 to a numpy forward carrying the three diagnosed disagreements (tests/parity/doppler_findings.py,
 docs/parity-findings.md), so a doppler-gpu version that changed its behaviour fails here and gets looked at.
+On Qwen 3.5 they agree while a Gated DeltaNet value head fits one SwiftShader subgroup (4 columns); wider value
+heads are held to a numpy model of the reduction race in its recurrent kernel, and the tiny spec's own shape
+to the loader's refusal (docs/parity-findings.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -21,6 +25,7 @@ from doppler_py.parity import doppler_model
 from doppler_py.parity.doppler_model import DopplerParityError, conversion_config, kernel_digests
 from doppler_py.parity.model_parity import DEFAULT_ATOL, run_parity
 from doppler_py.testing import references
+from doppler_py.testing.reference import hf_logits
 from doppler_py.testing.tiny import TINY_SPECS, config_dict
 from tests.parity.conftest import skip_unless_ci
 from tests.parity.doppler_findings import (
@@ -39,6 +44,14 @@ STEPS = 10
 GEMMA = TINY_SPECS["gemma3-sliding"]  # layers sliding, full, sliding; window 8
 GEMMA_ALL_SLIDING = dataclasses.replace(GEMMA, layer_pattern=("sliding_attention",), seed=7)
 GEMMA_WIDE_WINDOW = dataclasses.replace(GEMMA, sliding_window=64, seed=8)
+QWEN3_5 = TINY_SPECS["qwen3_5-hybrid"]  # linear, full, linear attention; Gated DeltaNet value heads of 16 columns
+# Value heads of 4 columns: one SwiftShader subgroup holds all of a head's columns, so the reduction race in the
+# JS original's recurrent kernel cannot act. 8 value heads keep the value width (32) a multiple of 32, which our
+# matmuls need, with 2 value heads per key head as in the tiny spec.
+QWEN3_5_NARROW_VALUES = dataclasses.replace(QWEN3_5, linear_heads=(4, 8), linear_dims=(16, 4))
+# Value heads of 32 columns: columns 4..31 take the race. (16, the tiny spec's, is refused by the loader.)
+QWEN3_5_WIDE_VALUES = dataclasses.replace(QWEN3_5, linear_dims=(16, 32))
+SWIFTSHADER_SUBGROUP = 4  # SIMD::Width: invocations SwiftShader runs together, one subgroup after another
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +78,55 @@ def test_conversion_config_runs_the_hf_config_in_float32(doppler_gpu_dir):
     assert inference["normalization"]["rmsNormWeightOffset"] is True
     assert inference["output"]["scaleEmbeddings"] is True
     assert inference["chatTemplate"]["enabled"] is False
-    digests = kernel_digests(doppler_gpu_dir)
+    assert_float32_kernels(config, doppler_gpu_dir)
+
+
+def assert_float32_kernels(config: dict, package) -> None:
+    """Every kernel a step list names is a float32 one, with the digest the package lists for it."""
+    digests = kernel_digests(package)
     used = {step[1] for phase in ("decode", "prefill", "postLayer", "preLayer") for step in config["execution"][phase]}
     for key in used:
         kernel = config["execution"]["kernels"][key]
         assert "f16" not in kernel["kernel"], kernel
         assert kernel["digest"] == "sha256:" + digests[f"{kernel['kernel']}#{kernel['entry']}"]
+
+
+def test_conversion_config_runs_qwen3_5_in_float32(doppler_gpu_dir):
+    config = conversion_config(config_dict(QWEN3_5), doppler_gpu_dir, "tiny-qwen3_5")
+    inference = config["inference"]
+    assert config["quantization"]["weights"] == config["quantization"]["lmHead"] == "f32"
+    assert config["session"]["kvcache"]["kvDtype"] == "f32"
+    assert inference["layerPattern"]["type"] == "custom"
+    assert inference["layerPattern"]["layerTypes"] == ["linear_attention", "full_attention", "linear_attention"]
+    assert inference["attention"]["attentionOutputGate"] is True
+    assert inference["attention"]["queryKeyNorm"] is True
+    assert inference["attention"]["queryPreAttnScalar"] == QWEN3_5.head_dim
+    assert inference["normalization"]["rmsNormWeightOffset"] is True
+    assert inference["normalization"]["rmsNormEps"] == QWEN3_5.rms_norm_eps
+    assert inference["rope"]["ropeTheta"] == QWEN3_5.rope_theta
+    assert inference["rope"]["partialRotaryFactor"] == QWEN3_5.partial_rotary_factor
+    # the template's mrope sections (11, 11, 10) fit the 9B's 64 rotary dims, not these 8
+    assert inference["rope"]["mropeSection"] is None and inference["rope"]["mropeInterleaved"] is False
+    assert inference["output"]["tieWordEmbeddings"] is False
+    assert inference["output"]["scaleEmbeddings"] is False
+    assert_float32_kernels(config, doppler_gpu_dir)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"linear_conv_kernel_dim": None}, "linear_conv_kernel_dim"),
+        ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention"]}, "sliding_attention"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "yarn"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+    ids=["no-conv-kernel", "sliding-layer", "yarn", "attention-bias"],
+)
+def test_qwen3_5_configs_outside_the_mapping_are_refused_by_name(tmp_path, change, named):
+    hf = config_dict(QWEN3_5) | change
+    hf = {key: value for key, value in hf.items() if value is not None}
+    with pytest.raises(DopplerParityError, match=named):
+        conversion_config(hf, tmp_path, "m")
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma2"])
@@ -141,3 +197,133 @@ def test_cli_prints_every_pair_and_fails_on_a_divergence(doppler_ready, tiny_fol
     assert record["pairs"]["ours-hf"]["first_divergence"] is None
     assert record["pairs"]["doppler-hf"]["first_divergence"] == 3  # position 8: the first past the window
     assert len(record["tokens"]["doppler"]) == 5
+
+
+def test_qwen3_5_agrees_in_all_three_engines_while_a_value_head_fits_one_subgroup(doppler_ready, tiny_folder):
+    """Gated DeltaNet (causal conv, gated delta rule, gated RMSNorm) and gated attention with partial RoPE agree
+    in all three engines wherever the JS original's reduction race cannot act."""
+    report = run_parity(tiny_folder(QWEN3_5_NARROW_VALUES), LONG_PROMPT, STEPS)
+    assert report.agrees(DEFAULT_ATOL), [(p.pair, p.max_delta, p.first_divergence) for p in report.pairs]
+    assert report.runs["ours"].tokens == report.runs["doppler"].tokens == report.runs["hf"].tokens
+    assert all(len(pair.deltas) == STEPS for pair in report.pairs)
+
+
+def doppler_gated_delta_net(module, hidden: np.ndarray, dispatches: list[int], race: bool) -> tuple[np.ndarray, float]:
+    """What doppler-gpu 0.5.1's recurrent kernel (linear-attention-core.js) computes for one HF
+    Qwen3_5GatedDeltaNet over `hidden` [T, hidden], the rows run as dispatches of `dispatches` rows, in float64;
+    and the largest |recurrent state| it reached. With `race`, its shared_sq race under SwiftShader: a head's
+    columns from SWIFTSHADER_SUBGROUP on read the reduction result after lane 0 has overwritten it with its next
+    partial sum (docs/parity-findings.md): q's scale takes k[0]^2, k's scale takes lane 0's output squared, and
+    the gated RMSNorm (every row but a dispatch's last) q[0]^2 of the next row. Without `race` it is HF's layer.
+    """
+
+    def w(tensor) -> np.ndarray:
+        return tensor.detach().double().numpy()
+
+    rows = hidden.shape[0]
+    nk, nv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    taps = module.conv_kernel_size
+    mixed = hidden @ w(module.in_proj_qkv.weight).T
+    z = (hidden @ w(module.in_proj_z.weight).T).reshape(rows, nv, dv)
+    beta = 1 / (1 + np.exp(-(hidden @ w(module.in_proj_b.weight).T)))
+    decay = np.exp(
+        -np.exp(w(module.A_log)) * np.log1p(np.exp(hidden @ w(module.in_proj_a.weight).T + w(module.dt_bias)))
+    )
+    padded = np.concatenate([np.zeros((taps - 1, mixed.shape[1])), mixed])
+    conv = np.stack([(padded[t : t + taps] * w(module.conv1d.weight)[:, 0, :].T).sum(0) for t in range(rows)])
+    conv = conv / (1 + np.exp(-conv))
+    q = conv[:, : nk * dk].reshape(rows, nk, dk)
+    k = conv[:, nk * dk : 2 * nk * dk].reshape(rows, nk, dk)
+    v = conv[:, 2 * nk * dk :].reshape(rows, nv, dv)
+    qk_eps, eps = 1e-6, module.norm.variance_epsilon  # the kernel's qk_l2norm_eps; config.rms_norm_eps
+    late = np.arange(dv) >= SWIFTSHADER_SUBGROUP if race else np.zeros(dv, bool)
+    last_rows = set(np.cumsum(dispatches) - 1)
+    state = np.zeros((nv, dk, dv))  # [head, key dim, value column]: one kernel lane per value column
+    out = np.zeros((rows, nv, dv))
+    for t in range(rows):
+        for h in range(nv):
+            qh, kh = q[t, h // (nv // nk)], k[t, h // (nv // nk)]
+            q_scale = np.where(late, dk**-0.5 / np.sqrt(kh[0] ** 2 + qk_eps), dk**-0.5 / np.sqrt(qh @ qh + qk_eps))
+            k_scale = np.full(dv, 1 / np.sqrt(kh @ kh + qk_eps))
+            s = state[h] * decay[t, h]
+            o = np.zeros(dv)
+            for lanes in (~late, late):  # the first subgroup's columns run first: the late ones read its o[0]
+                if lanes is late:
+                    k_scale[late] = 1 / np.sqrt(o[0] ** 2 + qk_eps)
+                k_normed = kh[:, None] * k_scale[None, :]
+                delta = (v[t, h] - (s * k_normed).sum(0)) * beta[t, h]
+                s = np.where(lanes[None, :], s + k_normed * delta[None, :], s)
+                o = np.where(lanes, (s * (qh[:, None] * q_scale[None, :])).sum(0), o)
+            state[h] = s
+            inv_rms = np.full(dv, 1 / np.sqrt(o @ o / dv + eps))
+            if race and t not in last_rows:
+                inv_rms[late] = 1 / np.sqrt(q[t + 1, h // (nv // nk), 0] ** 2 / dv + eps)
+            out[t, h] = o * inv_rms * w(module.norm.weight) * z[t, h] / (1 + np.exp(-z[t, h]))
+    return out.reshape(rows, nv * dv) @ w(module.out_proj.weight).T, float(np.abs(state).max())
+
+
+def doppler_qwen3_5_logits(monkeypatch, folder, ids: list[int], prompt_len: int, race: bool):
+    """HF's Qwen 3.5 forward over `ids` with every Gated DeltaNet layer replaced by `doppler_gated_delta_net`
+    (the prompt as one dispatch, then one dispatch per token, as the JS original runs them); the logits and the
+    largest |recurrent state| of any layer."""
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    largest = [0.0]
+
+    def forward(module, hidden_states, *args, **kwargs):
+        dispatches = [prompt_len] + [1] * (hidden_states.shape[1] - prompt_len)
+        out, peak = doppler_gated_delta_net(module, hidden_states[0].double().numpy(), dispatches, race)
+        largest[0] = max(largest[0], peak)
+        return torch.from_numpy(out).float()[None]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_qwen3_5.Qwen3_5GatedDeltaNet, "forward", forward)
+        return hf_logits(folder, ids), largest[0]
+
+
+@pytest.mark.parametrize("prompt_len", [1, 3])
+def test_qwen3_5_wider_value_heads_are_the_diagnosed_doppler_behaviour(
+    doppler_ready, tiny_folder, monkeypatch, prompt_len
+):
+    """Ours matches HF; the JS original matches the numpy model of its recurrent kernel's reduction race (and
+    without the race that model is HF's forward), over positions 0..3. From the fifth position its exploding
+    recurrent state (~1e17) leaves float32 nothing to agree on, and a 12-id prompt overflows it: NaN logits."""
+    model = tiny_folder(QWEN3_5_WIDE_VALUES)
+    prompt = LONG_PROMPT[:prompt_len]
+    steps = 5 - prompt_len  # positions prompt_len - 1 .. 3
+    report = run_parity(model, prompt, steps)
+    ours_hf = report.pairs[0]
+    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
+    doppler = report.runs["doppler"]
+    sequence = prompt + doppler.tokens[:-1]
+    raced, _ = doppler_qwen3_5_logits(monkeypatch, model, sequence, prompt_len, race=True)
+    np.testing.assert_allclose(doppler.logits, raced[prompt_len - 1 :], atol=DEFAULT_ATOL, rtol=0)
+    plain, _ = doppler_qwen3_5_logits(monkeypatch, model, sequence, prompt_len, race=False)
+    np.testing.assert_allclose(plain, hf_logits(model, sequence), atol=DEFAULT_ATOL, rtol=0)
+    assert np.abs(doppler.logits - plain[prompt_len - 1 :]).max() > 100 * DEFAULT_ATOL
+
+
+def test_qwen3_5_race_overflows_doppler_state_on_a_long_prompt(doppler_ready, tiny_folder, monkeypatch, tmp_path):
+    model = tiny_folder(QWEN3_5_WIDE_VALUES)
+    _, raced_peak = doppler_qwen3_5_logits(monkeypatch, model, LONG_PROMPT, len(LONG_PROMPT), race=True)
+    _, plain_peak = doppler_qwen3_5_logits(monkeypatch, model, LONG_PROMPT, len(LONG_PROMPT), race=False)
+    assert raced_peak > float(np.finfo(np.float32).max) and plain_peak < 100  # what the race does, what HF's state is
+    rdrr = doppler_model.convert(model, tmp_path / "rdrr")
+    with pytest.raises(DopplerParityError, match="no finite candidate logits"):
+        doppler_model.run_greedy(rdrr, LONG_PROMPT, 1)
+
+
+def test_qwen3_5_tiny_shape_is_refused_by_doppler_loader(doppler_ready, tiny_folder, tmp_path):
+    """The tiny spec's value heads (4 x 16 columns) cannot load: the loader infers the Gated DeltaNet norm's
+    layout from its GPU buffer's size, which the buffer pool rounds up to its smallest bucket. 16 floats = 64
+    bytes -> 256 bytes = 64 floats = num_value_heads * value_head_dim, the per-head layout's size."""
+    schema = (doppler_ready / "src/config/schema/buffer-pool.schema.js").read_text()
+    min_bucket = int(re.search(r"minBucketSizeBytes:\s*(\d+)", schema).group(1))
+    heads, dim = QWEN3_5.linear_heads[1], QWEN3_5.linear_dims[1]
+    assert 4 * dim < min_bucket == 4 * heads * dim  # the norm's bucket is exactly the per-head size
+    rdrr = doppler_model.convert(tiny_folder(QWEN3_5), tmp_path / "rdrr")
+    with pytest.raises(
+        DopplerParityError, match=re.escape('linearNormMode="shared" but norm.weight shape implies "per_head"')
+    ):
+        doppler_model.run_greedy(rdrr, PROMPT, 1)
