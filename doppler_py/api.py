@@ -39,6 +39,7 @@ from doppler_py.speculative.drafters.best_of import BestOfDrafter
 from doppler_py.speculative.drafters.draft_model import check_vocabularies
 from doppler_py.speculative.drafters.heads.files import head_kind
 from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
+from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.speculative.policy.draft_length import trees_pay
 from doppler_py.speculative.readiness.cost_cache import cost_key, load_costs, save_costs
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DraftSources, speculative_modes
@@ -115,15 +116,18 @@ class Engine:
         kv_cache_mb: int = defaults.KV_CACHE_MB,
         progress: bool = False,
         parallel: int = 1,
+        kv_budget_mb: int | None = None,
     ):
         """`heads`: trained draft heads for `model` by kind ("eagle", "medusa", "spark"); `owns_registry`: the
         models' kernel registry was made for this engine and is closed with it; `folder`: the model's files,
         which key the on-disk cache of measured verification costs (None: no cache); `warmup`, `kv_cache_mb`,
-        `progress` (say on stderr when speculation compiles or measures), `parallel`: see `load`."""
+        `progress` (say on stderr when speculation compiles or measures), `parallel`, `kv_budget_mb`: see `load`."""
         check_warmup(warmup)
         check_kv_cache_mb(kv_cache_mb)
         check_parallel(parallel)
+        check_kv_budget_mb(kv_budget_mb)
         self.prefix_cache = PrefixCache(model, kv_cache_mb << 20)
+        self.kv_budget = KVBudget(kv_budget_mb << 20) if kv_budget_mb else None
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -232,6 +236,7 @@ class Engine:
         if mode not in self._spec:
             engine = SpeculativeEngine(self.model, self._drafter(mode))
             engine.prefix_cache = self.prefix_cache
+            engine.kv_budget = self.kv_budget
             if mode != "none":
                 self._prepare(engine)
             self._spec[mode] = engine
@@ -256,6 +261,7 @@ class Engine:
                         "'prompt-lookup' or none"
                     )
                 engine.prefix_cache = self.prefix_cache
+                engine.kv_budget = self.kv_budget
                 if mode != "none":  # the batch's warm-up compiles what its steps run
                     self._prepare(engine, background=False, compile_now=False)
             except BaseException:
@@ -677,6 +683,7 @@ def load(
     warmup: str = defaults.WARMUP,
     kv_cache_mb: int = defaults.KV_CACHE_MB,
     parallel: int = 1,
+    kv_budget_mb: int | None = None,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -704,10 +711,14 @@ def load(
     one, concurrent streams decode together: each step of every running stream shares one forward of the model
     (`speculative.batch`), and each stream's output is the same as alone. Their drafts must come from the host
     (prompt lookup; "auto" means prompt lookup then), as chains.
+    kv_budget_mb: GPU memory (MiB) the KV caches of generations running at once may take together
+    (`speculative.kv_budget`): a generation whose cache does not fit waits until running ones end; one that could
+    never fit gets a `CapacityError`. None: no limit of our own.
     """
     check_warmup(warmup)
     check_kv_cache_mb(kv_cache_mb)
     check_parallel(parallel)
+    check_kv_budget_mb(kv_budget_mb)
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     gpu = gpu or default_gpu(browser_limits)
@@ -758,10 +769,18 @@ def load(
         kv_cache_mb=kv_cache_mb,
         progress=progress,
         parallel=parallel,
+        kv_budget_mb=kv_budget_mb,
     )
 
 
 WARMUP_MODES = ("auto", "background", "now")
+
+
+def check_kv_budget_mb(kv_budget_mb: int | None) -> None:
+    if kv_budget_mb is not None and (
+        isinstance(kv_budget_mb, bool) or not isinstance(kv_budget_mb, int) or kv_budget_mb < 1
+    ):
+        raise GenerationOptionError(f"kv_budget_mb must be a whole number of MiB >= 1 or None, got {kv_budget_mb!r}")
 
 
 def check_kv_cache_mb(kv_cache_mb: int) -> None:

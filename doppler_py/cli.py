@@ -127,9 +127,9 @@ def _tree_option(text: str) -> bool | None:
     raise argparse.ArgumentTypeError(f"expected auto, on or off (the node budget is --k), got {text!r}")
 
 
-def _load(args: argparse.Namespace, parallel: int = 1):
+def _load(args: argparse.Namespace, parallel: int = 1, kv_budget_mb: int | None = None):
     """The engine for the model flags, after checking the sampling flags (a bad value fails before loading);
-    `parallel`: streams it may run at once (the server's)."""
+    `parallel`: streams it may run at once and `kv_budget_mb` the KV memory they share (the server's)."""
     from doppler_py.api import load
     from doppler_py.sampling import SamplingParams
 
@@ -146,6 +146,7 @@ def _load(args: argparse.Namespace, parallel: int = 1):
         progress=not args.no_progress,
         warmup=args.warmup,
         parallel=parallel,
+        kv_budget_mb=kv_budget_mb,
     )
 
 
@@ -491,7 +492,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("DOPPLER_API_KEY") or None,
         defaults=_generation_options(args),
     )
-    with _load(args, parallel=args.parallel) as engine:
+    with _load(args, parallel=args.parallel, kv_budget_mb=args.kv_budget_mb) as engine:
         serve(engine, config)
     return 0
 
@@ -594,6 +595,12 @@ def build_parser() -> argparse.ArgumentParser:
         "then drafts from the prompt (auto = prompt-lookup), as chains",
     )
     serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the GPU (default 8)")
+    serve.add_argument(
+        "--kv-budget-mb",
+        type=int,
+        help="GPU memory the running generations' KV caches may take together; a request whose cache does not fit "
+        "waits for running ones to end (default: no limit of our own)",
+    )
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     serve.add_argument("--model-id", help="the model name clients use (default: derived from --model)")
     serve.add_argument(

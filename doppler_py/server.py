@@ -483,6 +483,18 @@ class GenerationQueue:
         self._executor.shutdown(wait=True, cancel_futures=False)
 
 
+def kv_status(engine: Engine) -> dict[str, float]:
+    """The KV budget's use (`--kv-budget-mb`), in MiB; nothing without a budget."""
+    budget = engine.kv_budget
+    if budget is None:
+        return {}
+    return {
+        "kv_budget_mb": budget.limit / 2**20,
+        "kv_reserved_mb": round(budget.reserved / 2**20, 3),
+        "kv_waiting": budget.waiting,
+    }
+
+
 def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
     """The server's counters and gauges in Prometheus' text format."""
     status, totals, cache = queue.status(), queue.totals, engine.prefix_cache
@@ -514,6 +526,12 @@ def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
         lines.append(f"doppler_batch_steps_sum {sum(size * n for size, n in sizes.items()):g}")
         lines.append(f"doppler_batch_steps_count {sum(sizes.values()):g}")
     metric("waiting", "gauge", "Generations waiting in the queue.", [("", status["waiting"])])
+    budget = engine.kv_budget
+    if budget is not None:
+        metric("kv_budget_bytes", "gauge", "KV memory the running generations may take.", [("", budget.limit)])
+        metric("kv_reserved_bytes", "gauge", "KV memory the running generations hold.", [("", budget.reserved)])
+        metric("kv_waiting", "gauge", "Generations waiting for KV memory.", [("", budget.waiting)])
+        metric("kv_waited_total", "counter", "Generations that waited for KV memory.", [("", budget.waited)])
     metric("queue_size", "gauge", "Waiting generations allowed before 429.", [("", status["queue_size"])])
     metric("prefix_cache_bytes", "gauge", "GPU memory held by the prefix cache.", [("", cache.nbytes)])
     metric("prefix_cache_entries", "gauge", "Sequences held by the prefix cache.", [("", len(cache))])
@@ -762,7 +780,7 @@ class OpenAIServer:
         return JSONResponse(self._model_card())
 
     async def health(self, _request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.model_id, **self.queue.status()})
+        return JSONResponse({"status": "ok", "model": self.model_id, **self.queue.status(), **kv_status(self.engine)})
 
     async def metrics(self, _request: Request) -> Response:
         return PlainTextResponse(prometheus_text(self.queue, self.engine), media_type="text/plain; version=0.0.4")

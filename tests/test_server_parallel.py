@@ -1,6 +1,7 @@
 """The server with `--parallel`: concurrent generations decode together (their steps share forwards) and every
 answer is the one the same request gets alone, under a soak of many clients with mixed parameters and
-cancellations; GPU buffers return to their baseline; /metrics reports the batches."""
+cancellations, with a KV budget that holds the caches of about two of the four generations that may run (the
+others wait for room); GPU buffers and the budget return to their baseline; /metrics reports the batches."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from test_server import wait_for
 
 from doppler_py.api import load
 from doppler_py.server import OpenAIServer, ServerConfig, serving_in_background
+from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.testing.tiny import write_tiny_model
 
 PARALLEL = 4
@@ -55,6 +57,8 @@ def solo(folder):
 def server(folder):
     # No prefix cache, so the soak's buffer count has a fixed baseline.
     with load(folder, weights="f32", progress=False, warmup="background", kv_cache_mb=0, parallel=PARALLEL) as engine:
+        # In bytes: kv_budget_mb counts MiB, which would hold hundreds of this tiny model's caches.
+        engine.kv_budget = KVBudget(engine.model.cache_bytes(128))
         config = ServerConfig(queue_size=CLIENTS)
         with serving_in_background(OpenAIServer(engine, config).app) as url:
             yield url, engine
@@ -98,6 +102,7 @@ def test_concurrent_answers_equal_the_solo_ones_and_share_forwards(server, solo)
     metrics = httpx.get(f"{url}/metrics").text
     assert re.search(r'^doppler_batch_steps_bucket\{le="\+Inf"\} [1-9]', metrics, re.M), metrics
     assert re.search(r"^doppler_parallel 4$", metrics, re.M)
+    assert re.search(r"^doppler_kv_budget_bytes [1-9]", metrics, re.M) and "doppler_kv_waited_total" in metrics
 
 
 def test_a_drafter_that_cannot_share_forwards_is_refused_by_name(server):
@@ -128,3 +133,5 @@ def test_a_soak_of_mixed_requests_with_cancellations(server, solo):
     assert status["failed"] == 0 and status["rejected"] == 0, status
     assert status["running"] == 0 and engine.batch.members == 0
     assert buffer_use() == baseline
+    assert engine.kv_budget.waited > 0, "no generation ever waited for KV memory"
+    assert status["kv_reserved_mb"] == 0 and status["kv_waiting"] == 0

@@ -50,7 +50,7 @@ from doppler_py.ops.elementwise import LogitSoftCap, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
-from doppler_py.ops.linear_attention import GatedDeltaNet, RecurrentState, l2_norm_weight
+from doppler_py.ops.linear_attention import GatedDeltaNet, RecurrentState, l2_norm_weight, recurrent_bytes
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
 from doppler_py.ops.rope import rope_table
 from doppler_py.ops.tree import MAX_TREE_ROWS
@@ -304,6 +304,16 @@ class Transformer:
             linear = self.num_layers - attention_layers
             cache.recurrent = RecurrentState(self.gpu, cfg.linear_attention, linear, self.max_rows)
         return cache
+
+    def cache_bytes(self, max_seq: int | None = None) -> int:
+        """`new_cache(max_seq).nbytes` without making the cache (what a generation's cache will take)."""
+        cfg = self.config
+        max_seq = min(max_seq or self.max_positions, self.max_positions)
+        attention_layers = len([i for i in cfg.attention_layers if i < self.num_layers])
+        nbytes = 2 * attention_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * max_seq
+        if cfg.linear_attention is not None:
+            nbytes += recurrent_bytes(cfg.linear_attention, self.num_layers - attention_layers, self.max_rows)
+        return nbytes
 
     def attention_ops(self, cache: KVCache) -> list[Attention]:
         """Each layer's attention over `cache` (RoPE and the cache write included), built once per cache."""

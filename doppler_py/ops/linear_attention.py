@@ -49,6 +49,13 @@ class LayerState:
         return [self.state, self.conv_state, self.mix_rows, self.conv_rows]
 
 
+def recurrent_bytes(shape: LinearAttention, layers: int, max_rows: int) -> int:
+    """`RecurrentState(..., layers, max_rows).nbytes` before making one (a checkpoint's copies not included)."""
+    per_layer = shape.value_heads * shape.key_dim * shape.value_dim + max(shape.conv_taps - 1, 1) * shape.channels
+    per_layer += max_rows * (shape.mix_width + shape.channels)
+    return 4 * (layers * per_layer + max_rows)
+
+
 class RecurrentState:
     """A sequence's Gated DeltaNet states (zero at creation, as WebGPU buffers are), committed up to `length`,
     and the rows of its latest forward waiting for the next one to say how many were kept (`pending`)."""

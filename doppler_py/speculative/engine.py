@@ -25,6 +25,7 @@ from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
+from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
 from doppler_py.speculative.readiness.compile_gate import compile_pays
 from doppler_py.speculative.readiness.warmup import COMPILE_CONTEXT, PipelineWarmup
@@ -92,6 +93,9 @@ class SpeculativeEngine:
         # Concurrent generations of the target whose steps share forwards (`batch.py`); None: this engine's
         # generations run alone.
         self.batch: StepBatch | None = None
+        # The KV memory concurrent generations share (`kv_budget.py`), shared by every engine of the model; None:
+        # no limit of our own.
+        self.kv_budget: KVBudget | None = None
         self.closed = False
 
     @property
@@ -356,23 +360,36 @@ class SpeculativeEngine:
         """A generation's start: the checks, the policy reset (`k` pins the draft length), a KV cache, the
         drafter started, and the prefill of every prompt token but the last (the first step feeds it), after
         the longest prefix the prefix cache holds (`ctx.cached`). Steps (`steps.step`) follow; `close_context`
-        ends it."""
-        with self._gpu_lock():
-            return self._open_context(prompt_ids, max_new_tokens, params, k, grammar)
+        ends it. Under a KV budget it first waits until the cache fits beside the running generations' caches."""
+        tokens = self.target.check_ids(prompt_ids).tolist()
+        check_fits(len(tokens), max_new_tokens, self.target.max_positions)
+        reserved = 0
+        if self.kv_budget is not None:
+            reserved = self.target.cache_bytes(self._capacity(len(tokens), max_new_tokens))
+            self.kv_budget.reserve(reserved)
+        try:
+            with self._gpu_lock():
+                return self._open_context(tokens, max_new_tokens, params, k, grammar)
+        except BaseException:
+            if self.kv_budget is not None:
+                self.kv_budget.release(reserved)
+            raise
+
+    def _capacity(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Positions a generation's caches hold: the prompt, the answer, and room for the last step's drafts."""
+        return prompt_tokens + max_new_tokens + self.capacity + 1
 
     def _open_context(
         self,
-        prompt_ids: Sequence[int],
+        tokens: list[int],
         max_new_tokens: int,
         params: SamplingParams,
         k: int | None,
         grammar: GrammarMatcher | None,
     ) -> StepContext:
         target = self.target
-        tokens = target.check_ids(prompt_ids).tolist()
-        check_fits(len(tokens), max_new_tokens, target.max_positions)
         self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
-        capacity = len(tokens) + max_new_tokens + self.capacity + 1
+        capacity = self._capacity(len(tokens), max_new_tokens)
         cache = target.new_cache(capacity)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity, grammar=grammar)
         if self.policy.adaptive and self.policy.cost_aware:
@@ -408,6 +425,8 @@ class SpeculativeEngine:
             if self.prefix_cache is not None and cache.length == len(ctx.tokens) - 1 and not self.closed:
                 self.prefix_cache.store(ctx.tokens[: cache.length], cache)
             self.target.release_cache(cache)
+        if self.kv_budget is not None:
+            self.kv_budget.release(self.target.cache_bytes(ctx.capacity))
 
     def _gpu_lock(self) -> AbstractContextManager:
         """Held while recording GPU work outside a step when other generations may be stepping (`batch`)."""
