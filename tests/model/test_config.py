@@ -364,3 +364,138 @@ def test_gemma3_caps_only_where_its_config_sets_a_cap():
     cfg = config(**gemma3)
     assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
     assert config(**gemma3, final_logit_softcapping=30.0).final_logit_softcapping == 30.0
+
+
+GEMMA4 = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "num_hidden_layers": 6,
+    "num_key_value_heads": 1,
+    "hidden_size_per_layer_input": 32,
+    "vocab_size_per_layer_input": 49152,
+}
+
+
+def gemma4(**changes):
+    return config(**{**GEMMA4, **changes})
+
+
+def test_gemma4_layers_take_their_type_s_head_dim_rope_and_kv_source():
+    cfg = gemma4(layer_types=None)
+    # transformers' default pattern: every 6th layer full, the last one forced full
+    assert cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    cfg = gemma4(
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        final_logit_softcapping=30.0,
+    )
+    assert [cfg.layer_head_dim(i) for i in range(6)] == [32, 64] * 3
+    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 2, 3]  # the last layer of each type before them
+    assert [cfg.layer_intermediate_size(i) for i in range(6)] == [1536] * 4 + [3072] * 2
+    assert cfg.layer_rope(0) == (10_000.0, None)
+    assert cfg.layer_rope(1) == (1e6, {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 1.0})
+    assert (cfg.norm_offset, cfg.attention_scale, cfg.embed_scale) == (0.0, 1.0, float(np.float32(576**0.5)))
+    assert cfg.v_norm and cfg.sandwich_norms and cfg.qk_norm and cfg.tie_word_embeddings
+    assert (cfg.hidden_size_per_layer_input, cfg.final_logit_softcapping, cfg.attn_logit_softcapping) == (
+        32,
+        30.0,
+        None,
+    )
+    assert (cfg.sliding_window, cfg.weights_prefix) == (512, "model.")
+
+
+def test_other_families_keep_one_head_dim_and_their_own_kv():
+    cfg = config()
+    assert [cfg.layer_head_dim(i) for i in (0, 29)] == [64, 64]
+    assert [cfg.kv_source(i) for i in (0, 29)] == [0, 29]
+    assert cfg.layer_intermediate_size(29) == 1536 and cfg.hidden_size_per_layer_input == 0
+
+
+def test_gemma4_k_eq_v_models_give_full_layers_the_global_kv_heads():
+    cfg = gemma4(num_attention_heads=8, attention_k_eq_v=True, num_global_key_value_heads=2, num_key_value_heads=4)
+    assert [cfg.layer_num_kv_heads(i) for i in range(6)] == [4] * 5 + [2]
+    # without k_eq_v transformers ignores num_global_key_value_heads
+    assert gemma4(num_attention_heads=8, num_global_key_value_heads=2).layer_num_kv_heads(5) == 1
+
+
+def test_gemma4_multimodal_folder_reads_its_text_config():
+    text = {k: v for k, v in {**SMOLLM2, **GEMMA4}.items() if k not in ("architectures", "eos_token_id")}
+    data = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": {"model_type": "gemma4_vision"},
+        "eos_token_id": [1, 106],
+    }
+    cfg = ModelConfig.from_dict(data, source=SOURCE)
+    assert (cfg.architecture, cfg.weights_prefix, cfg.eos_token_ids) == (
+        "Gemma4ForCausalLM",
+        "model.language_model.",
+        (1, 106),
+    )
+    assert cfg.layer_head_dims == gemma4().layer_head_dims
+    with pytest.raises(ModelFormatError, match="text_config"):
+        ModelConfig.from_dict({**data, "text_config": None}, source=SOURCE)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"enable_moe_block": True, "num_experts": 8}, UnsupportedModelError, "mixture-of-experts"),
+        ({"use_bidirectional_attention": "all"}, UnsupportedModelError, "bidirectional"),
+        ({"num_kv_shared_layers": 6}, UnsupportedModelError, "gemma4_assistant"),
+        ({"global_head_dim": 512}, UnsupportedModelError, "layer 5's head_dim = 512"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
+            UnsupportedModelError,
+            "yarn",
+        ),
+        ({"hidden_size_per_layer_input": 48}, UnsupportedModelError, "hidden_size_per_layer_input"),
+        ({"vocab_size_per_layer_input": 100}, UnsupportedModelError, "vocab_size_per_layer_input"),
+        ({"per_layer_config": {"5": {"sliding_window": 3}}}, UnsupportedModelError, "sliding_window"),
+        (
+            {"num_kv_shared_layers": 1, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+            ModelFormatError,
+            "KV-shared",
+        ),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2}}},
+            ModelFormatError,
+            "partial_rotary_factor",
+        ),
+    ],
+)
+def test_gemma4_variants_we_do_not_run_are_refused(changes, error, message):
+    with pytest.raises(error, match=message):
+        gemma4(**changes)
+
+
+@pytest.mark.slow
+def test_gemma4_config_saved_by_transformers_reads_back_the_same(tmp_path):
+    """transformers writes its per-layer head dims as per_layer_config; the layers' shapes and KV sources
+    come back as its model builds them."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.Gemma4TextConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=32,
+        vocab_size_per_layer_input=320,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    )
+    reference.save_pretrained(tmp_path)
+    assert "per_layer_config" in json.loads((tmp_path / "config.json").read_text())
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    assert [cfg.layer_head_dim(i) for i in range(5)] == [reference.per_layer_config[i].head_dim for i in range(5)]
+    modes = reference.kv_sharing_modes
+    assert [cfg.kv_source(i) == i for i in range(5)] == [mode != "reuse" for mode in modes]
+    assert cfg.layer_rope(1)[1] == {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 1.0}
