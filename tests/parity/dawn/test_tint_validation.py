@@ -82,7 +82,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
     "token_mask": {"main": []},
     "subgroup_size": {"main": []},
-    "swiglu": {"main": [{"ACTIVATION": 1}]},
+    "swiglu": {"main": [{"ACTIVATION": 1}], "per_layer_gate": [{"ACTIVATION": 1}]},
     "kv_compact": {"main": []},
     "vocab_scatter": {"main": []},
 }
