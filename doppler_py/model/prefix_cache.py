@@ -85,7 +85,7 @@ class PrefixCache:
                 return
             if tokens[: len(entry.tokens)] == entry.tokens:  # a prefix of the new one: replaced by it
                 self._drop(key)
-        copy = KVCache(self.model.gpu, cache.num_layers, len(tokens), cache.n_kv_heads, cache.head_dim, "prefix")
+        copy = cache.empty_like(len(tokens), "prefix")
         if copy.nbytes > self.budget_bytes:
             copy.close()
             return

@@ -1,13 +1,15 @@
 """Our forward pass against HF transformers on tiny random models: a 20-token prefill, then 20 single-token
 decode steps through the GPU KV cache. The families: LLaMA, Mistral, Qwen2, Qwen3 (q/k norms, head_dim
-apart from hidden / heads), Gemma 2 (soft-capped scores and logits) and Gemma 3 (sliding layers with an 8-key
-window, shorter than the prompt and the output). Greedy decoding then matches HF token for token, and
-speculative greedy decoding matches plain greedy decoding (drafts verified k + 1 rows at a time, rejected ones
-rolled back).
+apart from hidden / heads), Gemma 2 (soft-capped scores and logits), Gemma 3 (sliding layers with an 8-key
+window, shorter than the prompt and the output) and Gemma 4 (a 6-key window, full layers with wider heads and
+partial RoPE, two last layers reading earlier layers' K/V, per-layer inputs, layer scalars, soft-capped
+logits). Greedy decoding then matches HF token for token, and speculative greedy decoding matches plain greedy
+decoding (drafts verified k + 1 rows at a time, rejected ones rolled back).
 
 Tolerance: 1e-4 max abs on logits for f32 weights (the model-families issue's bound; logits here are O(1–10)
 and float32 accumulation over K ≤ 224 and 2-3 layers differs from torch's by at most 1.4e-5, measured over
-every tiny model). Reduced-precision weights are checked against HF running the SAME rounded weights (so the
+every tiny model but Gemma 4, whose 5 layers, each with a per-layer input and a layer scalar up to 1.45, reach
+4.4e-5). Reduced-precision weights are checked against HF running the SAME rounded weights (so the
 kernels' dequantisation must be exact), with 1e-3.
 """
 
@@ -50,7 +52,7 @@ def test_f32_logits_match_transformers_through_prefill_and_decode(tiny_model, na
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding"])
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding", "gemma4"])
 def test_chunked_prefill_equals_one_pass(tiny_model, named_folder, name):
     """A prompt longer than max_rows is run in chunks; the logits must not depend on the chunking (for Gemma,
     chunks of 8 rows whose windows reach back into the previous chunk)."""
@@ -64,7 +66,7 @@ def test_chunked_prefill_equals_one_pass(tiny_model, named_folder, name):
 
 
 # Families whose layers differ from LLaMA's; the Gemma 3 model's window (8) is shorter than every prompt here.
-NEW_FAMILIES = ["qwen3-qknorm-gqa", "gemma3-sliding", "gemma2-softcap"]
+NEW_FAMILIES = ["qwen3-qknorm-gqa", "gemma3-sliding", "gemma2-softcap", "gemma4"]
 GREEDY = SamplingParams(temperature=0.0)
 # Repeats, so prompt lookup drafts tokens: some accepted, some rejected and rolled back.
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 22, 40, 3, 17, 5, 9, 1, 30, 3, 17]
@@ -88,6 +90,13 @@ def test_greedy_tokens_match_transformers(tiny_model, named_folder, reference, n
     folder = named_folder(name)
     model = tiny_model(folder, "f32", max_rows=32)
     assert reference_decode(model, PROMPT, 24, GREEDY) == hf_greedy(folder, PROMPT, 24)
+
+
+def test_gemma4_greedy_tokens_match_transformers_for_64_tokens(tiny_model, named_folder, reference):
+    """64 tokens: the shared layers' caches (their sources') and the 6-key windows roll far past the prompt."""
+    folder = named_folder("gemma4")
+    model = tiny_model(folder, "f32", max_rows=32)
+    assert reference_decode(model, PROMPT, 64, GREEDY) == hf_greedy(folder, PROMPT, 64)
 
 
 @pytest.mark.parametrize("k", [1, 4])
