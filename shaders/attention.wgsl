@@ -66,7 +66,7 @@
 //         row0 (the call's row r is row row0 + r of q and of out, so several sequences' rows, each with its own
 //         cache and call, share one q and one out buffer; positions, cache slots, the tree layout and the
 //         partials stay indexed by r).
-// Overrides: HEAD_DIM (a multiple of 16, at most 256); FUSED_ROPE (compile the rope == 1 path; rope == 2
+// Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE (compile the rope == 1 path; rope == 2
 //            is always compiled).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.

@@ -41,7 +41,7 @@ from doppler_py.ops.tree import MAX_TREE_ROWS
 LANES = 64  # invocations per workgroup in attention.wgsl
 STEP = 8  # keys a lane group scores per step
 QUERIES_PER_BLOCK = 4
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 MAX_SPLITS = 16
 SPLIT_MAX_ROWS = 16  # only decode/verification-sized calls split the key range; prefill has blocks enough
 MIN_SPLIT_KEYS = 256  # a split scores at least this many keys (two steps of 16 key lanes)
@@ -70,7 +70,8 @@ class Attention:
     holding keys/values for positions 0..start_pos + rows - 1 when the op runs (later positions may hold
     anything). Query head h reads kv head h // (n_heads // n_kv_heads); scores are q·k * scale (default
     1 / sqrt(head_dim)). With `window` > 0 the query at position p sees only keys in (p - window, p] (sliding-
-    window layers; the cache still holds every position). head_dim must be a multiple of 16, at most 256.
+    window layers; the cache still holds every position). head_dim must be a multiple of 16, at most 512 (Gemma 4's
+    full-attention layers).
 
     `rope`: a `rope_table` tensor of at least max_seq positions. Then `q` holds whole [q | k | v] rows (row
     stride (n_heads + 2 * n_kv_heads) * head_dim) before RoPE, and the op rotates q and k and writes the rows'

@@ -23,6 +23,7 @@ from doppler_py.testing.references import attention, tree_attention
 
 TOLERANCE = 1e-5
 SMOLLM2 = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
+GEMMA4_GLOBAL = {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512}  # Gemma 4 E2B's full-attention layers
 
 
 class Case:
@@ -147,7 +148,7 @@ def test_grouped_query_heads_read_their_shared_kv_head(
     case.check(case.run(registry, rows, start_pos), rows, start_pos)
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 256])
+@pytest.mark.parametrize("head_dim", [16, 32, 256, 512])
 def test_other_head_dims(gpu, registry, rng, head_dim):
     case = Case(gpu, registry, rng, n_heads=4, n_kv_heads=2, head_dim=head_dim, max_seq=64, max_rows=9)
     for rows, start_pos in ((1, 50), (9, 21)):
@@ -611,8 +612,16 @@ def test_call_values_carry_row0_and_rows_must_lie_in_the_buffers(gpu, registry, 
     assert rec.dispatches == 0
 
 
+@pytest.mark.parametrize("mode", ["local", "fused", "rope-dispatch"])
+def test_rope_inside_at_gemma4_s_global_head_dim(gpu, registry, rng, mode):
+    """head_dim 512 (Gemma 4 E2B's full layers): two lane groups of 32 lanes per workgroup."""
+    case = RopeCase(gpu, registry, rng, **GEMMA4_GLOBAL, max_seq=320, max_rows=20, mode=mode)
+    for rows, start_pos, splits in ((1, 77, None), (5, 70, None), (16, 90, 5), (20, 0, None)):
+        case.run_and_check(registry, rows, start_pos, splits)
+
+
 # -- KV-shared layers (kv_shared=True) -------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=["gqa3-64", "gqa4-128", "mqa6-16"])
+@pytest.mark.parametrize("shape", [*ROPE_SHAPES, GEMMA4_GLOBAL], ids=["gqa3-64", "gqa4-128", "mqa6-16", "mqa8-512"])
 @pytest.mark.parametrize(
     ("rows", "start_pos", "splits", "window"),
     [(1, 0, None, 0), (1, 77, None, 0), (1, 300, 3, 0), (5, 70, None, 8), (16, 90, 5, 0), (40, 3, None, 8)],

@@ -218,8 +218,8 @@ def test_unreadable_config_file_is_a_format_error(tmp_path, content):
             "head_dim = hidden_size / num_attention_heads = 64 / 8 = 8 (no 'head_dim' field) is not supported",
         ),
         (
-            TinySpec(hidden_size=512, num_attention_heads=1, num_key_value_heads=1),
-            "head_dim = hidden_size / num_attention_heads = 512 / 1 = 512 (no 'head_dim' field) is not supported",
+            TinySpec(hidden_size=576, num_attention_heads=1, num_key_value_heads=1),
+            "head_dim = hidden_size / num_attention_heads = 576 / 1 = 576 (no 'head_dim' field) is not supported",
         ),
         (
             TinySpec(hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
@@ -227,7 +227,7 @@ def test_unreadable_config_file_is_a_format_error(tmp_path, content):
         ),
         (TinySpec(intermediate_size=100), "field 'intermediate_size' = 100 is not supported"),
     ],
-    ids=["head_dim-8", "head_dim-512", "hidden-48", "intermediate-100"],
+    ids=["head_dim-8", "head_dim-576", "hidden-48", "intermediate-100"],
 )
 def test_loading_a_model_the_kernels_cannot_run_names_the_field(tmp_path, gpu, spec, message):
     # Before: head dims failed with a bare ValueError at the first forward, K widths with a ModelFormatError
@@ -241,9 +241,9 @@ def test_loading_a_model_the_kernels_cannot_run_names_the_field(tmp_path, gpu, s
     ("changes", "message"),
     [
         (
-            {"head_dim": 320},
-            "field 'head_dim' = 320 is not supported: the attention kernel runs head dims that are "
-            "multiples of 16 from 16 to 256",
+            {"head_dim": 528},
+            "field 'head_dim' = 528 is not supported: the attention kernel runs head dims that are "
+            "multiples of 16 from 16 to 512",
         ),
         ({"head_dim": 40}, "field 'head_dim' = 40 is not supported"),
         (
@@ -252,17 +252,18 @@ def test_loading_a_model_the_kernels_cannot_run_names_the_field(tmp_path, gpu, s
         ),
         ({"vocab_size": 1 << 24}, "field 'vocab_size' = 16777216 is not supported"),
     ],
-    ids=["head_dim-above-256", "head_dim-not-16n", "o_proj-width", "vocab"],
+    ids=["head_dim-above-512", "head_dim-not-16n", "o_proj-width", "vocab"],
 )
 def test_unsupported_shapes_are_refused_naming_the_field(changes, message):
     with pytest.raises(UnsupportedModelError, match=re.escape(f"{SOURCE}: {message}")):
         config(**changes)
 
 
-def test_the_supported_head_dims_reach_from_16_to_256():
+def test_the_supported_head_dims_reach_from_16_to_512():
     assert config(num_attention_heads=36, num_key_value_heads=3).head_dim == 16
     cfg = config(hidden_size=4096, num_attention_heads=16, num_key_value_heads=16, head_dim=256)
     assert cfg.head_dim == 256
+    assert config(num_attention_heads=8, num_key_value_heads=1, head_dim=512).head_dim == 512  # Gemma 4's global
 
 
 @pytest.mark.slow
@@ -447,7 +448,7 @@ def test_gemma4_multimodal_folder_reads_its_text_config():
         ({"enable_moe_block": True, "num_experts": 8}, UnsupportedModelError, "mixture-of-experts"),
         ({"use_bidirectional_attention": "all"}, UnsupportedModelError, "bidirectional"),
         ({"num_kv_shared_layers": 6}, UnsupportedModelError, "gemma4_assistant"),
-        ({"global_head_dim": 512}, UnsupportedModelError, "layer 5's head_dim = 512"),
+        ({"global_head_dim": 528}, UnsupportedModelError, "layer 5's head_dim = 528"),
         (
             {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
             UnsupportedModelError,
