@@ -15,8 +15,12 @@ kernels' dequantisation must be exact), with 1e-3.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 from support.decode import reference_decode
 
 from doppler_py.sampling import SamplingParams
@@ -146,3 +150,36 @@ def test_a_gemma_vocabulary_beyond_one_storage_binding_matches_transformers(tiny
     engine = SpeculativeEngine(model, LayerSkipDrafter(model, 1))  # the GPU sampler and verifier over 262,144
     assert engine.generate(PROMPT, 8, GREEDY, k=4).tokens == plain
     engine.close()
+
+
+def test_gemma4_with_values_equal_to_keys_matches_transformers(tiny_model, tiny_folder, reference):
+    """attention_k_eq_v: full layers have no v_proj; their values are the k projection, v-normalised."""
+    spec = dataclasses.replace(TINY_SPECS["gemma4"], attention_k_eq_v=True, seed=12)
+    folder = tiny_folder(spec)
+    ids = sequence(spec.vocab_size, PREFILL + DECODE, seed=1)
+    ours = our_logits(tiny_model(folder, "f32", max_rows=32), ids)
+    np.testing.assert_allclose(ours, reference.hf_logits(folder, ids), atol=1e-4, rtol=0)
+
+
+def test_a_gemma4_multimodal_folder_runs_its_text_model(tiny_model, named_folder, tmp_path):
+    """Gemma4ForConditionalGeneration: config.json's text_config, tensors under model.language_model. (the
+    vision tower's are left alone); the same logits as the text model's own folder."""
+    folder = named_folder("gemma4")
+    text = json.loads((folder / "config.json").read_text())
+    outer = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": {**text, "architectures": None},
+        "vision_config": {"model_type": "gemma4_vision"},
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    tensors = {
+        name.replace("model.", "model.language_model.", 1): value
+        for name, value in load_file(folder / "model.safetensors").items()
+    }
+    tensors["model.vision_tower.patch_embedder.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ids = sequence(128, PREFILL + DECODE, seed=2)
+    expected = our_logits(tiny_model(folder, "f32", max_rows=32), ids)
+    np.testing.assert_array_equal(our_logits(tiny_model(tmp_path, "f32", max_rows=32), ids), expected)
