@@ -10,7 +10,7 @@ import pytest
 
 import doppler_py
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
-from doppler_py.model.config import ModelConfig
+from doppler_py.model.config import GEMMA4_ROPE_DEFAULTS, ModelConfig
 from doppler_py.testing.tiny import TinySpec, write_tiny_model
 
 SOURCE = "test-config.json"
@@ -500,3 +500,32 @@ def test_gemma4_config_saved_by_transformers_reads_back_the_same(tmp_path):
     modes = reference.kv_sharing_modes
     assert [cfg.kv_source(i) == i for i in range(5)] == [mode != "reuse" for mode in modes]
     assert cfg.layer_rope(1)[1] == {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 1.0}
+
+
+def test_an_e2b_sized_gemma4_config_is_accepted():
+    """E2B's shape as we understand its published config (not checked against the file: nothing is downloaded):
+    35 layers, four sliding then one full, the last 20 reading the K/V of layers 13 (sliding) and 14 (full),
+    head dims 256 / 512, one KV head, double-wide MLPs on the shared layers, per-layer inputs of 256."""
+    cfg = config(
+        architectures=["Gemma4ForCausalLM"],
+        model_type="gemma4_text",
+        vocab_size=262_144,
+        hidden_size=1536,
+        intermediate_size=6144,
+        num_hidden_layers=35,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        num_kv_shared_layers=20,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262_144,
+        sliding_window=512,
+        final_logit_softcapping=30.0,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        rope_parameters=GEMMA4_ROPE_DEFAULTS,
+    )
+    assert {cfg.layer_head_dim(i) for i in range(35)} == {256, 512}
+    assert {cfg.kv_source(i) for i in range(15, 35)} == {13, 14}
+    assert [cfg.layer_intermediate_size(i) for i in (14, 15)] == [6144, 12288]
