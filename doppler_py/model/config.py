@@ -239,7 +239,7 @@ def _text_part(data: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
     """
     architectures = data.get("architectures")
     name = architectures[0] if isinstance(architectures, list) and architectures else None
-    if name is None:
+    if not isinstance(name, str):  # no name (or not a name: _architecture says so)
         name = next((a for a, part in TEXT_PARTS.items() if part[0] == data.get("model_type")), None)
     if name not in TEXT_PARTS:
         return data, "model."
