@@ -9,8 +9,9 @@ decoding (drafts verified k + 1 rows at a time, rejected ones rolled back).
 Tolerance: 1e-4 max abs on logits for f32 weights (the model-families issue's bound; logits here are O(1–10)
 and float32 accumulation over K ≤ 224 and 2-3 layers differs from torch's by at most 1.4e-5, measured over
 every tiny model but Gemma 4, whose 5 layers, each with a per-layer input and a layer scalar up to 1.45, reach
-4.8e-5 over three sequences, 3.1e-5 from a float64 forward of the same weights). Reduced-precision weights are checked against HF running the SAME rounded weights (so the
-kernels' dequantisation must be exact), with 1e-3.
+4.8e-5 over three sequences, 3.1e-5 from a float64 forward of the same weights). Reduced-precision weights
+are checked against HF running the SAME rounded weights (so the kernels' dequantisation must be exact), with
+1e-3.
 """
 
 from __future__ import annotations
@@ -200,3 +201,26 @@ def test_gemma4_f16_weights_match_transformers_on_the_same_rounded_weights(
     ids = sequence(128, PREFILL + DECODE, seed=4)
     ours = our_logits(tiny_model(folder, "f16", max_rows=32), ids)
     np.testing.assert_allclose(ours, reference.hf_logits(tmp_path, ids), atol=1e-3, rtol=0)
+
+
+def test_gemma4_sequences_batched_in_one_forward_equal_each_alone(tiny_model, named_folder):
+    """record_batch: each sequence's rows attend over its own cache in every layer, the KV-shared ones included,
+    and the per-layer inputs follow the stacked rows."""
+    model = tiny_model(named_folder("gemma4"), "f32", max_rows=32)
+    a, b = sequence(128, 14, seed=7), sequence(128, 9, seed=8)
+    alone = []
+    for ids, new in ((a, 3), (b, 2)):
+        cache = model.new_cache(32)
+        model.forward(ids[:-new], cache, 0, logits="none")
+        alone.append(model.forward(ids[-new:], cache, logits="all"))
+        model.release_cache(cache)
+    caches = [model.new_cache(32), model.new_cache(32)]
+    model.forward(a[:-3], caches[0], 0, logits="none")
+    model.forward(b[:-2], caches[1], 0, logits="none")
+    model.ids.view((5,)).write(np.array(a[-3:] + b[-2:], np.uint32))
+    rec = model.registry.recorder()
+    model.record_batch(rec, [(caches[0], len(a) - 3, 3), (caches[1], len(b) - 2, 2)])
+    rec.submit()
+    np.testing.assert_allclose(model.read_logits(5), np.concatenate(alone), atol=1e-5, rtol=0)
+    for cache in caches:
+        model.release_cache(cache)
