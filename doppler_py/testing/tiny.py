@@ -214,7 +214,7 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
 def _gemma4_weights(spec: TinySpec, mat, norm) -> dict[str, np.ndarray]:
     """A Gemma 4 text model's tensors besides the embedding and the final norm (transformers' names); the shared
     layers have no k/v projections or norms, a full layer of an attention_k_eq_v model no v_proj."""
-    from doppler_py.model.config import ModelConfig
+    from doppler_py.model.config import ModelConfig  # here: it pulls in wgpu, which the other families never need
 
     cfg = ModelConfig.from_dict(config_dict(spec), source="tiny gemma4")
     h, per_layer, layers = spec.hidden_size, spec.hidden_size_per_layer_input, spec.num_hidden_layers
