@@ -332,6 +332,14 @@ class Transformer:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def prefill_layers(self) -> int | None:
+        """The layers a prefill must run when nobody reads its rows' outputs (`num_layers`): those that write K/V.
+        Gemma 4's KV-shared layers write none, so a prefill may stop before them, as transformers' does
+        (`_maybe_slice_kv_shared_inputs`); None (every layer) for models without them."""
+        first_shared = self.config.num_hidden_layers - self.config.num_kv_shared_layers
+        return first_shared if first_shared < self.num_layers else None
+
     def linears(self) -> list[Linear]:
         """Every matmul of the model (each layer's four, Gemma 4's per-layer input ones, then the LM head's two),
         e.g. to compile ahead of use."""

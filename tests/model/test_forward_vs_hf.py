@@ -224,3 +224,19 @@ def test_gemma4_sequences_batched_in_one_forward_equal_each_alone(tiny_model, na
     np.testing.assert_allclose(model.read_logits(5), np.concatenate(alone), atol=1e-5, rtol=0)
     for cache in caches:
         model.release_cache(cache)
+
+
+def test_a_gemma4_prefill_may_stop_before_the_kv_shared_layers(tiny_model, named_folder):
+    """The KV-shared layers write no K/V: a prefill whose outputs nobody reads (the engine's, unless its drafter
+    reads the prompt's features) runs the first 3 of 5 layers and leaves the same cache, so the next step's logits
+    are the same bits."""
+    model = tiny_model(named_folder("gemma4"), "f32", max_rows=32)
+    assert model.prefill_layers == 3
+    ids = sequence(128, 30, seed=9)
+    logits = []
+    for layers in (None, model.prefill_layers):
+        cache = model.new_cache(32)
+        model.forward(ids[:-1], cache, 0, logits="none", num_layers=layers)
+        logits.append(model.forward(ids[-1:], cache))
+        model.release_cache(cache)
+    np.testing.assert_array_equal(logits[0], logits[1])
