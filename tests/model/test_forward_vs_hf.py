@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 from support.decode import reference_decode
 
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative import LayerSkipDrafter, PromptLookupDrafter
+from doppler_py.speculative import DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.testing.tiny import TINY_SPECS, TinySpec
 
@@ -240,3 +240,15 @@ def test_a_gemma4_prefill_may_stop_before_the_kv_shared_layers(tiny_model, named
         logits.append(model.forward(ids[-1:], cache))
         model.release_cache(cache)
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_a_gemma4_draft_model_keeps_greedy_output(tiny_model, tiny_folder, named_folder):
+    """A Gemma 4 draft (its own weights) for the Gemma 4 target: its prompt prefill stops before its KV-shared
+    layers, its drafts come from all of them, and the output is the target's plain greedy output."""
+    model = tiny_model(named_folder("gemma4"), "f32", max_rows=32)
+    draft = tiny_model(tiny_folder(dataclasses.replace(TINY_SPECS["gemma4"], seed=13)), "f32", max_rows=32)
+    engine = SpeculativeEngine(model, DraftModelDrafter(draft, model.config.vocab_size))
+    result = engine.generate(PROMPT, 32, GREEDY, k=4)
+    engine.close()
+    assert result.tokens == reference_decode(model, PROMPT, 32, GREEDY)
+    assert result.stats.steps > 0
