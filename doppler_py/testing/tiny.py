@@ -48,12 +48,14 @@ class TinySpec:
     final_logit_softcapping: float | None = None
     # Gemma 4 (written for gemma4 only): full layers' head_dim and partial RoPE, the last layers reading earlier
     # layers' K/V (with double-wide MLPs), per-layer inputs of this width (0: none), values = keys on full layers
+    # (which then have num_global_key_value_heads KV heads when it is set)
     global_head_dim: int | None = None
     partial_rotary_factor: float = 0.25
     num_kv_shared_layers: int = 0
     use_double_wide_mlp: bool = False
     hidden_size_per_layer_input: int = 0
     attention_k_eq_v: bool = False
+    num_global_key_value_heads: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -154,6 +156,8 @@ def config_dict(spec: TinySpec) -> dict:
         cfg["hidden_size_per_layer_input"] = spec.hidden_size_per_layer_input
         cfg["vocab_size_per_layer_input"] = spec.vocab_size
         cfg["attention_k_eq_v"] = spec.attention_k_eq_v
+        if spec.num_global_key_value_heads is not None:
+            cfg["num_global_key_value_heads"] = spec.num_global_key_value_heads
         cfg["enable_moe_block"] = False
         cfg["layer_types"][-1] = "full_attention"  # transformers makes the last layer full (with a warning)
     return cfg

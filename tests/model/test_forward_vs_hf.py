@@ -154,8 +154,9 @@ def test_a_gemma_vocabulary_beyond_one_storage_binding_matches_transformers(tiny
 
 
 def test_gemma4_with_values_equal_to_keys_matches_transformers(tiny_model, tiny_folder, reference):
-    """attention_k_eq_v: full layers have no v_proj; their values are the k projection, v-normalised."""
-    spec = dataclasses.replace(TINY_SPECS["gemma4"], attention_k_eq_v=True, seed=12)
+    """attention_k_eq_v: full layers have no v_proj; their values are the k projection, v-normalised; and they have
+    num_global_key_value_heads (2) KV heads where sliding layers have 1 (caches of two head counts)."""
+    spec = dataclasses.replace(TINY_SPECS["gemma4"], attention_k_eq_v=True, num_global_key_value_heads=2, seed=12)
     folder = tiny_folder(spec)
     ids = sequence(spec.vocab_size, PREFILL + DECODE, seed=1)
     ours = our_logits(tiny_model(folder, "f32", max_rows=32), ids)
