@@ -498,6 +498,13 @@ def _gemma4(fields: _Fields, ints: dict[str, int], kv_heads: int, head_dim: int,
             f"{source}: the {shared} KV-shared layers need an earlier layer of each of their types "
             f"({sorted(set(layer_types))}); the first {layers - shared} layers hold only {sorted(producers)}"
         )
+    for i in range(layers - shared, layers):  # a shared layer reads its source's cache: the same head shape
+        j = max(j for j in range(layers - shared) if layer_types[j] == layer_types[i])
+        if (head_dims[i], layer_kv[i]) != (head_dims[j], layer_kv[j]):
+            raise ModelFormatError(
+                f"{source}: KV-shared layer {i} has {layer_kv[i]} KV heads of {head_dims[i]} but reads the K/V of "
+                f"layer {j}, which has {layer_kv[j]} of {head_dims[j]}"
+            )
 
     per_layer = data.get("hidden_size_per_layer_input", 256)
     per_layer = 0 if per_layer is None else per_layer

@@ -467,6 +467,15 @@ def test_gemma4_multimodal_folder_reads_its_text_config():
             ModelFormatError,
             "partial_rotary_factor",
         ),
+        (
+            {
+                "num_kv_shared_layers": 1,
+                "layer_types": ["sliding_attention", "full_attention"] * 3,
+                "per_layer_config": {"3": {"head_dim": 64}},
+            },
+            ModelFormatError,
+            "KV-shared layer 5 has 1 KV heads of 32 but reads the K/V of layer 3, which has 1 of 64",
+        ),
     ],
 )
 def test_gemma4_variants_we_do_not_run_are_refused(changes, error, message):
