@@ -80,7 +80,7 @@ class ModelWeights:
     norm: Tensor
     lm_head: Weight  # the embedding's Weight when tied
     precision: str
-    # Gemma 4's per-layer inputs: (rmsnorm(x0·Wp^T) + E_ple[ids]·sqrt(P)) / sqrt(2), P per layer
+    # Gemma 4's per-layer inputs: (rmsnorm(x0·Wp^T / sqrt(H)) + E_ple[ids]·sqrt(P)) / sqrt(2), P per layer
     per_layer_embed: Weight | None = None  # embed_tokens_per_layer [vocab_size_per_layer_input, L * P]
     per_layer_projection: Weight | None = None  # per_layer_model_projection [L * P, H]
     per_layer_projection_norm: Tensor | None = None  # [P], times 1 / sqrt(2) (the sum's scale, folded in)
