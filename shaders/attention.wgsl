@@ -36,6 +36,10 @@
 // dim i pairs with i +- HEAD_DIM / 2, so a vec4 of dims pairs with the vec4 HEAD_DIM / 8 away, and both halves
 // use the angles of dims i mod HEAD_DIM / 2).
 //
+// KV-shared layers (rope == 3, any grid; Gemma 4's last layers): q holds only the layer's query rows
+// (q_stride = n_heads * HEAD_DIM / 4), rotated as they are loaded; every key and value, this call's rows
+// included, comes from the caches, which an earlier layer's dispatch of this forward wrote; nothing is written.
+//
 // Token trees (tree == 1, speculative verification of a tree proposal): row r sits at position
 // start_pos + depth(r) (its query's RoPE and window) and sees the cached keys before start_pos plus the keys of
 // the rows in its ancestor mask (itself and its ancestors, which come before it); its key and value stay in
@@ -44,24 +48,25 @@
 //
 // Bindings: 0 params (uniform Params), 1 q (read) [row0 + rows, q_stride * 4], query heads in the first
 //           n_heads * HEAD_DIM floats of each row (RoPE applied when rope == 0; the model's fused
-//           [q | k | v] rows, which rope 1 and 2 require),
+//           [q | k | v] rows, which rope 1 and 2 require; rope 3: only the query heads, not rotated),
 //           2 k_cache and 3 v_cache (read_write; written only when rope is 1 or 2) [max_seq, n_kv_heads, HEAD_DIM],
 //           4 out (read_write) [row0 + rows, n_heads * HEAD_DIM],
 //           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
 //           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split,
-//           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope 1, 2),
+//           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope 1, 2, 3),
 //           8 tree (read) [rows] of (depth, ancestor mask) per row (ops/tree.py; read when tree == 1).
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
 //         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
 //         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
 //         rope (1: RoPE and the cache write inside, as above; 2: the same before the key loop, one workgroup
-//         per kv head; 0: q rotated and the caches written before);
+//         per kv head; 3: q rotated as loaded, the caches only read (KV-shared layers); 0: q rotated and the
+//         caches written before);
 //         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped);
 //         tree (1: the rows are a token tree laid out in `tree`, as above; 0: consecutive positions);
 //         row0 (the call's row r is row row0 + r of q and of out, so several sequences' rows, each with its own
 //         cache and call, share one q and one out buffer; positions, cache slots, the tree layout and the
 //         partials stay indexed by r).
-// Overrides: HEAD_DIM (a multiple of 16, at most 256); FUSED_ROPE (compile the rope == 1 path; rope == 2
+// Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE (compile the rope == 1 path; rope == 2
 //            is always compiled).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
@@ -163,7 +168,7 @@ fn rope_inside() -> bool {
 
 // Dims 4c..4c+3 of the query head at q[head..] of the row at position `pos`.
 fn query(head: u32, c: u32, pos: u32) -> vec4<f32> {
-  if (rope_inside()) {
+  if (rope_inside() || params.rope == 3u) {
     return rotated(head, c, pos);
   }
   return q[head + c];

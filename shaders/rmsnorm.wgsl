@@ -1,16 +1,19 @@
 // rmsnorm: out[t, i] (+)= src[t, i] / sqrt(mean_j(src[t, j]^2) + eps) * weight[i] (HF LlamaRMSNorm, all in f32;
 // Gemma's (1 + w) is folded into the weight at load time).
 //   main:  rows of src into out; with ACCUMULATE, added to out (Gemma's post-attention / post-MLP norms added
-//          to the residual stream: x += rmsnorm(y)).
+//          to the residual stream: x += rmsnorm(y)), the sum then times out_scale (Gemma 4's layer_scalar on the
+//          layer's output: x = (x + rmsnorm(y)) * s; 1 elsewhere, which leaves the sum exact).
 //   heads: per-head norm in place (Qwen3 / Gemma 3 q_norm and k_norm): in each row of `out` (row_stride
 //          floats), heads 0 .. n_heads - 1 of `dim` floats each, normalised with weight[0 .. dim) for the
-//          first q_heads heads (q) and weight[dim .. 2 dim) for the others (k).
+//          first q_heads heads (q), weight[dim .. 2 dim) for the next k_heads (k) and weight[2 dim .. 3 dim)
+//          for any after them (v: Gemma 4's v_norm, whose weight is all ones).
 // Bindings: 0 params (uniform Params), 1 src (read, [rows, dim]; main only; not `x`, which
 //           would clash with the `.x` swizzles in the registry's scan of what an entry point uses), 2 weight (read, [dim], heads:
 //           [2 dim]), 3 out (read_write, [rows, dim]; heads: [rows, row_stride]).
-// Params: dim = row (head) length, eps = variance epsilon; heads only: q_heads, row_stride.
+// Params: dim = row (head) length, eps = variance epsilon; main only: out_scale (read with ACCUMULATE);
+//         heads only: q_heads, row_stride, k_heads.
 // Overrides: ACCUMULATE (main: add to out instead of writing it).
-// Dispatch: main (rows, 1, 1), heads (n_heads, rows, 1) workgroups of 256; one workgroup per row (head),
+// Dispatch: main (rows, 1, 1), heads (q_heads + k_heads + v heads, rows, 1) workgroups of 256; one workgroup per row (head),
 // each invocation strides over it and the partial sums of squares meet in a tree reduction in workgroup
 // memory.
 
@@ -21,6 +24,8 @@ struct Params {
   eps: f32,
   q_heads: u32,
   row_stride: u32,
+  k_heads: u32,
+  out_scale: f32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -59,7 +64,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   for (var i = lid; i < params.dim; i += WG) {
     let y = weight[i] * (src[base + i] * scale);
     if (ACCUMULATE) {
-      out[base + i] += y;
+      out[base + i] = (out[base + i] + y) * params.out_scale;
     } else {
       out[base + i] = y;
     }
@@ -69,7 +74,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 @compute @workgroup_size(256)
 fn heads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
   let base = wid.y * params.row_stride + wid.x * params.dim;
-  let w_base = select(params.dim, 0u, wid.x < params.q_heads);
+  var w_base = 0u;
+  if (wid.x >= params.q_heads + params.k_heads) {
+    w_base = 2u * params.dim;
+  } else if (wid.x >= params.q_heads) {
+    w_base = params.dim;
+  }
   var sum_sq = 0.0;
   for (var i = lid; i < params.dim; i += WG) {
     let v = out[base + i];

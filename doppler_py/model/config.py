@@ -7,7 +7,6 @@ the same way here as in transformers. Both the transformers 4 spelling (`rope_th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -42,12 +41,15 @@ ARCHITECTURES: dict[str, _Architecture] = {
     "Qwen3ForCausalLM": _Architecture("qwen3", 32768, qk_norm=True, head_dim=128),
     "Gemma2ForCausalLM": _Architecture("gemma2", 8192, head_dim=256, gemma=True),
     "Gemma3ForCausalLM": _Architecture("gemma3_text", 131072, qk_norm=True, head_dim=256, gemma=True),
+    "Gemma4ForCausalLM": _Architecture("gemma4_text", 131072, qk_norm=True, head_dim=256, gemma=True),
     "Qwen3_5ForCausalLM": _Architecture("qwen3_5_text", 32768, qk_norm=True, head_dim=256, hybrid=True),
-    # Loads the language model of the image-text checkpoint (its text_config); images are not supported.
-    "Qwen3_5ForConditionalGeneration": _Architecture("qwen3_5", 32768, qk_norm=True, head_dim=256, hybrid=True),
 }
-# Image-text architectures whose language model loads as this text architecture, with its weights under this prefix.
-TEXT_PARTS = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "model.language_model.")}
+# Multimodal folders whose text part we load: architecture -> (model_type, the text model's architecture, the
+# prefix of its tensors' names).
+TEXT_PARTS = {
+    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForCausalLM", "model.language_model."),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForCausalLM", "model.language_model."),
+}
 # Architectures of the supported families that need something this engine lacks, and what.
 MISSING_FEATURES = {
     "Qwen3_5MoeForCausalLM": "mixture-of-experts MLP layers",
@@ -105,7 +107,8 @@ class LinearAttention:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A validated LLaMA-family configuration (LLaMA, SmolLM, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text).
+    """A validated LLaMA-family configuration (LLaMA, SmolLM, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Gemma 4
+    text).
 
     The fields after `torch_dtype` describe how Qwen3 and Gemma depart from LLaMA; their defaults are
     LLaMA's, so a LLaMA config leaves them alone.
@@ -142,21 +145,45 @@ class ModelConfig:
     # Gemma 2: scores, then the final logits, pass through c * tanh(x / c); None = not capped
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 4 (transformers' Gemma4TextConfig); the defaults leave every other family alone.
+    layer_head_dims: tuple[int, ...] = ()  # head_dim of each layer (full layers: global_head_dim); () = head_dim
+    layer_kv_heads: tuple[int, ...] = ()  # num_key_value_heads of each layer; () = num_key_value_heads
+    num_kv_shared_layers: int = 0  # the last layers attend over the K/V of an earlier layer (`kv_source`)
+    attention_k_eq_v: bool = False  # full layers have no v_proj: their values are the k projection
+    v_norm: bool = False  # values pass a weightless per-head RMSNorm before the cache
+    double_wide_mlp: bool = False  # the MLPs of KV-shared layers are 2 * intermediate_size wide
+    hidden_size_per_layer_input: int = 0  # width of each layer's per-layer input (0: none)
+    vocab_size_per_layer_input: int = 0  # rows of the per-layer input embedding
+    weights_prefix: str = "model."  # where the text model's tensors live (a multimodal folder nests them)
     # Qwen 3.5: "linear_attention" layers (layer_types) are Gated DeltaNet layers of this shape; the full-attention
     # layers gate their output by sigmoid(x·Wgate) and rotate only the first rotary_dim dims of each head.
     linear_attention: LinearAttention | None = None
     attention_gate: bool = False
     rotary_dim: int | None = None  # None: the whole head
-    weight_prefix: str = "model."  # of the embedding, layers and final norm in the safetensors files
 
     def is_linear(self, layer: int) -> bool:
         """Whether `layer` is a linear-attention (Gated DeltaNet) layer rather than an attention layer."""
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
-    @property
-    def attention_layers(self) -> list[int]:
-        """The layers with a KV cache, in order."""
-        return [i for i in range(self.num_hidden_layers) if not self.is_linear(i)]
+    def layer_head_dim(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        wide = self.double_wide_mlp and self.kv_source(layer) != layer
+        return self.intermediate_size * (2 if wide else 1)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends over: itself, or for one of the last num_kv_shared_layers layers,
+        the last earlier layer of its type (that layer's cache; the shared layer computes and writes no K/V)."""
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_types[layer] if self.layer_types else "full_attention"
+        kinds = self.layer_types or ("full_attention",) * self.num_hidden_layers
+        return max(j for j in range(first_shared) if kinds[j] == kind)
 
     def layer_window(self, layer: int) -> int:
         """Keys the queries of `layer` see (0 = every earlier position)."""
@@ -186,10 +213,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
         """Check `data` (a parsed config.json); `source` names it in error messages."""
+        data, weights_prefix = _text_part(data, source)
         fields = _Fields(data, source)
         architecture = _architecture(data, source)
-        if architecture in TEXT_PARTS:
-            return _text_part(data, architecture, source)
         arch = ARCHITECTURES[architecture]
 
         ints = {name: fields.positive_int(name) for name in _REQUIRED_INTS}
@@ -212,7 +238,10 @@ class ModelConfig:
         _check_engine_limits(ints, heads, head_dim, explicit_head_dim=data.get("head_dim") is not None, source=source)
 
         max_positions = fields.positive_int("max_position_embeddings", default=arch.max_position_embeddings)
-        if arch.gemma:
+        if architecture == "Gemma4ForCausalLM":
+            family = _gemma4(fields, ints, kv_heads, head_dim, source)
+            rope_theta, rope_scaling = family.pop("rope")
+        elif arch.gemma:
             family = _gemma(fields, ints, architecture, source)
             rope_theta, rope_scaling = family.pop("rope")
         elif arch.hybrid:
@@ -249,22 +278,34 @@ class ModelConfig:
             eos_token_ids=fields.token_ids("eos_token_id", ints["vocab_size"]),
             torch_dtype=fields.get("torch_dtype", None) or fields.get("dtype", None),
             qk_norm=arch.qk_norm,
+            weights_prefix=weights_prefix,
             **family,
         )
 
 
-def _text_part(data: dict[str, Any], architecture: str, source: str) -> ModelConfig:
-    """The language model of an image-text checkpoint: its text_config, read as the text architecture."""
+def _text_part(data: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
+    """A multimodal config (TEXT_PARTS) as the config of its text model, which is what we load, and where that
+    model's tensors live; other configs as given, with the usual "model." prefix.
+
+    The text model's fields come from `text_config`; token ids and tie_word_embeddings it leaves out come from
+    the outer config, where transformers keeps them. Vision and audio towers are left unloaded.
+    """
+    architectures = data.get("architectures")
+    name = architectures[0] if isinstance(architectures, list) and architectures else None
+    if not isinstance(name, str):  # no name (or not a name: _architecture says so)
+        name = next((a for a, part in TEXT_PARTS.items() if part[0] == data.get("model_type")), None)
+    if name not in TEXT_PARTS:
+        return data, "model."
+    model_type, text_architecture, prefix = TEXT_PARTS[name]
+    if data.get("model_type", model_type) != model_type:
+        raise ModelFormatError(
+            f"{source}: field 'model_type' = {data['model_type']!r} contradicts architecture {name!r} ({model_type!r})"
+        )
     text = data.get("text_config")
     if not isinstance(text, dict):
-        raise ModelFormatError(f"{source}: {architecture} needs a 'text_config' object, got {text!r:.80}")
-    text_architecture, prefix = TEXT_PARTS[architecture]
-    merged = {**text, "architectures": [text_architecture]}
-    merged.pop("model_type", None)
-    if data.get("tie_word_embeddings") is not None:  # transformers ties the image-text model's head by its own flag
-        merged["tie_word_embeddings"] = data["tie_word_embeddings"]
-    config = ModelConfig.from_dict(merged, f"{source} (text_config)")
-    return dataclasses.replace(config, architecture=architecture, weight_prefix=prefix)
+        raise ModelFormatError(f"{source}: {name} needs a 'text_config' object, got {text!r:.80}")
+    outer = {k: data[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "dtype") if k in data}
+    return {**outer, **text, "architectures": [text_architecture]}, prefix
 
 
 def _architecture(data: dict[str, Any], source: str) -> str:
@@ -438,6 +479,185 @@ def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str
         "rope": full,
         **softcaps,
     }
+
+
+GEMMA4_ROPE_DEFAULTS = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+GEMMA4_LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")  # the per_layer_config fields we read
+
+
+def _gemma4(fields: _Fields, ints: dict[str, int], kv_heads: int, head_dim: int, source: str) -> dict[str, Any]:
+    """The Gemma 4 text fields of ModelConfig (transformers' Gemma4TextConfig and its defaults), plus "rope":
+    (theta, scaling) of the full-attention layers.
+
+    Unlike Gemma 2/3, the RMSNorms scale by w (no 1 + w) and scores are q·k unscaled (q and k are normalised
+    per head). What we do not run is refused: the mixture-of-experts block, bidirectional attention.
+    """
+    data, layers, heads = fields.data, ints["num_hidden_layers"], ints["num_attention_heads"]
+    if fields.boolean("enable_moe_block", default=False):
+        raise UnsupportedModelError(
+            f"{source}: enable_moe_block = true (a mixture-of-experts MLP: num_experts, top_k_experts, "
+            "moe_intermediate_size) is not supported; Gemma 4's dense models (e.g. E2B, E4B) are"
+        )
+    bidirectional = data.get("use_bidirectional_attention")
+    if bidirectional == "all":
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention = 'all' is not supported (causal only)")
+    if bidirectional not in (None, "vision"):  # "vision" changes only image tokens' masks: text is causal
+        raise ModelFormatError(
+            f"{source}: field 'use_bidirectional_attention' must be null, 'vision' or 'all', got {bidirectional!r}"
+        )
+    if fields.boolean("attention_bias", default=False):
+        raise UnsupportedModelError(f"{source}: attention_bias = true is not supported for Gemma 4")
+    hidden_act = fields.get("hidden_activation", "gelu_pytorch_tanh")
+    if hidden_act not in HIDDEN_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{source}: hidden_activation {hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTIVATIONS)})"
+        )
+
+    layer_types = fields.get("layer_types", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(kind not in ("full_attention", "sliding_attention") for kind in layer_types)
+    ):
+        raise ModelFormatError(
+            f"{source}: field 'layer_types' must list 'full_attention' or 'sliding_attention' for each of the "
+            f"{layers} layers, got {layer_types!r:.120}"
+        )
+    layer_types = [*layer_types[:-1], "full_attention"]  # transformers forces the last layer to full attention
+
+    k_eq_v = fields.boolean("attention_k_eq_v", default=False)
+    head_dims, layer_kv = _gemma4_layer_shapes(fields, layer_types, kv_heads, head_dim, k_eq_v, source)
+    for i, (hd, kv) in enumerate(zip(head_dims, layer_kv, strict=True)):
+        if hd % HEAD_DIM_MULTIPLE or not HEAD_DIM_MULTIPLE <= hd <= MAX_HEAD_DIM or (heads * hd) % BLOCK:
+            raise UnsupportedModelError(
+                f"{source}: layer {i}'s head_dim = {hd} is not supported: the attention kernel runs head dims "
+                f"that are multiples of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}",
+                advice="",
+            )
+        if heads % kv:
+            raise ModelFormatError(f"{source}: layer {i}'s {kv} KV heads do not divide num_attention_heads = {heads}")
+
+    shared = data.get("num_kv_shared_layers") or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared <= layers:
+        raise ModelFormatError(f"{source}: field 'num_kv_shared_layers' must be in 0..{layers}, got {shared!r}")
+    if shared == layers:
+        raise UnsupportedModelError(
+            f"{source}: num_kv_shared_layers = num_hidden_layers = {layers}: every layer reads another model's K/V "
+            "(a gemma4_assistant drafter), which is not supported"
+        )
+    producers = set(layer_types[: layers - shared])
+    if shared and producers != set(layer_types):
+        raise ModelFormatError(
+            f"{source}: the {shared} KV-shared layers need an earlier layer of each of their types "
+            f"({sorted(set(layer_types))}); the first {layers - shared} layers hold only {sorted(producers)}"
+        )
+    for i in range(layers - shared, layers):  # a shared layer reads its source's cache: the same head shape
+        j = max(j for j in range(layers - shared) if layer_types[j] == layer_types[i])
+        if (head_dims[i], layer_kv[i]) != (head_dims[j], layer_kv[j]):
+            raise ModelFormatError(
+                f"{source}: KV-shared layer {i} has {layer_kv[i]} KV heads of {head_dims[i]} but reads the K/V of "
+                f"layer {j}, which has {layer_kv[j]} of {head_dims[j]}"
+            )
+
+    per_layer = data.get("hidden_size_per_layer_input", 256)
+    per_layer = 0 if per_layer is None else per_layer
+    if not isinstance(per_layer, int) or isinstance(per_layer, bool) or per_layer < 0 or per_layer % BLOCK:
+        raise UnsupportedModelError(
+            f"{source}: field 'hidden_size_per_layer_input' = {per_layer!r} is not supported: the matmul kernels "
+            f"need a multiple of {BLOCK} (or 0: no per-layer inputs)",
+            advice="",
+        )
+    per_layer_vocab = fields.positive_int("vocab_size_per_layer_input", default=262_144) if per_layer else 0
+    if per_layer and per_layer_vocab < ints["vocab_size"]:
+        raise UnsupportedModelError(
+            f"{source}: vocab_size_per_layer_input = {per_layer_vocab} is smaller than vocab_size = "
+            f"{ints['vocab_size']}: tokens past it have no per-layer input"
+        )
+
+    nested = data.get("rope_parameters")
+    if nested is None:
+        nested = GEMMA4_ROPE_DEFAULTS
+    if not isinstance(nested, dict):
+        raise ModelFormatError(f"{source}: field 'rope_parameters' must be an object, got {nested!r:.80}")
+    full = _gemma4_rope(nested, "full_attention", source)
+    local = _gemma4_rope(nested, "sliding_attention", source) if "sliding_attention" in layer_types else (1.0, None)
+    if local[1] is not None:
+        raise UnsupportedModelError(f"{source}: RoPE scaling on sliding-window layers is not supported")
+    cap = data.get("final_logit_softcapping")
+    return {
+        "sandwich_norms": True,
+        "embed_scale": float(np.float32(math.sqrt(ints["hidden_size"]))),
+        "hidden_act": hidden_act,
+        "attention_scale": 1.0,
+        "sliding_window": fields.positive_int("sliding_window", default=512),
+        "layer_types": tuple(layer_types),
+        "rope_local_theta": local[0],
+        "rope": full,
+        "final_logit_softcapping": None if cap is None else fields.positive_float("final_logit_softcapping", 1.0),
+        "layer_head_dims": tuple(head_dims),
+        "layer_kv_heads": tuple(layer_kv),
+        "num_kv_shared_layers": shared,
+        "attention_k_eq_v": k_eq_v,
+        "v_norm": True,
+        "double_wide_mlp": fields.boolean("use_double_wide_mlp", default=False),
+        "hidden_size_per_layer_input": per_layer,
+        "vocab_size_per_layer_input": per_layer_vocab,
+    }
+
+
+def _gemma4_layer_shapes(
+    fields: _Fields, layer_types: list[str], kv_heads: int, head_dim: int, k_eq_v: bool, source: str
+) -> tuple[list[int], list[int]]:
+    """(head_dim, num_key_value_heads) of each layer: per_layer_config's overrides when config.json has them
+    (transformers writes them when it saves), else global_head_dim (default 512) and, for attention_k_eq_v
+    models, num_global_key_value_heads on the full-attention layers."""
+    overrides = fields.data.get("per_layer_config")
+    if overrides is None:
+        full: dict[str, Any] = {"head_dim": fields.positive_int("global_head_dim", default=512)}
+        global_kv = fields.positive_int("num_global_key_value_heads", default=None)
+        if k_eq_v and global_kv is not None:
+            full["num_key_value_heads"] = global_kv
+        overrides = {i: full for i, kind in enumerate(layer_types) if kind == "full_attention"}
+    if not isinstance(overrides, dict):
+        raise ModelFormatError(f"{source}: field 'per_layer_config' must be an object, got {overrides!r:.80}")
+    head_dims, layer_kv = [head_dim] * len(layer_types), [kv_heads] * len(layer_types)
+    for key, values in overrides.items():
+        index = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
+        if not 0 <= index < len(layer_types) or not isinstance(values, dict):
+            raise ModelFormatError(f"{source}: per_layer_config entry {key!r}: {values!r:.80} is not a layer's fields")
+        unknown = sorted(set(values) - set(GEMMA4_LAYER_OVERRIDES))
+        if unknown:
+            raise UnsupportedModelError(f"{source}: per_layer_config overrides {unknown} of layer {index}")
+        entry = _Fields(values, f"{source}: per_layer_config[{key!r}]")
+        head_dims[index] = entry.positive_int("head_dim", default=head_dim)
+        layer_kv[index] = entry.positive_int("num_key_value_heads", default=kv_heads)
+    return head_dims, layer_kv
+
+
+def _gemma4_rope(nested: dict[str, Any], kind: str, source: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of one layer type's rope_parameters: "default", or "proportional" (the first
+    partial_rotary_factor of each head's frequency pairs rotate, the others keep frequency 0)."""
+    entry = nested.get(kind)
+    if not isinstance(entry, dict):
+        raise ModelFormatError(f"{source}: field 'rope_parameters.{kind}' must be an object, got {entry!r:.80}")
+    where = f"{source}: rope_parameters.{kind}"
+    fields = _Fields(entry, where)
+    theta = fields.positive_float("rope_theta", GEMMA4_ROPE_DEFAULTS[kind]["rope_theta"])
+    rope_type = entry.get("rope_type", "default")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "proportional":
+        raise UnsupportedModelError(f"{where}: rope type {rope_type!r} is not supported (default, proportional)")
+    fraction = fields.positive_float("partial_rotary_factor", 1.0)
+    if fraction > 1:
+        raise ModelFormatError(f"{where}: field 'partial_rotary_factor' must be in (0, 1], got {fraction}")
+    factor = fields.positive_float("factor", 1.0)
+    return theta, {"rope_type": "proportional", "partial_rotary_factor": fraction, "factor": factor}
 
 
 def _qwen3_5(fields: _Fields, ints: dict[str, int], head_dim: int, source: str) -> dict[str, Any]:

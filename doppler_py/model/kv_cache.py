@@ -2,7 +2,8 @@
 
 Layout per layer: keys and values each `[max_seq, n_kv_heads, head_dim]` f32. The cache only tracks a
 length; `truncate(n)` moves it back (rejected draft positions are overwritten by the next write), so
-rolling back a speculative step costs nothing on the GPU.
+rolling back a speculative step costs nothing on the GPU. Layers may differ in shape (`layer_shapes`: Gemma 4's
+full-attention layers have wider heads than its sliding ones).
 
 A hybrid model (Qwen 3.5) keeps K/V for its attention layers only, and its linear-attention layers' recurrent
 states in `recurrent` (ops/linear_attention.py), which the model's next forward brings to the truncated length.
@@ -10,6 +11,7 @@ states in `recurrent` (ops/linear_attention.py), which the model's next forward 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from doppler_py.errors import CapacityError, UnsupportedModelError
@@ -21,21 +23,38 @@ if TYPE_CHECKING:
 
 
 class KVCache:
-    def __init__(self, gpu: Gpu, num_layers: int, max_seq: int, n_kv_heads: int, head_dim: int, label: str = "kv"):
+    """`layer_shapes`: (n_kv_heads, head_dim) of each layer when they differ; n_kv_heads and head_dim then
+    describe layer 0."""
+
+    def __init__(
+        self,
+        gpu: Gpu,
+        num_layers: int,
+        max_seq: int,
+        n_kv_heads: int,
+        head_dim: int,
+        label: str = "kv",
+        *,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
+    ):
         if max_seq < 1:
             raise CapacityError(f"KV cache needs at least one position, got max_seq={max_seq}")
         self.gpu = gpu
         self.max_seq = max_seq
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
-        shape = (max_seq, n_kv_heads, head_dim)
+        self.layer_shapes = tuple(layer_shapes or [(n_kv_heads, head_dim)] * num_layers)
+        if len(self.layer_shapes) != num_layers:
+            raise ValueError(f"KVCache: {len(self.layer_shapes)} layer shapes for {num_layers} layers")
+        widest = max(self.layer_shapes, key=lambda shape: shape[0] * shape[1])
         gpu.check_buffer_size(
-            4 * max_seq * n_kv_heads * head_dim,
-            f"a KV cache of {max_seq} positions ({label}.k0)",
+            4 * max_seq * widest[0] * widest[1],
+            f"a KV cache of {max_seq} positions ({label}.k{self.layer_shapes.index(widest)})",
             advice="load the model with a smaller max_seq",
         )
-        self.keys = [Tensor.empty(gpu, shape, "f32", f"{label}.k{i}") for i in range(num_layers)]
-        self.values = [Tensor.empty(gpu, shape, "f32", f"{label}.v{i}") for i in range(num_layers)]
+        shapes = [(max_seq, *shape) for shape in self.layer_shapes]
+        self.keys = [Tensor.empty(gpu, shape, "f32", f"{label}.k{i}") for i, shape in enumerate(shapes)]
+        self.values = [Tensor.empty(gpu, shape, "f32", f"{label}.v{i}") for i, shape in enumerate(shapes)]
         self.length = 0
         self.recurrent: RecurrentState | None = None
         self.closed = False
@@ -46,7 +65,7 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.n_kv_heads * self.head_dim * 4
+        return 2 * 4 * sum(heads * dim for heads, dim in self.layer_shapes)
 
     @property
     def nbytes(self) -> int:
@@ -82,8 +101,18 @@ class KVCache:
             raise UnsupportedModelError(
                 "a hybrid model's cache is not forked: its recurrent state has room for one sequence's rows"
             )
-        other = KVCache(self.gpu, self.num_layers, self.max_seq, self.n_kv_heads, self.head_dim, "kv-fork")
+        other = self.empty_like(self.max_seq, "kv-fork")
         self.copy_prefix(other, self.length)
+        return other
+
+    def empty_like(self, max_seq: int, label: str) -> KVCache:
+        """An empty cache of this one's layers and shapes holding `max_seq` positions (and, for a hybrid model,
+        recurrent states with room for a copy of this one's, not for a forward's rows)."""
+        other = KVCache(
+            self.gpu, self.num_layers, max_seq, self.n_kv_heads, self.head_dim, label, layer_shapes=self.layer_shapes
+        )
+        if self.recurrent is not None:
+            other.recurrent = self.recurrent.snapshot(self.gpu)
         return other
 
     def copy_prefix(self, other: KVCache, length: int) -> None:
@@ -97,8 +126,8 @@ class KVCache:
             )
         if length:
             encoder = self.gpu.device.create_command_encoder()
-            used = length * self.n_kv_heads * self.head_dim * 4
             for src, dst in zip(self.keys + self.values, other.keys + other.values, strict=True):
+                used = length * src.shape[1] * src.shape[2] * 4
                 encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, used)
             if self.recurrent is not None and other.recurrent is not None:
                 self.recurrent.copy_into(other.recurrent, encoder)

@@ -3,6 +3,9 @@
 Tensors are read one at a time from memory-mapped safetensors and uploaded straight away, so host memory
 holds at most one tensor (plus one fused pair) beyond the page cache. Q/K/V projections and gate/up
 projections are fused along the output dimension so a layer runs one matmul for each pair.
+
+Gemma 4 layers load by `_gemma4_layer`: their shapes vary by layer, KV-shared layers have only a q projection,
+and the per-layer inputs add a gate, a projection and a norm to every layer and three tensors to the model.
 """
 
 from __future__ import annotations
@@ -56,9 +59,15 @@ class LayerWeights:
     post_mlp_norm: Tensor | None = None  # on the MLP output (Gemma post_feedforward_layernorm)
     attn_gate: Weight | None = None  # Qwen 3.5: the attention output is multiplied by sigmoid(x·Wgate)
     linear: LinearMixerWeights | None = None  # Qwen 3.5's Gated DeltaNet layers
+    # Gemma 4's per-layer input: x += rmsnorm(per_layer_proj(act(per_layer_gate(x)) * the layer's input))
+    per_layer_gate: Weight | None = None  # [P, H]
+    per_layer_proj: Weight | None = None  # [H, P]
+    per_layer_norm: Tensor | None = None  # post_per_layer_input_norm [H]
+    layer_scalar: float = 1.0  # Gemma 4: the layer's output (the residual stream) is multiplied by it
 
     def matrices(self) -> list[Weight]:
-        return [w for w in (self.qkv, self.o, self.gate_up, self.down, self.attn_gate) if w is not None]
+        optional = (self.attn_gate, self.per_layer_gate, self.per_layer_proj)
+        return [self.qkv, self.o, self.gate_up, self.down, *(w for w in optional if w is not None)]
 
     def vectors(self) -> list[Tensor]:
         linear = [self.linear.conv, self.linear.gates] if self.linear else []
@@ -72,6 +81,7 @@ class LayerWeights:
                 self.qk_norm,
                 self.post_attn_norm,
                 self.post_mlp_norm,
+                self.per_layer_norm,
                 *linear,
             )
             if t is not None
@@ -86,21 +96,26 @@ class ModelWeights:
     norm: Tensor
     lm_head: Weight  # the embedding's Weight when tied
     precision: str
+    # Gemma 4's per-layer inputs: (rmsnorm(x0·Wp^T / sqrt(H)) + E_ple[ids]·sqrt(P)) / sqrt(2), P per layer
+    per_layer_embed: Weight | None = None  # embed_tokens_per_layer [vocab_size_per_layer_input, L * P]
+    per_layer_projection: Weight | None = None  # per_layer_model_projection [L * P, H]
+    per_layer_projection_norm: Tensor | None = None  # [P], times 1 / sqrt(2) (the sum's scale, folded in)
+
+    def _model_matrices(self) -> list[Weight]:
+        return [w for w in (self.embed, self.lm_head, self.per_layer_embed, self.per_layer_projection) if w is not None]
 
     @property
     def nbytes(self) -> int:
         seen: dict[int, int] = {}
-        for w in [
-            self.embed,
-            self.lm_head,
-            *(x for layer in self.layers for x in layer.matrices()),
-        ]:
+        for w in [*self._model_matrices(), *(x for layer in self.layers for x in layer.matrices())]:
             seen[id(w)] = w.nbytes
         small = [self.norm] + [t for layer in self.layers for t in layer.vectors()]
+        if self.per_layer_projection_norm is not None:
+            small.append(self.per_layer_projection_norm)
         return sum(seen.values()) + sum(t.nbytes for t in small)
 
     def destroy(self) -> None:
-        for w in {id(w): w for w in [self.embed, self.lm_head]}.values():
+        for w in {id(w): w for w in self._model_matrices()}.values():
             w.destroy()
         for layer in self.layers:
             for w in layer.matrices():
@@ -108,16 +123,23 @@ class ModelWeights:
             for t in layer.vectors():
                 t.destroy()
         self.norm.destroy()
+        if self.per_layer_projection_norm is not None:
+            self.per_layer_projection_norm.destroy()
 
 
 class _Reader:
     """Looks up tensors by HF name and checks their shapes against the config."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, prefix: str = "model."):
         self.folder = folder
         self.tensors = index_folder(folder)
+        self.prefix = prefix  # where the text model's "model." tensors live (ModelConfig.weights_prefix)
+
+    def stored_name(self, name: str) -> str:
+        return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
     def info(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        name = self.stored_name(name)
         info = self.tensors.get(name)
         if info is None:
             raise ModelFormatError(f"{self.folder}: missing tensor {name} (expected shape {list(shape)})")
@@ -279,14 +301,16 @@ def load_weights(
         raise ModelFormatError(f"unknown weight precision {precision!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     folder = Path(folder)
     config = config or ModelConfig.from_file(folder / "config.json")
-    reader = _Reader(folder)
+    reader = _Reader(folder, config.weights_prefix)
     h, hd = config.hidden_size, config.head_dim
     q_rows, kv_rows, ffn = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
-    prefix = config.weight_prefix
-    embed = _matrix(gpu, reader, [prefix + "embed_tokens.weight"], [(config.vocab_size, h)], precision)
+    embed = _matrix(gpu, reader, ["model.embed_tokens.weight"], [(config.vocab_size, h)], precision)
     layers = []
     for i in range(num_layers if num_layers is not None else config.num_hidden_layers):
-        p = f"{prefix}layers.{i}."
+        if config.model_type == "gemma4_text":
+            layers.append(_gemma4_layer(gpu, reader, config, i, precision))
+            continue
+        p = f"model.layers.{i}."
         bias = None
         if config.attention_bias:
             bias_parts = [
@@ -340,9 +364,72 @@ def load_weights(
                 linear=linear,
             )
         )
-    norm = _norm(gpu, reader, config, [prefix + "norm.weight"], h)
+    norm = _norm(gpu, reader, config, ["model.norm.weight"], h)
     if config.tie_word_embeddings:
         lm_head = embed
     else:
         lm_head = _matrix(gpu, reader, ["lm_head.weight"], [(config.vocab_size, h)], precision)
-    return ModelWeights(config, embed, layers, norm, lm_head, precision)
+    weights = ModelWeights(config, embed, layers, norm, lm_head, precision)
+    if config.hidden_size_per_layer_input:
+        per_layer, width = (
+            config.hidden_size_per_layer_input,
+            config.num_hidden_layers * config.hidden_size_per_layer_input,
+        )
+        weights.per_layer_embed = _matrix(
+            gpu,
+            reader,
+            ["model.embed_tokens_per_layer.weight"],
+            [(config.vocab_size_per_layer_input, width)],
+            precision,
+        )
+        weights.per_layer_projection = _matrix(
+            gpu, reader, ["model.per_layer_model_projection.weight"], [(width, h)], precision
+        )
+        norm_weight = reader.dense("model.per_layer_projection_norm.weight", (per_layer,)) * np.float32(2**-0.5)
+        weights.per_layer_projection_norm = Tensor.from_numpy(gpu, norm_weight, "f32", "per_layer_projection_norm")
+    return weights
+
+
+def _gemma4_layer(gpu: Gpu, reader: _Reader, config: ModelConfig, i: int, precision: str) -> LayerWeights:
+    """Layer i of a Gemma 4 text model. A KV-shared layer's qkv holds q only (its keys and values are its source
+    layer's); a full layer of an attention_k_eq_v model has no v_proj and takes [q; k; k] (values are the raw
+    keys). qk_norm is [q_norm; k_norm; ones] (the weightless v_norm), or q_norm alone on a KV-shared layer."""
+    p, h = f"model.layers.{i}.", config.hidden_size
+    hd, ffn, per_layer = config.layer_head_dim(i), config.layer_intermediate_size(i), config.hidden_size_per_layer_input
+    q_rows, kv_rows = config.num_attention_heads * hd, config.layer_num_kv_heads(i) * hd
+    a = p + "self_attn."
+    if config.kv_source(i) != i:
+        projections, shapes = [a + "q_proj.weight"], [(q_rows, h)]
+        head_norms = [reader.dense(a + "q_norm.weight", (hd,))]
+    else:
+        values = "k" if config.attention_k_eq_v and config.layer_types[i] == "full_attention" else "v"
+        projections = [a + f"{x}_proj.weight" for x in ("q", "k", values)]
+        shapes = [(q_rows, h), (kv_rows, h), (kv_rows, h)]
+        head_norms = [reader.dense(a + "q_norm.weight", (hd,)), reader.dense(a + "k_norm.weight", (hd,))]
+        head_norms.append(np.ones(hd, np.float32))
+    scalar_name = reader.stored_name(p + "layer_scalar")
+    # transformers keeps a missing layer_scalar at its initial 1 (a buffer, not a weight it warns about)
+    scalar = float(reader.dense(p + "layer_scalar", (1,))[0]) if scalar_name in reader.tensors else 1.0
+    return LayerWeights(
+        attn_norm=_norm(gpu, reader, config, [p + "input_layernorm.weight"], h),
+        qkv=_matrix(gpu, reader, projections, shapes, precision),
+        qkv_bias=None,
+        o=_matrix(gpu, reader, [a + "o_proj.weight"], [(h, q_rows)], precision),
+        o_bias=None,
+        mlp_norm=_norm(gpu, reader, config, [p + "pre_feedforward_layernorm.weight"], h),
+        gate_up=_matrix(
+            gpu, reader, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(ffn, h), (ffn, h)], precision
+        ),
+        down=_matrix(gpu, reader, [p + "mlp.down_proj.weight"], [(h, ffn)], precision),
+        qk_norm=Tensor.from_numpy(gpu, np.concatenate(head_norms).astype(np.float32), "f32", a + "qkv_norm"),
+        post_attn_norm=_norm(gpu, reader, config, [p + "post_attention_layernorm.weight"], h),
+        post_mlp_norm=_norm(gpu, reader, config, [p + "post_feedforward_layernorm.weight"], h),
+        per_layer_gate=_matrix(gpu, reader, [p + "per_layer_input_gate.weight"], [(per_layer, h)], precision)
+        if per_layer
+        else None,
+        per_layer_proj=_matrix(gpu, reader, [p + "per_layer_projection.weight"], [(h, per_layer)], precision)
+        if per_layer
+        else None,
+        per_layer_norm=_norm(gpu, reader, config, [p + "post_per_layer_input_norm.weight"], h) if per_layer else None,
+        layer_scalar=scalar,
+    )

@@ -90,9 +90,7 @@ class PrefixCache:
                 return
             if tokens[: len(entry.tokens)] == entry.tokens:  # a prefix of the new one: replaced by it
                 self._drop(key)
-        copy = KVCache(self.model.gpu, cache.num_layers, len(tokens), cache.n_kv_heads, cache.head_dim, "prefix")
-        if cache.recurrent is not None:
-            copy.recurrent = cache.recurrent.snapshot(self.model.gpu)
+        copy = cache.empty_like(len(tokens), "prefix")
         if copy.nbytes > self.budget_bytes:
             copy.close()
             return

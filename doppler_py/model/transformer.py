@@ -19,6 +19,14 @@ loader folds the 1 in); the attention and MLP outputs are normalised before the 
 x += rmsnorm(y), the same after the MLP); gelu_tanh(g)·u instead of silu(g)·u; scores scaled by
 query_pre_attn_scalar^-1/2; sliding-window layers, with their own RoPE base, see only the last W positions.
 
+Gemma 4 adds, again from the config: head_dim (and the qkv width, and a cache shape) per layer; partial RoPE on
+full layers (a table whose last frequencies are 0: ops/rope.py); v heads normalised beside q and k; the last
+num_kv_shared_layers layers project q only and attend over an earlier layer's cache (`kv_source`), writing
+none; per-layer inputs, computed once after the embedding
+    pli = (rmsnorm(x·Wp^T / sqrt(H)) + E_ple[ids]·sqrt(P)) / sqrt(2)      [T, L·P]
+and added at the end of every layer, x += rmsnorm((act(x·Wg^T) * pli[:, layer])·Wpp^T), whose add (or the MLP's,
+without them) is multiplied by the layer's layer_scalar.
+
 Shapes (T = new tokens in this call, at most `max_rows`; H hidden; Q = n_heads·hd; KV = n_kv_heads·hd):
     x, xn, y [T, H]   qkv [T, Q + 2·KV] laid out [q | k | v]   attn [T, Q]   gate_up [T, 2F]
     logits [L, V] with L = 1 ("last") or T ("all", T ≤ max_logit_rows)
@@ -46,7 +54,7 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
 from doppler_py.ops.attention import Attention
-from doppler_py.ops.elementwise import LogitSoftCap, SigmoidGate
+from doppler_py.ops.elementwise import LogitSoftCap, PerLayerGate, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
@@ -70,6 +78,8 @@ class _LayerOps:
     linear: bool = False  # a Gated DeltaNet layer: its cache op is a GatedDeltaNet, o reads core
     attn_gate: Linear | None = None  # gate = rmsnorm(x)·Wgate (Qwen 3.5 attention layers)
     gate: SigmoidGate | None = None  # attn *= sigmoid(gate)
+    # Gemma 4's per-layer input: ple = x·Wg^T; ple = act(ple) * pli[:, layer]; y = ple·Wpp^T; x += rmsnorm(y)
+    per_layer: tuple[Linear, PerLayerGate, Linear, RMSNorm] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,18 +96,18 @@ class Segment:
 @dataclass
 class _ForwardTape:
     """A recorded forward to play again (`Recorder.play_tape`): the slots its attention (and rope) dispatches
-    used, per attention window and kind of slot, take each play's positions; every other uniform is as
-    captured."""
+    used, per attention group (window, head dim, KV sharing) and kind of slot, take each play's positions; every
+    other uniform is as captured."""
 
     tape: Tape
-    positioned_slots: dict[tuple[int, str], list[UniformSlot]]
+    positioned_slots: dict[tuple[tuple, str], list[UniformSlot]]
 
 
 MAX_TAPES = 64  # forwards kept for playing again (keys: rows, logits, layers, cache, phase, attention grids)
 
 
-def _rope_key(theta: float, scaling: dict | None) -> tuple:
-    return (theta, tuple(sorted((scaling or {}).items())))
+def _rope_key(theta: float, scaling: dict | None, head_dim: int) -> tuple:
+    return (theta, tuple(sorted((scaling or {}).items())), head_dim)
 
 
 class Transformer:
@@ -120,10 +130,12 @@ class Transformer:
         self.max_rows = max_rows
         self.max_logit_rows = min(max_logit_rows, max_rows)
         self.max_positions = max_positions or cfg.max_position_embeddings
-        gpu, h, hd = self.gpu, cfg.hidden_size, cfg.head_dim
-        self.q_size = cfg.num_attention_heads * hd
-        self.kv_size = cfg.num_key_value_heads * hd
-        ffn, vocab = cfg.intermediate_size, cfg.vocab_size
+        gpu, h = self.gpu, cfg.hidden_size
+        n_layers = len(weights.layers)
+        # Buffers hold the widest layer's rows; each layer's ops use its own row widths (Gemma 4's vary).
+        self.q_size = max(cfg.num_attention_heads * cfg.layer_head_dim(i) for i in range(n_layers))
+        qkv_width = max(self._qkv_width(i) for i in range(n_layers))
+        ffn, vocab = max(cfg.layer_intermediate_size(i) for i in range(n_layers)), cfg.vocab_size
 
         self.ids = Tensor.empty(gpu, max_rows, "u32", "ids")
         self.tree = Tensor.empty(gpu, (MAX_TREE_ROWS, 2), "u32", "tree layout")  # ops/tree.py; `tree=True` calls
@@ -131,7 +143,7 @@ class Transformer:
         self.xn = Tensor.empty(gpu, (max_rows, h), "f32", "xn")
         # A sub-block's output before its norm and residual add (Gemma); without those norms, nothing uses it.
         self.y = Tensor.empty(gpu, (max_rows, h) if cfg.sandwich_norms else (1, 4), "f32", "y")
-        self.qkv = Tensor.empty(gpu, (max_rows, self.q_size + 2 * self.kv_size), "f32", "qkv")
+        self.qkv = Tensor.empty(gpu, (max_rows, qkv_width), "f32", "qkv")
         self.attn = Tensor.empty(gpu, (max_rows, self.q_size), "f32", "attn")
         self.gate_up = Tensor.empty(gpu, (max_rows, 2 * ffn), "f32", "gate_up")
         self.act = Tensor.empty(gpu, (max_rows, ffn), "f32", "act")  # silu(gate)·up, only for long prefills
@@ -144,23 +156,30 @@ class Transformer:
         self.x_last = Tensor.empty(gpu, (1, h), "f32", "x_last")
         self.xn_head = Tensor.empty(gpu, (self.max_logit_rows, h), "f32", "xn_head")
         self.logits = Tensor.empty(gpu, (self.max_logit_rows, vocab), "f32", "logits")
+        # Gemma 4's per-layer inputs [T, L·P] and the projection they start from; a layer's gate [T, P].
+        per_layer = cfg.hidden_size_per_layer_input
+        pli_shape = (max_rows, cfg.num_hidden_layers * per_layer) if per_layer else (1, 4)
+        self.pli = Tensor.empty(gpu, pli_shape, "f32", "per-layer inputs")
+        self.pli_proj = Tensor.empty(gpu, pli_shape, "f32", "per-layer projection")
+        self.ple = Tensor.empty(gpu, (max_rows, per_layer) if per_layer else (1, 4), "f32", "per-layer gate")
 
         gpu.check_buffer_size(
-            self.max_positions * hd * 4,
+            self.max_positions * max(cfg.layer_head_dim(i) for i in range(n_layers)) * 4,
             f"the RoPE table for {self.max_positions} positions",
             advice="load the model with a smaller max_seq",
         )
-        # One cos/sin table per RoPE the layers use (Gemma 3: global and sliding layers differ); layer i's is
-        # rope_tables[layer_rope[i]].
-        self.layer_rope = [cfg.layer_rope(i) for i in range(len(weights.layers))]
+        # One cos/sin table per RoPE the layers use (Gemma 3: global and sliding layers differ; Gemma 4: their head
+        # dims too); layer i's is rope_tables[layer_rope[i]].
+        self.layer_rope = [(*cfg.layer_rope(i), cfg.layer_head_dim(i)) for i in range(n_layers)]
         self.rope_tables: dict[tuple, Tensor] = {}
-        for theta, scaling in self.layer_rope:
-            key = _rope_key(theta, scaling)
+        for theta, scaling, hd in self.layer_rope:
+            key = _rope_key(theta, scaling, hd)
             if key not in self.rope_tables:
                 table = rope_table(hd, self.max_positions, theta, scaling, cfg.rotary_dim)
                 self.rope_tables[key] = Tensor.from_numpy(gpu, table, "f32", f"rope {theta:g}")
         self.embed = Embedding(registry, weights.embed, self.ids, self.x, max_rows=max_rows, scale=cfg.embed_scale)
-        self.layers = [self._layer_ops(lw) for lw in weights.layers]
+        self.per_layer_inputs = self._per_layer_input_ops() if per_layer else None
+        self.layers = [self._layer_ops(i, lw) for i, lw in enumerate(weights.layers)]
         # Final norm + LM head over the first rows of x ("all", and "last" of a one-row forward) or over the last
         # row copied into x_last ("last" of a longer forward).
         final_norm = InputNorm(weights.norm, cfg.rms_norm_eps, self.xn_head)
@@ -174,13 +193,23 @@ class Transformer:
                 registry, self.logits, vocab=vocab, max_rows=self.max_logit_rows, cap=cfg.final_logit_softcapping
             )
         self._cache_ops: dict[int, tuple[KVCache, list[Attention]]] = {}
-        self._compactors: dict[int, tuple[KVCache, KVCompact]] = {}
-        # The first layer of each attention window (0: full attention): all layers of one window share their
-        # attention uniforms' values in a call.
-        self._window_layers: dict[int, int] = {}
-        for i in range(len(self.layers)):
+        self._compactors: dict[int, tuple[KVCache, list[KVCompact]]] = {}
+        # The first layer of each attention group: all layers of one window (0: full attention), head dim and
+        # KV sharing share their attention uniforms' values in a call (Qwen 3.5's linear layers are in none).
+        self._layer_group = [
+            (cfg.layer_window(i), cfg.layer_head_dim(i), cfg.kv_source(i) != i) for i in range(n_layers)
+        ]
+        self._group_layers: dict[tuple, int] = {}
+        for i, group in enumerate(self._layer_group):
             if not cfg.is_linear(i):
-                self._window_layers.setdefault(cfg.layer_window(i), i)
+                self._group_layers.setdefault(group, i)
+        # Cache layer of each attention layer's K/V: the caches hold the layers that write their own (`kv_source`).
+        owners = sorted({cfg.kv_source(i) for i in range(n_layers) if not cfg.is_linear(i)})
+        self._cache_layer = [-1 if cfg.is_linear(i) else owners.index(cfg.kv_source(i)) for i in range(n_layers)]
+        self._cache_shapes = [(cfg.layer_num_kv_heads(i), cfg.layer_head_dim(i)) for i in owners]
+        # State index of each linear-attention layer (Qwen 3.5) in a cache's `recurrent.layers`.
+        linear = [i for i in range(n_layers) if cfg.is_linear(i)]
+        self._state_layer = {layer: j for j, layer in enumerate(linear)}
         self._tapes: dict[tuple, _ForwardTape] = {}
         # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
         # latest forward that ran it (`tap_layers`).
@@ -205,7 +234,36 @@ class Transformer:
         taps in layer order. Rows of all of them move together (tree compaction, plain batches)."""
         return [self.x, *(self.taps[layer] for layer in sorted(self.taps))]
 
-    def _layer_ops(self, lw: LayerWeights) -> _LayerOps:
+    def _qkv_width(self, layer: int) -> int:
+        """Floats in a qkv row of `layer`: [q | k | v], or q alone on a KV-shared layer."""
+        cfg = self.config
+        hd = cfg.layer_head_dim(layer)
+        kv = 0 if cfg.kv_source(layer) != layer else 2 * cfg.layer_num_kv_heads(layer) * hd
+        return cfg.num_attention_heads * hd + kv
+
+    def _per_layer_input_ops(self) -> tuple[Embedding, Linear, RMSNorm]:
+        """pli = E_ple[ids]·sqrt(P)/sqrt(2); pli_proj = x·Wp^T; pli += rmsnorm(pli_proj)·w/sqrt(2) over each
+        layer's P floats. transformers normalises x·Wp^T / sqrt(H): rmsnorm(z / s) = rmsnorm(z) with eps·s² for
+        eps, exactly, so the norm takes eps·H and the projection stays as stored."""
+        cfg, w, rows = self.config, self.weights, self.max_rows
+        per_layer, layers = cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
+        scale = float(np.float32(np.float32(per_layer**0.5) * np.float32(2**-0.5)))
+        return (
+            Embedding(self.registry, w.per_layer_embed, self.ids, self.pli, max_rows=rows, scale=scale),
+            Linear(self.registry, w.per_layer_projection, self.x, self.pli_proj, max_rows=rows),
+            RMSNorm(
+                self.registry,
+                self.pli_proj,
+                w.per_layer_projection_norm,
+                self.pli,
+                dim=per_layer,
+                eps=cfg.rms_norm_eps * cfg.hidden_size,
+                max_rows=rows * layers,
+                accumulate=True,
+            ),
+        )
+
+    def _layer_ops(self, i: int, lw: LayerWeights) -> _LayerOps:
         cfg, reg, rows, eps = self.config, self.registry, self.max_rows, self.config.rms_norm_eps
         if lw.linear is not None:
             return _LayerOps(
@@ -220,12 +278,27 @@ class Transformer:
             )
         # Gemma normalises the o and down outputs (in y) before adding them to x; LLaMA adds them directly.
         out = self.y if cfg.sandwich_norms else self.x
+        # Gemma 4's layer_scalar multiplies the layer's last add to x: the per-layer input's, else the MLP's.
+        last_norm = lw.per_layer_norm if lw.per_layer_norm is not None else lw.post_mlp_norm
 
         def post_norm(weight: Tensor | None) -> RMSNorm | None:
             if weight is None:
                 return None
-            return RMSNorm(reg, self.y, weight, self.x, dim=cfg.hidden_size, eps=eps, max_rows=rows, accumulate=True)
+            scale = lw.layer_scalar if weight is last_norm else 1.0
+            return RMSNorm(
+                reg,
+                self.y,
+                weight,
+                self.x,
+                dim=cfg.hidden_size,
+                eps=eps,
+                max_rows=rows,
+                accumulate=True,
+                out_scale=scale,
+            )
 
+        hd, shared = cfg.layer_head_dim(i), cfg.kv_source(i) != i
+        kv_heads = 0 if shared else cfg.layer_num_kv_heads(i)
         qk_norm = None
         if lw.qk_norm is not None:
             qk_norm = HeadRMSNorm(
@@ -233,11 +306,29 @@ class Transformer:
                 self.qkv,
                 lw.qk_norm,
                 q_heads=cfg.num_attention_heads,
-                k_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim,
-                row_stride=self.qkv.shape[1],
+                k_heads=kv_heads,
+                v_heads=kv_heads if cfg.v_norm else 0,
+                head_dim=hd,
+                row_stride=self._qkv_width(i),
                 eps=eps,
                 max_rows=rows,
+            )
+        per_layer = None
+        if lw.per_layer_gate is not None:
+            per_layer = (
+                Linear(reg, lw.per_layer_gate, self.x, self.ple, max_rows=rows),
+                PerLayerGate(
+                    reg,
+                    self.pli,
+                    self.ple,
+                    width=cfg.hidden_size_per_layer_input,
+                    layer=i,
+                    n_layers=cfg.num_hidden_layers,
+                    max_rows=rows,
+                    activation=cfg.hidden_act,
+                ),
+                Linear(reg, lw.per_layer_proj, self.ple, self.y, max_rows=rows),
+                post_norm(lw.per_layer_norm),
             )
         return _LayerOps(
             qkv=Linear(
@@ -263,6 +354,7 @@ class Transformer:
             gate=None
             if lw.attn_gate is None
             else SigmoidGate(reg, self.gate, self.attn, width=self.q_size, max_rows=rows),
+            per_layer=per_layer,
         )
 
     def _gate_up(self, lw: LayerWeights) -> Linear:
@@ -279,15 +371,26 @@ class Transformer:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def prefill_layers(self) -> int | None:
+        """The layers a prefill must run when nobody reads its rows' outputs (`num_layers`): those that write K/V.
+        Gemma 4's KV-shared layers write none, so a prefill may stop before them, as transformers' does
+        (`_maybe_slice_kv_shared_inputs`); None (every layer) for models without them."""
+        first_shared = self.config.num_hidden_layers - self.config.num_kv_shared_layers
+        return first_shared if first_shared < self.num_layers else None
+
     def linears(self) -> list[Linear]:
-        """Every matmul of the model (each layer's four, then the LM head's two), e.g. to compile ahead of use."""
-        layers = [
-            op
-            for layer in self.layers
-            for op in (layer.qkv, layer.attn_gate, layer.o, layer.gate_up, layer.down)
-            if op is not None
-        ]
-        return [*layers, self.lm_head, self.lm_head_last]
+        """Every matmul of the model (each layer's four, Qwen 3.5's attention gates, Gemma 4's per-layer input ones,
+        then the LM head's two), e.g. to compile ahead of use."""
+        layers = []
+        for layer in self.layers:
+            layers += [layer.qkv, layer.o, layer.gate_up, layer.down]
+            if layer.attn_gate:
+                layers.append(layer.attn_gate)
+            if layer.per_layer:
+                layers += [layer.per_layer[0], layer.per_layer[2]]
+        first = [self.per_layer_inputs[1]] if self.per_layer_inputs else []
+        return [*first, *layers, self.lm_head, self.lm_head_last]
 
     @property
     def hybrid(self) -> bool:
@@ -296,33 +399,32 @@ class Transformer:
 
     # -- KV caches -------------------------------------------------------------------------------------
     def new_cache(self, max_seq: int | None = None) -> KVCache:
-        cfg = self.config
+        """A cache for the layers that write their own K/V (all but Gemma 4's KV-shared ones), each its shape."""
         max_seq = min(max_seq or self.max_positions, self.max_positions)
-        attention_layers = len([i for i in cfg.attention_layers if i < self.num_layers])
-        cache = KVCache(self.gpu, attention_layers, max_seq, cfg.num_key_value_heads, cfg.head_dim)
-        if cfg.linear_attention is not None:
-            linear = self.num_layers - attention_layers
-            cache.recurrent = RecurrentState(self.gpu, cfg.linear_attention, linear, self.max_rows)
+        shapes = self._cache_shapes
+        cache = KVCache(self.gpu, len(shapes), max_seq, *shapes[0], layer_shapes=shapes)
+        if self.config.linear_attention is not None:
+            cache.recurrent = RecurrentState(
+                self.gpu, self.config.linear_attention, len(self._state_layer), self.max_rows
+            )
         return cache
 
     def cache_bytes(self, max_seq: int | None = None) -> int:
         """`new_cache(max_seq).nbytes` without making the cache (what a generation's cache will take)."""
-        cfg = self.config
         max_seq = min(max_seq or self.max_positions, self.max_positions)
-        attention_layers = len([i for i in cfg.attention_layers if i < self.num_layers])
-        nbytes = 2 * attention_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * max_seq
-        if cfg.linear_attention is not None:
-            nbytes += recurrent_bytes(cfg.linear_attention, self.num_layers - attention_layers, self.max_rows)
+        nbytes = 2 * 4 * max_seq * sum(heads * dim for heads, dim in self._cache_shapes)
+        if self.config.linear_attention is not None:
+            nbytes += recurrent_bytes(self.config.linear_attention, len(self._state_layer), self.max_rows)
         return nbytes
 
     def attention_ops(self, cache: KVCache) -> list[Attention]:
         """Each layer's attention over `cache` (RoPE and the cache write included), built once per cache."""
         entry = self._cache_ops.get(id(cache))
         if entry is None or entry[0] is not cache:
-            kv = iter(zip(cache.keys, cache.values, strict=True))
-            states = iter(cache.recurrent.layers if cache.recurrent is not None else [])
             ops = [
-                self._linear_op(cache, next(states), i) if layer.linear else self._attention_op(cache, *next(kv), i)
+                self._linear_op(cache, cache.recurrent.layers[self._state_layer[i]], i)
+                if layer.linear and cache.recurrent is not None
+                else self._attention_op(cache, i)
                 for i, layer in enumerate(self.layers)
             ]
             entry = (cache, ops)
@@ -330,17 +432,17 @@ class Transformer:
             self._drop_tapes(cache)  # a cache that was not released may have left tapes under the same id
         return entry[1]
 
-    def _attention_op(self, cache: KVCache, k: Tensor, v: Tensor, layer: int) -> Attention:
-        cfg = self.config
+    def _attention_op(self, cache: KVCache, layer: int) -> Attention:
+        cfg, cache_layer = self.config, self._cache_layer[layer]
         return Attention(
             self.registry,
             self.qkv,
-            k,
-            v,
+            cache.keys[cache_layer],
+            cache.values[cache_layer],
             self.attn,
             n_heads=cfg.num_attention_heads,
-            n_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
+            n_kv_heads=cfg.layer_num_kv_heads(layer),
+            head_dim=cfg.layer_head_dim(layer),
             max_seq=cache.max_seq,
             max_rows=self.max_rows,
             window=cfg.layer_window(layer),
@@ -348,6 +450,7 @@ class Transformer:
             rope=self.rope_tables[_rope_key(*self.layer_rope[layer])],
             softcap=cfg.attn_logit_softcapping or 0.0,
             tree=self.tree,
+            kv_shared=cfg.kv_source(layer) != layer,
         )
 
     def _linear_op(self, cache: KVCache, state, layer: int) -> GatedDeltaNet:
@@ -399,14 +502,14 @@ class Transformer:
             cache.recurrent.reorder(moves)
         entry = self._compactors.get(id(cache))
         if entry is None or entry[0] is not cache:
-            cfg = self.config
-            op = KVCompact(
-                self.registry,
-                list(zip(cache.keys, cache.values, strict=True)),
-                row_floats=cfg.num_key_value_heads * cfg.head_dim,
-            )
-            entry = self._compactors[id(cache)] = (cache, op)
-        entry[1].record(rec, start_pos, moves)
+            # One op per cache row width (Gemma 4's layers differ), each over the layers of that width.
+            widths: dict[int, list[tuple[Tensor, Tensor]]] = {}
+            for k, v in zip(cache.keys, cache.values, strict=True):
+                widths.setdefault(k.numel // cache.max_seq, []).append((k, v))
+            ops = [KVCompact(self.registry, pairs, row_floats=width) for width, pairs in widths.items()]
+            entry = self._compactors[id(cache)] = (cache, ops)
+        for op in entry[1]:
+            op.record(rec, start_pos, moves)
 
     def _drop_tapes(self, cache: KVCache) -> None:
         self._tapes = {key: tape for key, tape in self._tapes.items() if key[0] != id(cache)}
@@ -420,7 +523,8 @@ class Transformer:
                 op.release(self.registry)
         compactor = self._compactors.pop(id(cache), None)
         if compactor is not None and compactor[0] is cache:
-            compactor[1].release(self.registry)
+            for op in compactor[1]:
+                op.release(self.registry)
         recurrent = cache.recurrent.tensors if cache.recurrent is not None else []
         for t in cache.keys + cache.values + recurrent:
             self.registry.forget_buffer(t.buffer)
@@ -477,14 +581,14 @@ class Transformer:
             cache.recurrent.ran(start_pos, rows, num_layers)
         key = None
         if rec.can_play_tapes:
-            calls = {window: attention[i].call(rows, start_pos, tree=tree) for window, i in self._window_layers.items()}
-            grids = tuple((window, grid) for window, (_, grid) in calls.items())
+            calls = {group: attention[i].call(rows, start_pos, tree=tree) for group, i in self._group_layers.items()}
+            grids = tuple((group, grid) for group, (_, grid) in calls.items())
             key = (id(cache), rows, logits, num_layers, embedded, rec.phase, tree, grids)
             played = self._tapes.get(key)
             if played is not None:
                 played.tape.restore()
-                for (window, kind), slots in played.positioned_slots.items():
-                    slots[0].set(**calls[window][0][kind])
+                for (group, kind), slots in played.positioned_slots.items():
+                    slots[0].set(**calls[group][0][kind])
                     for slot in slots[1:]:
                         slot.view[:] = slots[0].view
                 rec.play_tape(played.tape)
@@ -530,13 +634,20 @@ class Transformer:
         num_layers: int | None,
         embedded: bool,
         tree: bool = False,
-    ) -> dict[tuple[int, str], list[UniformSlot]]:
+    ) -> dict[tuple[tuple, str], list[UniformSlot]]:
         """Record the forward's dispatches over `rows` rows, each segment's attending over its own cache; returns
         the uniform slots whose values depend on the positions (those of the attention and rope dispatches), per
-        attention window and kind of slot (`Attention.call`)."""
-        positioned: dict[tuple[int, str], list[UniformSlot]] = {}
+        attention group and kind of slot (`Attention.call`)."""
+        positioned: dict[tuple[tuple, str], list[UniformSlot]] = {}
         if not embedded:
             self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
+        if self.per_layer_inputs:
+            if embedded:
+                raise GenerationOptionError("Gemma 4's per-layer inputs need token ids: the model takes no embeddings")
+            ple_embed, ple_proj, ple_norm = self.per_layer_inputs
+            ple_embed.record(rec, rows=rows)  # embedding: pli = E_ple[ids] · sqrt(P) / sqrt(2)
+            ple_proj.record(rec, rows=rows)  # matmul: pli_proj = x·Wp^T
+            ple_norm.record(rec, rows=rows * self.config.num_hidden_layers)  # rmsnorm: pli += rmsnorm(pli_proj)
         for i, layer in enumerate(self.layers[:num_layers]):
             if layer.linear:
                 layer.qkv.record(rec, rows=rows)  # matmul: mix = rmsnorm(x)·Win
@@ -552,7 +663,7 @@ class Transformer:
             for seg in segments:
                 op = seg.attention[i]
                 for kind, slot in op.record(rec, rows=seg.rows, start_pos=seg.start_pos, tree=tree, row0=seg.row0):
-                    positioned.setdefault((op.window, kind), []).append(slot)
+                    positioned.setdefault((self._layer_group[i], kind), []).append(slot)
             if layer.attn_gate is not None and layer.gate is not None:
                 layer.attn_gate.record(rec, rows=rows)  # matmul: gate = rmsnorm(x)·Wgate
                 layer.gate.record(rec, rows=rows)  # attn *= sigmoid(gate)
@@ -576,10 +687,17 @@ class Transformer:
         return positioned
 
     def _record_mlp(self, rec: Recorder, layer: _LayerOps, rows: int, i: int) -> None:
+        """The layer's MLP, Gemma 4's per-layer input, and the copy of its output a tap keeps."""
         layer.gate_up.record(rec, rows=rows)  # matmul: gate_up = rmsnorm(x)·[Wg; Wu]
         layer.down.record(rec, rows=rows)  # matmul: x += (silu(gate)·up)·Wd (Gemma: gelu_tanh; into y)
         if layer.post_mlp:
-            layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
+            layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y) (Gemma 4: then · layer_scalar)
+        if layer.per_layer:
+            gate, gated, proj, norm = layer.per_layer
+            gate.record(rec, rows=rows)  # matmul: ple = x·Wg^T
+            gated.record(rec, rows=rows)  # ple = gelu_tanh(ple) * pli[:, i]
+            proj.record(rec, rows=rows)  # matmul: y = ple·Wpp^T
+            norm.record(rec, rows=rows)  # rmsnorm: x = (x + rmsnorm(y)) · layer_scalar
         if i in self.taps:
             rec.copy(self.x, self.taps[i], rows * self.config.hidden_size * 4)  # copy: tap_i = x
 
@@ -631,7 +749,8 @@ class Transformer:
             return
         self.registry.release_tensors(
             self.ids, self.tree, self.x, self.xn, self.y, self.qkv, self.attn, self.gate_up, self.act, self.x_last,
-            self.xn_head, self.logits, self.mix, self.core, self.l2_weight, self.gate, *self.rope_tables.values(),
+            self.xn_head, self.logits, self.mix, self.core, self.l2_weight, self.gate, self.pli, self.pli_proj,
+            self.ple, *self.rope_tables.values(),
             *self.taps.values(),
         )  # fmt: skip
         self.closed = True

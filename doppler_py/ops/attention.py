@@ -22,6 +22,10 @@ matmul and also applies RoPE and writes the new keys and values to the caches, i
 
 `fuse_rope=` overrides whether the fused path is compiled in (tests run it on lavapipe), `local_rope=False`
 turns the local path off (tests of the other two).
+
+With `kv_shared=True` (and `rope=`) the op serves a layer that attends over another layer's caches and writes
+none (Gemma 4's KV-shared layers): q holds only that layer's query rows, rotated as they are loaded, in every
+call ("shared", rope == 3).
 """
 
 from __future__ import annotations
@@ -37,14 +41,14 @@ from doppler_py.ops.tree import MAX_TREE_ROWS
 LANES = 64  # invocations per workgroup in attention.wgsl
 STEP = 8  # keys a lane group scores per step
 QUERIES_PER_BLOCK = 4
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 MAX_SPLITS = 16
 SPLIT_MAX_ROWS = 16  # only decode/verification-sized calls split the key range; prefill has blocks enough
 MIN_SPLIT_KEYS = 256  # a split scores at least this many keys (two steps of 16 key lanes)
 GPU_TARGET_WORKGROUPS = 256  # enough to fill the multiprocessors of a large GPU
 FUSED_ROPE_MAX_ROWS = 16  # longer calls rotate and write the cache by a rope.wgsl dispatch first
 # The shader's Params.rope per mode (module docstring; None: no `rope=`, q arrives rotated).
-ROPE_PARAM = {None: 0, "dispatch": 0, "fused": 1, "local": 2}
+ROPE_PARAM = {None: 0, "dispatch": 0, "fused": 1, "local": 2, "shared": 3}
 
 
 def target_workgroups(adapter_type: str) -> int:
@@ -66,7 +70,8 @@ class Attention:
     holding keys/values for positions 0..start_pos + rows - 1 when the op runs (later positions may hold
     anything). Query head h reads kv head h // (n_heads // n_kv_heads); scores are q·k * scale (default
     1 / sqrt(head_dim)). With `window` > 0 the query at position p sees only keys in (p - window, p] (sliding-
-    window layers; the cache still holds every position). head_dim must be a multiple of 16, at most 256.
+    window layers; the cache still holds every position). head_dim must be a multiple of 16, at most 512 (Gemma 4's
+    full-attention layers).
 
     `rope`: a `rope_table` tensor of at least max_seq positions. Then `q` holds whole [q | k | v] rows (row
     stride (n_heads + 2 * n_kv_heads) * head_dim) before RoPE, and the op rotates q and k and writes the rows'
@@ -103,9 +108,13 @@ class Attention:
         fuse_rope: bool | None = None,
         local_rope: bool = True,
         tree: Tensor | None = None,
+        kv_shared: bool = False,
     ):
         width = n_heads * head_dim
-        qkv_width = width + 2 * n_kv_heads * head_dim
+        # A KV-shared layer's q rows hold its queries only: its keys and values are another layer's.
+        qkv_width = width if kv_shared else width + 2 * n_kv_heads * head_dim
+        if kv_shared and rope is None:
+            raise ValueError("kv_shared: the op rotates the queries, so it needs the rope= table")
         q_row_stride = (qkv_width if rope is not None else width) if q_row_stride is None else q_row_stride
         if rope is not None and q_row_stride != qkv_width:
             raise ValueError(
@@ -139,11 +148,13 @@ class Attention:
         self.lane_groups = LANES // (head_dim // 16)
         self.target_workgroups = target_workgroups(str(registry.gpu.info.get("adapter_type", "")))
         self.rope: RoPE | None = None  # the rope.wgsl dispatch of calls that do not fuse it
-        self.fuse_rope = rope is not None and (not registry.gpu.on_cpu if fuse_rope is None else fuse_rope)
-        self.local_rope = rope is not None and local_rope
-        if rope is not None:
-            if rope.numel < max_seq * head_dim:
-                raise ValueError(f"rope: the cos/sin table covers {rope.numel // head_dim} positions, needs {max_seq}")
+        self.kv_shared = kv_shared
+        writes = rope is not None and not kv_shared
+        self.fuse_rope = writes and (not registry.gpu.on_cpu if fuse_rope is None else fuse_rope)
+        self.local_rope = writes and local_rope
+        if rope is not None and rope.numel < max_seq * head_dim:
+            raise ValueError(f"rope: the cos/sin table covers {rope.numel // head_dim} positions, needs {max_seq}")
+        if writes:
             self.rope = RoPE(
                 registry,
                 q,
@@ -253,8 +264,10 @@ class Attention:
         return values, grid
 
     def rope_mode(self, rows: int, grid: tuple[int, int, int]) -> str | None:
-        """How a call with this grid applies RoPE and writes the caches: "local", "fused", "dispatch" (module
-        docstring), or None without `rope=`."""
+        """How a call with this grid applies RoPE and writes the caches: "local", "fused", "dispatch", "shared"
+        (module docstring), or None without `rope=`."""
+        if self.kv_shared:
+            return "shared"
         if self.rope is None:
             return None
         if self.local_rope and grid[0] == 1 and grid[2] == 1:

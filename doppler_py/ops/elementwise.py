@@ -1,5 +1,5 @@
-"""The element-wise ops of a transformer (SwiGLU / GeGLU, Qwen 3.5's attention gate, Gemma 2's logit
-soft-capping) and the shape checks all ops share.
+"""The element-wise ops of a transformer (SwiGLU / GeGLU, Qwen 3.5's attention gate, Gemma 4's per-layer input gate,
+Gemma 2's logit soft-capping) and the shape checks all ops share.
 
 The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op only the
 tests run is tests/support/residual.py's `Residual`.
@@ -73,6 +73,41 @@ class SigmoidGate:
 
     def record(self, rec: Recorder, rows: int) -> None:
         require_rows(rows, self.max_rows, "SigmoidGate")
+        rec.dispatch(self.bound, workgroups(self.width, 256), rows)
+
+
+class PerLayerGate:
+    """gate[t, j] = act(gate[t, j]) * inputs[t, layer * width + j] for j < width, in place: Gemma 4's per-layer
+    input step, act(per_layer_input_gate(x)) * per_layer_input, with `inputs` [max_rows, n_layers * width]
+    holding every layer's per-layer inputs and `gate` [max_rows, width] this layer's gate projection."""
+
+    def __init__(
+        self,
+        registry: KernelRegistry,
+        inputs: Tensor,
+        gate: Tensor,
+        *,
+        width: int,
+        layer: int,
+        n_layers: int,
+        max_rows: int,
+        activation: str,
+    ):
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"PerLayerGate: layer {layer} is not one of the {n_layers} layers")
+        require_f32(inputs, max_rows * n_layers * width, "PerLayerGate inputs")
+        require_f32(gate, max_rows * width, "PerLayerGate gate")
+        self.width = width
+        self.max_rows = max_rows
+        self.bound = registry.bind(
+            registry.kernel("swiglu", entry="per_layer_gate", ACTIVATION=ACTIVATIONS[activation]),
+            params={"ffn_dim": width, "up_stride": n_layers * width, "up_offset": layer * width},
+            gate_up=inputs,
+            out=gate,
+        )
+
+    def record(self, rec: Recorder, rows: int) -> None:
+        require_rows(rows, self.max_rows, "PerLayerGate")
         rec.dispatch(self.bound, workgroups(self.width, 256), rows)
 
 

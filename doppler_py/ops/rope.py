@@ -21,7 +21,7 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import require_f32, require_rows
 from doppler_py.ops.tree import MAX_TREE_ROWS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 _F32 = np.float32
 
@@ -51,7 +51,20 @@ def rope_inv_freq(
         return inv_freq / _F32(_scaling_value(rope_scaling, "factor"))
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "proportional":
+        return _proportional_inv_freq(inv_freq, head_dim, rope_scaling)
     return inv_freq
+
+
+def _proportional_inv_freq(inv_freq: np.ndarray, head_dim: int, rope_scaling: dict) -> np.ndarray:
+    """Gemma 4's partial RoPE (HF `_compute_proportional_rope_parameters`): the first partial_rotary_factor of
+    the head's frequency pairs keep their frequencies (exponents over the WHOLE head_dim), the rest get 0, so
+    their cos is 1 and sin 0 at every position: the rotate-half kernels leave those dims as they are, with no
+    rotary_dim of their own. Then every frequency is divided by `factor`."""
+    fraction = float(rope_scaling.get("partial_rotary_factor", 1.0))
+    kept = inv_freq.copy()
+    kept[int(fraction * head_dim // 2) :] = 0
+    return kept / _F32(rope_scaling.get("factor", 1.0))
 
 
 def rope_table(

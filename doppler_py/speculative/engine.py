@@ -402,9 +402,11 @@ class SpeculativeEngine:
                 if entry is not None:
                     self.prefix_cache.restore(entry, ctx.cached, cache)
             self.drafter.start(ctx)
+            # Without a drafter reading the prompt's features, only the layers that write K/V need to run.
+            layers = None if self.drafter.reads_prompt_features else target.prefill_layers
             for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):  # the last token is fed by step 1
                 chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
-                target.forward(chunk, cache, begin, logits="none")
+                target.forward(chunk, cache, begin, logits="none", num_layers=layers)
                 ctx.hidden_rows = len(chunk)
                 self.drafter.prefilled(ctx, begin)
         except BaseException:

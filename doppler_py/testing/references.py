@@ -68,7 +68,8 @@ def _width(x: np.ndarray) -> int:
 # -- rotary embeddings ---------------------------------------------------------------------------------------
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -> np.ndarray:
     """HF's inverse frequencies [hd // 2] in float64, element by element as its docstrings describe them:
-    1 / theta^(2i / hd), then `scaling` (a config.json rope_scaling: "linear" or "llama3") applied."""
+    1 / theta^(2i / hd), then `scaling` (a config.json rope_scaling: "linear", "llama3" or "proportional")
+    applied."""
     inv_freq = [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)]
     rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if rope_type == "default":
@@ -76,6 +77,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -
     factor = scaling["factor"]
     if rope_type == "linear":
         return np.array(inv_freq) / factor
+    if rope_type == "proportional":  # Gemma 4: pairs past partial_rotary_factor of them do not rotate
+        rotated = int(scaling["partial_rotary_factor"] * head_dim // 2)
+        return np.array([f if i < rotated else 0.0 for i, f in enumerate(inv_freq)]) / factor
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
     scaled = []
@@ -225,11 +229,13 @@ def forward_stages(
     `model` is a HF folder or its tensors by HF name (float32 or float64; GGUF block formats are not read).
     Qwen3 and Gemma 3 follow their HF modeling files: q/k heads RMS-normalised before RoPE; Gemma's (1 + w)
     norms, embeddings times sqrt(H), attention and MLP outputs normalised before the residual add, GELU
-    (tanh) gating, per-layer sliding windows and RoPE bases; Gemma 2's soft-capped scores and logits.
+    (tanh) gating, per-layer sliding windows and RoPE bases; Gemma 2's soft-capped scores and logits. Gemma 4
+    (Gemma4TextModel): head dims per layer, v heads normalised too (no weight), values = raw keys on full layers
+    of attention_k_eq_v models, KV-shared layers attending over their source layer's keys and values, per-layer
+    inputs added after the MLP, each layer's output times its layer_scalar.
     """
     w = load_tensors(model) if isinstance(model, str | Path) else model
-    eps, hd = config.rms_norm_eps, config.head_dim
-    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    eps, n_heads = config.rms_norm_eps, config.num_attention_heads
     rows = len(ids)
     gemma = config.sandwich_norms
 
@@ -238,27 +244,44 @@ def forward_stages(
 
     def rope_angles(layer: int) -> tuple[np.ndarray, np.ndarray]:
         theta, scaling = config.layer_rope(layer)
-        angles = np.arange(rows)[:, None] * rope_inv_freq(hd, theta, scaling)[None, :]
+        inv_freq = rope_inv_freq(config.layer_head_dim(layer), theta, scaling)
+        angles = np.arange(rows)[:, None] * inv_freq[None, :]
         return np.cos(angles), np.sin(angles)
 
     act = gelu_tanh if config.hidden_act == "gelu_pytorch_tanh" else silu
     x = np.asarray(w["model.embed_tokens.weight"], np.float64)[list(ids)] * config.embed_scale  # [T, H]
+    per_layer = config.hidden_size_per_layer_input
+    if per_layer:  # Gemma 4's per-layer inputs [T, L, P]
+        projected = linear(x, w["model.per_layer_model_projection.weight"]) / math.sqrt(config.hidden_size)
+        projected = rmsnorm(projected.reshape(rows, -1, per_layer), *norm("model.per_layer_projection_norm.weight"))
+        token = np.asarray(w["model.embed_tokens_per_layer.weight"], np.float64)[list(ids)] * math.sqrt(per_layer)
+        per_layer_inputs = (projected + token.reshape(projected.shape)) / math.sqrt(2)
     stages: dict[str, np.ndarray] = {}
+    kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # each layer's rotated keys and values
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
+        hd, n_kv = config.layer_head_dim(i), config.layer_num_kv_heads(i)
         cos, sin = rope_angles(i)
         attn_norm = norm(p + "input_layernorm.weight")
-        q, k, v = (
-            linear(x, w[p + f"self_attn.{n}_proj.weight"], w.get(p + f"self_attn.{n}_proj.bias"), norm=attn_norm)
-            for n in "qkv"
-        )
-        q, k, v = q.reshape(rows, n_heads, hd), k.reshape(rows, n_kv, hd), v.reshape(rows, n_kv, hd)
+        q = linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"), norm=attn_norm)
+        q = q.reshape(rows, n_heads, hd)
         if config.qk_norm:
             q = rmsnorm(q, *norm(p + "self_attn.q_norm.weight"))
-            k = rmsnorm(k, *norm(p + "self_attn.k_norm.weight"))
         q_proj = q.reshape(rows, n_heads * hd)
         q = rope(q, cos, sin).reshape(rows, n_heads * hd)
-        k = rope(k, cos, sin)
+        if config.kv_source(i) == i:
+            k_eq_v = config.attention_k_eq_v and config.layer_types[i] == "full_attention"
+            k, v = (
+                linear(x, w[p + f"self_attn.{n}_proj.weight"], w.get(p + f"self_attn.{n}_proj.bias"), norm=attn_norm)
+                for n in ("k", "k" if k_eq_v else "v")
+            )
+            k, v = k.reshape(rows, n_kv, hd), v.reshape(rows, n_kv, hd)
+            if config.qk_norm:
+                k = rmsnorm(k, *norm(p + "self_attn.k_norm.weight"))
+            if config.v_norm:
+                v = rmsnorm(v, np.ones(hd), eps)
+            kv[i] = rope(k, cos, sin), v
+        k, v = kv[config.kv_source(i)]
         a = attention(
             q.reshape(rows, n_heads, hd),
             k,
@@ -276,6 +299,12 @@ def forward_stages(
         h = act(gate) * up
         d = linear(h, w[p + "mlp.down_proj.weight"])
         x = x + (rmsnorm(d, *norm(p + "post_feedforward_layernorm.weight")) if gemma else d)
+        if per_layer:
+            gated = act(linear(x, w[p + "per_layer_input_gate.weight"])) * per_layer_inputs[:, i]
+            y = linear(gated, w[p + "per_layer_projection.weight"])
+            x = x + rmsnorm(y, *norm(p + "post_per_layer_input_norm.weight"))
+        if p + "layer_scalar" in w:
+            x = x * float(np.asarray(w[p + "layer_scalar"]).reshape(-1)[0])
         gate_up = np.concatenate([gate, up], axis=1)
         stages = {"q_proj": q_proj, "q": q, "k": k, "v": v, "attention": a, "gate_up": gate_up, "mlp": h}
     head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3" or "qwen3_5"
+    arch: str = "llama"  # "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma4" or "qwen3_5"
     vocab_size: int = 128  # room for the character tokenizer (99 tokens)
     hidden_size: int = 64
     intermediate_size: int = 160
@@ -46,12 +46,21 @@ class TinySpec:
     # Gemma 2's score and final-logit soft-capping (written for gemma2 only)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    # Qwen 3.5: which layers are Gated DeltaNet ("linear_attention") layers, their shape, and partial RoPE.
+    # Gemma 4 (written for gemma4 only; partial_rotary_factor for qwen3_5 too): full layers' head_dim and partial
+    # RoPE, the last layers reading earlier layers' K/V (with double-wide MLPs), per-layer inputs of this width
+    # (0: none), values = keys on full layers (which then have num_global_key_value_heads KV heads when it is set)
+    global_head_dim: int | None = None
+    partial_rotary_factor: float = 0.25
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    attention_k_eq_v: bool = False
+    num_global_key_value_heads: int | None = None
+    # Qwen 3.5: which layers are Gated DeltaNet ("linear_attention") layers and their shape (partial RoPE: as above).
     hybrid_pattern: tuple[str, ...] = ("linear_attention", "full_attention", "linear_attention")
     linear_heads: tuple[int, int] = (2, 4)  # key heads, value heads
     linear_dims: tuple[int, int] = (16, 16)  # key head dim, value head dim
     conv_taps: int = 4
-    partial_rotary_factor: float = 0.25
 
     @property
     def head_dim(self) -> int:
@@ -85,8 +94,9 @@ _ARCH = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "gemma4": ("Gemma4ForCausalLM", "gemma4_text"),
 }
-GEMMA = ("gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3", "gemma4")
 
 
 def config_dict(spec: TinySpec) -> dict:
@@ -147,6 +157,27 @@ def config_dict(spec: TinySpec) -> dict:
         cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] = spec.linear_heads
         cfg["linear_key_head_dim"], cfg["linear_value_head_dim"] = spec.linear_dims
         cfg["linear_conv_kernel_dim"] = spec.conv_taps
+    if spec.arch == "gemma4":
+        for name in ("rope_theta", "rope_scaling", "query_pre_attn_scalar", "attn_logit_softcapping"):
+            del cfg[name]
+        cfg["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_base_freq},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": spec.partial_rotary_factor,
+                "rope_theta": spec.rope_theta,
+            },
+        }
+        cfg["global_head_dim"] = spec.global_head_dim or spec.head_dim
+        cfg["num_kv_shared_layers"] = spec.num_kv_shared_layers
+        cfg["use_double_wide_mlp"] = spec.use_double_wide_mlp
+        cfg["hidden_size_per_layer_input"] = spec.hidden_size_per_layer_input
+        cfg["vocab_size_per_layer_input"] = spec.vocab_size
+        cfg["attention_k_eq_v"] = spec.attention_k_eq_v
+        if spec.num_global_key_value_heads is not None:
+            cfg["num_global_key_value_heads"] = spec.num_global_key_value_heads
+        cfg["enable_moe_block"] = False
+        cfg["layer_types"][-1] = "full_attention"  # transformers makes the last layer full (with a warning)
     return cfg
 
 
@@ -156,8 +187,8 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * spec.weight_std).astype(np.float32)
 
-    # Gemma and Qwen 3.5 scale by (1 + w): their weights are drawn around 0 so both kinds of norm scale by about 1.
-    offset = 0.0 if spec.arch in (*GEMMA, "qwen3_5") else 1.0
+    # Gemma 2/3 and Qwen 3.5 scale by (1 + w): their weights are drawn around 0 so every kind of norm scales by about 1.
+    offset = 0.0 if spec.arch in ("gemma2", "gemma3", "qwen3_5") else 1.0
 
     def norm(size: int) -> np.ndarray:
         return (offset + 0.1 * rng.standard_normal(size)).astype(np.float32)
@@ -168,6 +199,11 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     if spec.embed_std is not None:
         embed *= np.float32(spec.embed_std / spec.weight_std)
     tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": norm(h)}
+    if spec.arch == "gemma4":
+        tensors.update(_gemma4_weights(spec, mat, norm))
+        if not spec.tie_word_embeddings:
+            tensors["lm_head.weight"] = mat(spec.vocab_size, h)
+        return tensors
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         if spec.arch == "qwen3_5":
@@ -239,6 +275,42 @@ def _qwen3_5_layer(spec: TinySpec, i: int, mat, norm, rng: np.random.Generator) 
             a + "out_proj.weight": mat(h, nv * dv),
         }
     )
+
+
+def _gemma4_weights(spec: TinySpec, mat, norm) -> dict[str, np.ndarray]:
+    """A Gemma 4 text model's tensors besides the embedding and the final norm (transformers' names); the shared
+    layers have no k/v projections or norms, a full layer of an attention_k_eq_v model no v_proj."""
+    from doppler_py.model.config import ModelConfig  # here: it pulls in wgpu, which the other families never need
+
+    cfg = ModelConfig.from_dict(config_dict(spec), source="tiny gemma4")
+    h, per_layer, layers = spec.hidden_size, spec.hidden_size_per_layer_input, spec.num_hidden_layers
+    tensors = {}
+    if per_layer:
+        tensors["model.embed_tokens_per_layer.weight"] = mat(spec.vocab_size, layers * per_layer)
+        tensors["model.per_layer_model_projection.weight"] = mat(layers * per_layer, h)
+        tensors["model.per_layer_projection_norm.weight"] = norm(per_layer)
+    scalars = np.random.default_rng(spec.seed + 1).uniform(0.5, 1.5, layers).astype(np.float32)
+    for i in range(layers):
+        p, hd, ffn = f"model.layers.{i}.", cfg.layer_head_dim(i), cfg.layer_intermediate_size(i)
+        q, kv = spec.num_attention_heads * hd, cfg.layer_num_kv_heads(i) * hd
+        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            tensors[p + f"{name}_layernorm.weight"] = norm(h)
+        tensors[p + "self_attn.q_proj.weight"] = mat(q, h)
+        tensors[p + "self_attn.q_norm.weight"] = norm(hd)
+        if cfg.kv_source(i) == i:
+            tensors[p + "self_attn.k_proj.weight"] = mat(kv, h)
+            tensors[p + "self_attn.k_norm.weight"] = norm(hd)
+            if not (cfg.attention_k_eq_v and cfg.layer_types[i] == "full_attention"):
+                tensors[p + "self_attn.v_proj.weight"] = mat(kv, h)
+        tensors[p + "self_attn.o_proj.weight"] = mat(h, q)
+        tensors[p + "mlp.gate_proj.weight"] = mat(ffn, h)
+        tensors[p + "mlp.up_proj.weight"] = mat(ffn, h)
+        tensors[p + "mlp.down_proj.weight"] = mat(h, ffn)
+        if per_layer:
+            tensors[p + "per_layer_input_gate.weight"] = mat(per_layer, h)
+            tensors[p + "per_layer_projection.weight"] = mat(h, per_layer)
+            tensors[p + "post_per_layer_input_norm.weight"] = norm(h)
+        tensors[p + "layer_scalar"] = scalars[i : i + 1]
     return tensors
 
 
@@ -361,6 +433,29 @@ TINY_SPECS: dict[str, TinySpec] = {
         rope_theta=1e6,
         rms_norm_eps=1e-6,
         seed=11,
+    ),
+    # Gemma 4 (E2B's shape, shrunk): layers sliding, full, sliding, then two that read the K/V of layers 2
+    # (sliding) and 1 (full) with double-wide MLPs; full layers have head_dim 64 (8 of 32 frequency pairs
+    # rotating), sliding ones 32 over a 6-key window; per-layer inputs of 32; logits soft-capped.
+    "gemma4": TinySpec(
+        arch="gemma4",
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        explicit_head_dim=32,
+        global_head_dim=64,
+        layer_pattern=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"),
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        seed=11,
+        embed_std=0.02,
+        sliding_window=6,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=32,
+        final_logit_softcapping=4.0,
+        tie_word_embeddings=False,
     ),
     "mistral-sliding": TinySpec(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6, seed=8),
     "qwen3-sliding": TinySpec(

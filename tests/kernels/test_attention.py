@@ -23,6 +23,7 @@ from doppler_py.testing.references import attention, tree_attention
 
 TOLERANCE = 1e-5
 SMOLLM2 = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
+GEMMA4_GLOBAL = {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512}  # Gemma 4 E2B's full-attention layers
 
 
 class Case:
@@ -147,7 +148,7 @@ def test_grouped_query_heads_read_their_shared_kv_head(
     case.check(case.run(registry, rows, start_pos), rows, start_pos)
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 256])
+@pytest.mark.parametrize("head_dim", [16, 32, 256, 512])
 def test_other_head_dims(gpu, registry, rng, head_dim):
     case = Case(gpu, registry, rng, n_heads=4, n_kv_heads=2, head_dim=head_dim, max_seq=64, max_rows=9)
     for rows, start_pos in ((1, 50), (9, 21)):
@@ -609,3 +610,62 @@ def test_call_values_carry_row0_and_rows_must_lie_in_the_buffers(gpu, registry, 
         with pytest.raises(ValueError, match="row0"):
             case.op.rope.record(rec, rows, 5, row0=row0)
     assert rec.dispatches == 0
+
+
+@pytest.mark.parametrize("mode", ["local", "fused", "rope-dispatch"])
+def test_rope_inside_at_gemma4_s_global_head_dim(gpu, registry, rng, mode):
+    """head_dim 512 (Gemma 4 E2B's full layers): two lane groups of 32 lanes per workgroup."""
+    case = RopeCase(gpu, registry, rng, **GEMMA4_GLOBAL, max_seq=320, max_rows=20, mode=mode)
+    for rows, start_pos, splits in ((1, 77, None), (5, 70, None), (16, 90, 5), (20, 0, None)):
+        case.run_and_check(registry, rows, start_pos, splits)
+
+
+# -- KV-shared layers (kv_shared=True) -------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [*ROPE_SHAPES, GEMMA4_GLOBAL], ids=["gqa3-64", "gqa4-128", "mqa6-16", "mqa8-512"])
+@pytest.mark.parametrize(
+    ("rows", "start_pos", "splits", "window"),
+    [(1, 0, None, 0), (1, 77, None, 0), (1, 300, 3, 0), (5, 70, None, 8), (16, 90, 5, 0), (40, 3, None, 8)],
+    ids=["first", "decode", "decode-split", "verify5-window", "16-split", "prefill-window"],
+)
+def test_kv_shared_layers_rotate_their_queries_and_only_read_the_caches(
+    gpu, registry, rng, shape, rows, start_pos, splits, window
+):
+    """Gemma 4's last layers: q holds the layer's query rows only (not rotated); the keys and values of every
+    position, the call's own included, are already in the caches, which the call must leave as they are."""
+    n_heads, n_kv_heads, head_dim = shape["n_heads"], shape["n_kv_heads"], shape["head_dim"]
+    max_seq, max_rows = 320, 40
+    table = rope_table(head_dim, max_seq, 1e4)
+    q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
+    k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
+    k[start_pos + rows :], v[start_pos + rows :] = np.nan, np.nan  # never read
+    tk, tv, out = (
+        Tensor.from_numpy(gpu, k),
+        Tensor.from_numpy(gpu, v),
+        Tensor.empty(gpu, (max_rows, n_heads * head_dim)),
+    )
+    op = Attention(
+        registry,
+        Tensor.from_numpy(gpu, q),
+        tk,
+        tv,
+        out,
+        **shape,
+        max_seq=max_seq,
+        max_rows=max_rows,
+        window=window,
+        rope=Tensor.from_numpy(gpu, table),
+        kv_shared=True,
+    )
+    rec = registry.recorder()
+    op.record(rec, rows, start_pos, splits=splits)
+    assert rec.dispatches == (2 if splits else 1), "no rope dispatch: the queries are rotated as they are loaded"
+    rec.submit()
+    positions = np.arange(start_pos, start_pos + rows)
+    rotated = references.rope(q[:rows], table[positions, :, 0], table[positions, :, 1]).astype(np.float32)
+    expected = attention(rotated, k, v, start_pos, window=window)
+    got = out.numpy()[:rows]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE * np.abs(v[: start_pos + rows]).max())
+    np.testing.assert_array_equal(tk.numpy().reshape(k.shape), k)
+    np.testing.assert_array_equal(tv.numpy().reshape(v.shape), v)
+    op.release(registry)

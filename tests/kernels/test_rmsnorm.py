@@ -127,3 +127,47 @@ def test_head_norm_normalises_each_q_and_k_head_in_place(gpu, registry, rng, q_h
     np.testing.assert_allclose(got[:rows, q_end:k_end], expected_k, rtol=2e-6, atol=1e-7)
     assert (got[:rows, k_end:] == qkv[:rows, k_end:]).all(), "v heads must be left alone"
     assert (got[rows:] == qkv[rows:]).all(), "rows past `rows` must be left alone"
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 1, 32), (8, 2, 64), (2, 2, 256)])
+def test_head_norm_with_v_heads_gives_them_the_third_weight(gpu, registry, rng, q_heads, kv_heads, head_dim):
+    """Gemma 4: q_norm, k_norm, then v_norm (weightless: its weight section is ones) over the whole row."""
+    rows, max_rows = 3, 4
+    stride = (q_heads + 2 * kv_heads) * head_dim
+    qkv = (rng.standard_normal((max_rows, stride)) * 3).astype(np.float32)
+    weight = np.concatenate([1 + 0.1 * rng.standard_normal(2 * head_dim), np.ones(head_dim)]).astype(np.float32)
+    t = Tensor.from_numpy(gpu, qkv)
+    op = HeadRMSNorm(
+        registry, t, Tensor.from_numpy(gpu, weight), q_heads=q_heads, k_heads=kv_heads, v_heads=kv_heads,
+        head_dim=head_dim, row_stride=stride, eps=EPS, max_rows=max_rows,
+    )  # fmt: skip
+    rec = registry.recorder()
+    op.record(rec, rows=rows)
+    rec.submit()
+    heads = qkv[:rows].reshape(rows, -1, head_dim)
+    sections = np.repeat([0, 1, 2], [q_heads, kv_heads, kv_heads])
+    expected = np.stack([rmsnorm(heads[:, h], weight.reshape(3, head_dim)[s], EPS) for h, s in enumerate(sections)], 1)
+    np.testing.assert_allclose(t.numpy()[:rows], expected.reshape(rows, -1), rtol=2e-6, atol=1e-7)
+    assert (t.numpy()[rows:] == qkv[rows:]).all(), "rows past `rows` must be left alone"
+
+
+def test_accumulate_then_out_scale_multiplies_the_sum(gpu, registry, rng):
+    """Gemma 4's layer_scalar on the layer's last add: x = (x + rmsnorm(y)) * s, rounded in that order."""
+    dim, rows = 96, 3
+    y = rng.standard_normal((rows, dim)).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+    residual = rng.standard_normal((rows, dim)).astype(np.float32)
+    out = Tensor.from_numpy(gpu, residual)
+    op = RMSNorm(
+        registry, Tensor.from_numpy(gpu, y), Tensor.from_numpy(gpu, weight), out, dim=dim, eps=EPS, max_rows=rows,
+        accumulate=True, out_scale=0.375,
+    )  # fmt: skip
+    rec = registry.recorder()
+    op.record(rec, rows=2)
+    rec.submit()
+    got = out.numpy()
+    np.testing.assert_allclose(got[:2], (residual[:2] + rmsnorm(y[:2], weight, EPS)) * 0.375, rtol=2e-6, atol=1e-6)
+    assert (got[2] == residual[2]).all()
+    with pytest.raises(ValueError, match="accumulate"):
+        RMSNorm(registry, Tensor.from_numpy(gpu, y), Tensor.from_numpy(gpu, weight), out, dim=dim, eps=EPS,
+                max_rows=rows, out_scale=2.0)  # fmt: skip

@@ -143,6 +143,20 @@ def test_linear_scaling_divides_every_frequency_by_the_factor():
     np.testing.assert_array_equal(rope_inv_freq(96, 1e4, scaling), rope_inv_freq(96, 1e4) / np.float32(4))
 
 
+def test_proportional_rope_rotates_only_the_first_pairs_at_the_default_frequencies():
+    """Gemma 4's full layers: a quarter of the pairs keep the default frequencies over the whole head_dim; the
+    rest have frequency 0, so cos 1 and sin 0 leave their dims unrotated at every position."""
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 1.0}
+    inv_freq = rope_inv_freq(512, 1e6, scaling)
+    np.testing.assert_array_equal(inv_freq[:64], rope_inv_freq(512, 1e6)[:64])
+    assert not inv_freq[64:].any()
+    table = rope_table(512, 100, 1e6, scaling)
+    assert (table[:, 64:, 0] == 1).all() and (table[:, 64:, 1] == 0).all()
+    np.testing.assert_array_equal(
+        rope_inv_freq(64, 1e6, {**scaling, "factor": 2.0}), rope_inv_freq(64, 1e6, scaling) / 2
+    )
+
+
 def test_default_rope_type_equals_no_scaling():
     np.testing.assert_array_equal(rope_inv_freq(64, 1e5, {"rope_type": "default"}), rope_inv_freq(64, 1e5))
 

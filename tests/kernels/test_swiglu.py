@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.ops.elementwise import SwiGLU
+from doppler_py.ops.elementwise import PerLayerGate, SwiGLU
 from doppler_py.testing.references import gelu_tanh, swiglu
 
 
@@ -78,3 +78,26 @@ def test_gelu_tanh_variant_matches_torchs_tanh_approximation(gpu, registry, rng)
     # In the negative tail the result is tiny (x * sigmoid(z), z ~ -x^3 / 14) and 1 + tanh, as torch computes
     # it, cancels: there only an absolute bound means anything.
     np.testing.assert_allclose(got, expected, rtol=4e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_per_layer_gate_multiplies_the_activated_gate_by_its_layer_s_inputs(gpu, registry, rng, activation, layer):
+    """Gemma 4: gate = act(gate) * inputs[:, layer * width : (layer + 1) * width], in place, rows past `rows` kept."""
+    width, n_layers, rows, max_rows = 288, 3, 3, 4
+    gate = (rng.standard_normal((max_rows, width)) * 4).astype(np.float32)
+    inputs = rng.standard_normal((max_rows, n_layers * width)).astype(np.float32)
+    t = Tensor.from_numpy(gpu, gate)
+    op = PerLayerGate(
+        registry, Tensor.from_numpy(gpu, inputs), t, width=width, layer=layer, n_layers=n_layers, max_rows=max_rows,
+        activation=activation,
+    )  # fmt: skip
+    rec = registry.recorder()
+    op.record(rec, rows=rows)
+    rec.submit()
+    g = gate[:rows].astype(np.float64)
+    act = g / (1 + np.exp(-g)) if activation == "silu" else gelu_tanh(g)
+    expected = act * inputs[:rows, layer * width : (layer + 1) * width]
+    # gelu's negative tail cancels in 1 + tanh (test_gelu_tanh_variant_matches_torchs_tanh_approximation)
+    np.testing.assert_allclose(t.numpy()[:rows], expected, rtol=4e-6, atol=1e-9)
+    assert (t.numpy()[rows:] == gate[rows:]).all()

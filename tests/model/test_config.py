@@ -10,7 +10,7 @@ import pytest
 
 import doppler_py
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
-from doppler_py.model.config import ModelConfig
+from doppler_py.model.config import GEMMA4_ROPE_DEFAULTS, ModelConfig
 from doppler_py.testing.tiny import TinySpec, write_tiny_model
 
 SOURCE = "test-config.json"
@@ -218,8 +218,8 @@ def test_unreadable_config_file_is_a_format_error(tmp_path, content):
             "head_dim = hidden_size / num_attention_heads = 64 / 8 = 8 (no 'head_dim' field) is not supported",
         ),
         (
-            TinySpec(hidden_size=512, num_attention_heads=1, num_key_value_heads=1),
-            "head_dim = hidden_size / num_attention_heads = 512 / 1 = 512 (no 'head_dim' field) is not supported",
+            TinySpec(hidden_size=576, num_attention_heads=1, num_key_value_heads=1),
+            "head_dim = hidden_size / num_attention_heads = 576 / 1 = 576 (no 'head_dim' field) is not supported",
         ),
         (
             TinySpec(hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
@@ -227,7 +227,7 @@ def test_unreadable_config_file_is_a_format_error(tmp_path, content):
         ),
         (TinySpec(intermediate_size=100), "field 'intermediate_size' = 100 is not supported"),
     ],
-    ids=["head_dim-8", "head_dim-512", "hidden-48", "intermediate-100"],
+    ids=["head_dim-8", "head_dim-576", "hidden-48", "intermediate-100"],
 )
 def test_loading_a_model_the_kernels_cannot_run_names_the_field(tmp_path, gpu, spec, message):
     # Before: head dims failed with a bare ValueError at the first forward, K widths with a ModelFormatError
@@ -241,9 +241,9 @@ def test_loading_a_model_the_kernels_cannot_run_names_the_field(tmp_path, gpu, s
     ("changes", "message"),
     [
         (
-            {"head_dim": 320},
-            "field 'head_dim' = 320 is not supported: the attention kernel runs head dims that are "
-            "multiples of 16 from 16 to 256",
+            {"head_dim": 528},
+            "field 'head_dim' = 528 is not supported: the attention kernel runs head dims that are "
+            "multiples of 16 from 16 to 512",
         ),
         ({"head_dim": 40}, "field 'head_dim' = 40 is not supported"),
         (
@@ -252,17 +252,18 @@ def test_loading_a_model_the_kernels_cannot_run_names_the_field(tmp_path, gpu, s
         ),
         ({"vocab_size": 1 << 24}, "field 'vocab_size' = 16777216 is not supported"),
     ],
-    ids=["head_dim-above-256", "head_dim-not-16n", "o_proj-width", "vocab"],
+    ids=["head_dim-above-512", "head_dim-not-16n", "o_proj-width", "vocab"],
 )
 def test_unsupported_shapes_are_refused_naming_the_field(changes, message):
     with pytest.raises(UnsupportedModelError, match=re.escape(f"{SOURCE}: {message}")):
         config(**changes)
 
 
-def test_the_supported_head_dims_reach_from_16_to_256():
+def test_the_supported_head_dims_reach_from_16_to_512():
     assert config(num_attention_heads=36, num_key_value_heads=3).head_dim == 16
     cfg = config(hidden_size=4096, num_attention_heads=16, num_key_value_heads=16, head_dim=256)
     assert cfg.head_dim == 256
+    assert config(num_attention_heads=8, num_key_value_heads=1, head_dim=512).head_dim == 512  # Gemma 4's global
 
 
 @pytest.mark.slow
@@ -394,11 +395,11 @@ def qwen3_5(**changes):
 def test_qwen3_5_reads_its_hybrid_layers_and_partial_rope():
     cfg = qwen3_5()
     assert [cfg.is_linear(i) for i in range(8)] == [True, True, True, False] * 2  # every 4th layer attends
-    assert cfg.attention_layers == [3, 7, 11, 15, 19, 23]
+    assert [i for i in range(24) if not cfg.is_linear(i)] == [3, 7, 11, 15, 19, 23]
     assert cfg.rotary_dim == 64 and cfg.attention_gate and cfg.norm_offset == 1.0 and cfg.rope_theta == 1e7
     shape = cfg.linear_attention
     assert (shape.channels, shape.value_width, shape.mix_width) == (6144, 2048, 6144 + 2048 + 32)
-    assert cfg.weight_prefix == "model." and not cfg.tie_word_embeddings
+    assert cfg.weights_prefix == "model." and not cfg.tie_word_embeddings
 
 
 @pytest.mark.parametrize(
@@ -422,3 +423,176 @@ def test_qwen3_5_variants_beyond_the_kernels_are_refused_naming_what(changes, me
 def test_qwen3_5_layer_types_must_name_known_kinds():
     with pytest.raises(ModelFormatError, match="'linear_attention'"):
         qwen3_5(num_hidden_layers=2, layer_types=["linear_attention", "mamba"])
+
+
+GEMMA4 = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "num_hidden_layers": 6,
+    "num_key_value_heads": 1,
+    "hidden_size_per_layer_input": 32,
+    "vocab_size_per_layer_input": 49152,
+}
+
+
+def gemma4(**changes):
+    return config(**{**GEMMA4, **changes})
+
+
+def test_gemma4_layers_take_their_type_s_head_dim_rope_and_kv_source():
+    cfg = gemma4(layer_types=None)
+    # transformers' default pattern: every 6th layer full, the last one forced full
+    assert cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    cfg = gemma4(
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        final_logit_softcapping=30.0,
+    )
+    assert [cfg.layer_head_dim(i) for i in range(6)] == [32, 64] * 3
+    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 2, 3]  # the last layer of each type before them
+    assert [cfg.layer_intermediate_size(i) for i in range(6)] == [1536] * 4 + [3072] * 2
+    assert cfg.layer_rope(0) == (10_000.0, None)
+    assert cfg.layer_rope(1) == (1e6, {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 1.0})
+    assert (cfg.norm_offset, cfg.attention_scale, cfg.embed_scale) == (0.0, 1.0, float(np.float32(576**0.5)))
+    assert cfg.v_norm and cfg.sandwich_norms and cfg.qk_norm and cfg.tie_word_embeddings
+    assert (cfg.hidden_size_per_layer_input, cfg.final_logit_softcapping, cfg.attn_logit_softcapping) == (
+        32,
+        30.0,
+        None,
+    )
+    assert (cfg.sliding_window, cfg.weights_prefix) == (512, "model.")
+
+
+def test_other_families_keep_one_head_dim_and_their_own_kv():
+    cfg = config()
+    assert [cfg.layer_head_dim(i) for i in (0, 29)] == [64, 64]
+    assert [cfg.kv_source(i) for i in (0, 29)] == [0, 29]
+    assert cfg.layer_intermediate_size(29) == 1536 and cfg.hidden_size_per_layer_input == 0
+
+
+def test_gemma4_k_eq_v_models_give_full_layers_the_global_kv_heads():
+    cfg = gemma4(num_attention_heads=8, attention_k_eq_v=True, num_global_key_value_heads=2, num_key_value_heads=4)
+    assert [cfg.layer_num_kv_heads(i) for i in range(6)] == [4] * 5 + [2]
+    # without k_eq_v transformers ignores num_global_key_value_heads
+    assert gemma4(num_attention_heads=8, num_global_key_value_heads=2).layer_num_kv_heads(5) == 1
+
+
+def test_gemma4_multimodal_folder_reads_its_text_config():
+    text = {k: v for k, v in {**SMOLLM2, **GEMMA4}.items() if k not in ("architectures", "eos_token_id")}
+    data = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": {"model_type": "gemma4_vision"},
+        "eos_token_id": [1, 106],
+    }
+    cfg = ModelConfig.from_dict(data, source=SOURCE)
+    assert (cfg.architecture, cfg.weights_prefix, cfg.eos_token_ids) == (
+        "Gemma4ForCausalLM",
+        "model.language_model.",
+        (1, 106),
+    )
+    assert cfg.layer_head_dims == gemma4().layer_head_dims
+    with pytest.raises(ModelFormatError, match="text_config"):
+        ModelConfig.from_dict({**data, "text_config": None}, source=SOURCE)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"enable_moe_block": True, "num_experts": 8}, UnsupportedModelError, "mixture-of-experts"),
+        ({"use_bidirectional_attention": "all"}, UnsupportedModelError, "bidirectional"),
+        ({"num_kv_shared_layers": 6}, UnsupportedModelError, "gemma4_assistant"),
+        ({"global_head_dim": 528}, UnsupportedModelError, "layer 5's head_dim = 528"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
+            UnsupportedModelError,
+            "yarn",
+        ),
+        ({"hidden_size_per_layer_input": 48}, UnsupportedModelError, "hidden_size_per_layer_input"),
+        ({"vocab_size_per_layer_input": 100}, UnsupportedModelError, "vocab_size_per_layer_input"),
+        ({"per_layer_config": {"5": {"sliding_window": 3}}}, UnsupportedModelError, "sliding_window"),
+        (
+            {"num_kv_shared_layers": 1, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+            ModelFormatError,
+            "KV-shared",
+        ),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2}}},
+            ModelFormatError,
+            "partial_rotary_factor",
+        ),
+        (
+            {
+                "num_kv_shared_layers": 1,
+                "layer_types": ["sliding_attention", "full_attention"] * 3,
+                "per_layer_config": {"3": {"head_dim": 64}},
+            },
+            ModelFormatError,
+            "KV-shared layer 5 has 1 KV heads of 32 but reads the K/V of layer 3, which has 1 of 64",
+        ),
+    ],
+)
+def test_gemma4_variants_we_do_not_run_are_refused(changes, error, message):
+    with pytest.raises(error, match=message):
+        gemma4(**changes)
+
+
+@pytest.mark.slow
+def test_gemma4_config_saved_by_transformers_reads_back_the_same(tmp_path):
+    """transformers writes its per-layer head dims as per_layer_config; the layers' shapes and KV sources
+    come back as its model builds them."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.Gemma4TextConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=32,
+        vocab_size_per_layer_input=320,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    )
+    reference.save_pretrained(tmp_path)
+    assert "per_layer_config" in json.loads((tmp_path / "config.json").read_text())
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    assert [cfg.layer_head_dim(i) for i in range(5)] == [reference.per_layer_config[i].head_dim for i in range(5)]
+    modes = reference.kv_sharing_modes
+    assert [cfg.kv_source(i) == i for i in range(5)] == [mode != "reuse" for mode in modes]
+    assert cfg.layer_rope(1)[1] == {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 1.0}
+
+
+def test_an_e2b_sized_gemma4_config_is_accepted():
+    """E2B's shape as we understand its published config (not checked against the file: nothing is downloaded):
+    35 layers, four sliding then one full, the last 20 reading the K/V of layers 13 (sliding) and 14 (full),
+    head dims 256 / 512, one KV head, double-wide MLPs on the shared layers, per-layer inputs of 256."""
+    cfg = config(
+        architectures=["Gemma4ForCausalLM"],
+        model_type="gemma4_text",
+        vocab_size=262_144,
+        hidden_size=1536,
+        intermediate_size=6144,
+        num_hidden_layers=35,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        num_kv_shared_layers=20,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262_144,
+        sliding_window=512,
+        final_logit_softcapping=30.0,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        rope_parameters=GEMMA4_ROPE_DEFAULTS,
+    )
+    assert {cfg.layer_head_dim(i) for i in range(35)} == {256, 512}
+    assert {cfg.kv_source(i) for i in range(15, 35)} == {13, 14}
+    assert [cfg.layer_intermediate_size(i) for i in (14, 15)] == [6144, 12288]

@@ -41,7 +41,7 @@ def run_script(model, registry, monkeypatch, *, tapes: bool) -> tuple[list[np.nd
     return outputs, len(plays)
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding", "qwen3-qknorm-gqa"])
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "gemma3-sliding", "qwen3-qknorm-gqa", "gemma4"])
 def test_played_forwards_equal_forwards_recorded_op_by_op(
     tiny_model, tiny_folder, registry, monkeypatch, name, tape_loop
 ):

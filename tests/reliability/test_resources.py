@@ -24,7 +24,7 @@ import doppler_py
 from doppler_py.errors import DeviceLimitError, DopplerError, VocabularyMismatchError
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.step import MAX_PLAIN_STEPS
-from doppler_py.testing.tiny import TinySpec, write_tiny_model
+from doppler_py.testing.tiny import TINY_SPECS, TinySpec, write_tiny_model
 
 MODES = [None, "prompt-lookup", "layer-skip"]
 
@@ -205,3 +205,16 @@ def test_a_kv_cache_gives_its_memory_back(tiny_dir, gpu, ledger):
 
 def fmt(use: BufferUse) -> str:
     return f"{use.count} / {use.nbytes:,} B"
+
+
+def test_a_gemma4_engine_destroys_every_buffer_it_made(gpu, ledger, tmp_path):
+    """Gemma 4's own buffers (per-layer inputs, caches of two shapes, their compaction ops) go with the rest."""
+    folder = write_tiny_model(tmp_path / "gemma4", TINY_SPECS["gemma4"])
+    baseline = buffer_use()
+    engine = load(folder, gpu, kv_cache_mb=8)
+    exercise(engine)
+    assert ledger.holding()
+    engine.close()
+    assert ledger.holding() == []
+    del engine
+    assert buffer_use() == baseline

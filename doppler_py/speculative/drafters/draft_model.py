@@ -55,7 +55,8 @@ class DraftModelDrafter(Branching, ModelDrafter):
         prompt = self._known(ctx.tokens[:-1])
         for begin in range(0, len(prompt), self.model.max_rows):
             part = prompt[begin : begin + self.model.max_rows]
-            self.model.forward(part, self.draft_cache, begin, logits="none")
+            # nothing reads the draft's prompt outputs: only its layers that write K/V run (Gemma 4)
+            self.model.forward(part, self.draft_cache, begin, logits="none", num_layers=self.model.prefill_layers)
         self.consumed = len(prompt)
 
     def pending(self, ctx: StepContext) -> list[int]:

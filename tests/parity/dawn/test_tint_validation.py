@@ -26,8 +26,8 @@ pytestmark = pytest.mark.parity
 
 Constants = dict[str, float]
 
-# Attention (doppler_py/ops/attention.py) accepts any head_dim that is a multiple of 16 up to 256: all 16.
-_HEAD_DIMS = list(range(16, 257, 16))
+# Attention (doppler_py/ops/attention.py) accepts any head_dim that is a multiple of 16 up to 512: all 32.
+_HEAD_DIMS = list(range(16, 513, 16))
 
 
 def _product(**axes: list) -> list[Constants]:
@@ -83,7 +83,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
     "token_mask": {"main": []},
     "subgroup_size": {"main": []},
-    "swiglu": {"main": [{"ACTIVATION": 1}], "sigmoid_gate": []},
+    "swiglu": {"main": [{"ACTIVATION": 1}], "sigmoid_gate": [], "per_layer_gate": [{"ACTIVATION": 1}]},
     "kv_compact": {"main": []},
     "vocab_scatter": {"main": []},
 }

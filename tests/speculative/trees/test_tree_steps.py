@@ -42,7 +42,7 @@ class Counting(PromptLookupDrafter):
         return proposal
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-gqa", "gemma3-sliding"])
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-gqa", "gemma3-sliding", "gemma4"])
 def test_a_tree_forward_gives_each_row_its_paths_chain_logits(tiny_model, name):
     model = tiny_model(TINY_SPECS[name], max_rows=32)
     tokens = [11, 5, 7, 30, 2, 19, 44, 8]  # one per node
@@ -69,7 +69,7 @@ def test_a_tree_forward_gives_each_row_its_paths_chain_logits(tiny_model, name):
     model.release_cache(cache)
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-gqa", "gemma3-sliding"])
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-gqa", "gemma3-sliding", "gemma4"])
 @pytest.mark.parametrize("k", [2, 5, 12])
 def test_greedy_tree_decoding_is_plain_greedy_decoding(tiny_model, name, k):
     model = tiny_model(TINY_SPECS[name], max_rows=32)
