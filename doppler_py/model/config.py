@@ -402,18 +402,28 @@ def _sliding_window(fields: _Fields, architecture: str, layers: int, source: str
         if not layer_types:
             first = fields.positive_int("max_window_layers", default=28)
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-        if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-            raise ModelFormatError(
-                f"{source}: field 'layer_types' must list 'full_attention' or 'sliding_attention' for each of "
-                f"the {layers} layers, got {layer_types!r:.120}"
-            )
-        return {"sliding_window": window, "layer_types": tuple(layer_types)}
+        return {"sliding_window": window, "layer_types": _layer_kinds(layer_types, layers, "sliding_attention", source)}
     if any(kind != "full_attention" for kind in layer_types):
         raise UnsupportedModelError(
             f"{source}: layer_types other than 'full_attention' (sliding window) are not supported for "
             f"{architecture}: {layer_types}"
         )
     return {}
+
+
+def _layer_kinds(layer_types: Any, layers: int, other: str, source: str) -> tuple[str, ...]:
+    """config.json's layer_types (or the family's default for it), checked: 'full_attention' or `other` for each
+    of the `layers` layers."""
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(kind not in ("full_attention", other) for kind in layer_types)
+    ):
+        raise ModelFormatError(
+            f"{source}: field 'layer_types' must list 'full_attention' or {other!r} for each of the {layers} "
+            f"layers, got {layer_types!r:.120}"
+        )
+    return tuple(layer_types)
 
 
 def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str) -> dict[str, Any]:
@@ -440,15 +450,7 @@ def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str
     if layer_types is None:
         pattern = fields.positive_int("sliding_window_pattern", default=GEMMA_SLIDING_WINDOW_PATTERN[architecture])
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != layers
-        or any(kind not in ("full_attention", "sliding_attention") for kind in layer_types)
-    ):
-        raise ModelFormatError(
-            f"{source}: field 'layer_types' must list 'full_attention' or 'sliding_attention' for each of the "
-            f"{layers} layers, got {layer_types!r:.120}"
-        )
+    layer_types = _layer_kinds(layer_types, layers, "sliding_attention", source)
     window = fields.positive_int("sliding_window", default=4096)
 
     # transformers 5 nests the RoPE of each layer type in rope_parameters; transformers 4 spells the global
@@ -519,15 +521,7 @@ def _gemma4(fields: _Fields, ints: dict[str, int], kv_heads: int, head_dim: int,
     layer_types = fields.get("layer_types", None)
     if layer_types is None:
         layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != layers
-        or any(kind not in ("full_attention", "sliding_attention") for kind in layer_types)
-    ):
-        raise ModelFormatError(
-            f"{source}: field 'layer_types' must list 'full_attention' or 'sliding_attention' for each of the "
-            f"{layers} layers, got {layer_types!r:.120}"
-        )
+    layer_types = _layer_kinds(layer_types, layers, "sliding_attention", source)
     layer_types = [*layer_types[:-1], "full_attention"]  # transformers forces the last layer to full attention
 
     k_eq_v = fields.boolean("attention_k_eq_v", default=False)
@@ -669,15 +663,7 @@ def _qwen3_5(fields: _Fields, ints: dict[str, int], head_dim: int, source: str) 
     if layer_types is None:
         interval = fields.positive_int("full_attention_interval", default=4)
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != layers
-        or any(kind not in ("full_attention", "linear_attention") for kind in layer_types)
-    ):
-        raise ModelFormatError(
-            f"{source}: field 'layer_types' must list 'full_attention' or 'linear_attention' for each of the "
-            f"{layers} layers, got {layer_types!r:.120}"
-        )
+    layer_types = _layer_kinds(layer_types, layers, "linear_attention", source)
     shape = LinearAttention(
         conv_taps=fields.positive_int("linear_conv_kernel_dim", default=4),
         key_heads=fields.positive_int("linear_num_key_heads", default=16),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.model.config import ModelConfig
+from doppler_py.model.config import LinearAttention, ModelConfig
 
 DType = type[np.floating]
 
@@ -205,6 +205,67 @@ def tree_attention(
 
 
 # -- the whole model -----------------------------------------------------------------------------------------
+# -- Gated DeltaNet (Qwen 3.5's linear attention) --------------------------------------------------------------
+def gated_delta_net(
+    shape: LinearAttention,
+    mix: np.ndarray,
+    conv_w: np.ndarray,
+    gates: np.ndarray,
+    *,
+    conv_state: np.ndarray | None = None,
+    state: np.ndarray | None = None,
+    parents: Sequence[int] | None = None,
+    eps: float = 1e-6,
+) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' causal_conv1d_update and torch_recurrent_gated_delta_rule with its gated RMSNorm, in float64,
+    over a forward's rows: (out [T, n_v * dv], the state after each row [T, n_v, dk, dv]).
+
+    mix [T, mix_width]: the input projection's rows [q | k | v | z | b | a]; conv_w [channels, taps]; gates
+    [-exp(A_log) (n_v) | dt_bias (n_v) | norm weight (dv)]; conv_state [taps - 1, channels] (oldest first) and
+    state [n_v, dk, dv] before the first row (zeros: a sequence's start). `parents`: the rows are a token tree
+    whose node i (row i + 1) hangs under row parents[i] + 1, each row seeing its ancestors instead of the rows
+    before it."""
+    rows, nk, nv, dk, dv = len(mix), shape.key_heads, shape.value_heads, shape.key_dim, shape.value_dim
+    channels, width, group = shape.channels, shape.value_width, shape.value_heads // shape.key_heads
+    mix = np.asarray(mix, np.float64)
+    if conv_state is None:
+        conv_state = np.zeros((shape.conv_taps - 1, channels))
+    if state is None:
+        state = np.zeros((nv, dk, dv))
+    ancestors = [list(range(r)) for r in range(rows)]
+    if parents is not None:
+        ancestors = [[]]
+        for parent in parents:
+            ancestors.append([*ancestors[parent + 1], parent + 1])
+    convolved = np.zeros((rows, channels))
+    for r in range(rows):
+        window = np.concatenate([conv_state, mix[ancestors[r] + [r], :channels]])[-shape.conv_taps :]
+        convolved[r] = silu((np.asarray(conv_w, np.float64) * window.T).sum(1))
+    q = convolved[:, : nk * dk].reshape(rows, nk, dk)
+    k = convolved[:, nk * dk : 2 * nk * dk].reshape(rows, nk, dk)
+    v = convolved[:, 2 * nk * dk :].reshape(rows, nv, dv)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / math.sqrt(dk)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    z = mix[:, channels : channels + width].reshape(rows, nv, dv)
+    b, a = mix[:, channels + width : channels + width + nv], mix[:, channels + width + nv :]
+    neg_a, dt_bias, norm_w = (np.asarray(g, np.float64) for g in (gates[:nv], gates[nv : 2 * nv], gates[2 * nv :]))
+    decay = np.exp(neg_a * np.log1p(np.exp(a + dt_bias)))
+    beta = 1.0 / (1.0 + np.exp(-b))
+    out, states = np.zeros((rows, width)), np.zeros((rows, nv, dk, dv))
+    for r in range(rows):
+        s = np.array(state, np.float64)
+        for j in [*ancestors[r], r]:
+            for h in range(nv):
+                kj = k[j, h // group]
+                s[h] *= decay[j, h]
+                s[h] += np.outer(kj, (v[j, h] - kj @ s[h]) * beta[j, h])
+        states[r] = s
+        for h in range(nv):
+            o = q[r, h // group] @ s[h]
+            out[r, h * dv : (h + 1) * dv] = rmsnorm(o, norm_w, eps) * silu(z[r, h])
+    return out, states
+
+
 def load_tensors(folder: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of a HF folder's *.safetensors files (one file, or the shards of an index)."""
     from safetensors.numpy import load_file
@@ -232,7 +293,10 @@ def forward_stages(
     (tanh) gating, per-layer sliding windows and RoPE bases; Gemma 2's soft-capped scores and logits. Gemma 4
     (Gemma4TextModel): head dims per layer, v heads normalised too (no weight), values = raw keys on full layers
     of attention_k_eq_v models, KV-shared layers attending over their source layer's keys and values, per-layer
-    inputs added after the MLP, each layer's output times its layer_scalar.
+    inputs added after the MLP, each layer's output times its layer_scalar. Qwen 3.5 (Qwen3_5TextModel): its
+    linear_attention layers are Gated DeltaNets (`gated_delta_net` from a zero state); its attention layers take
+    [q | gate] per head from q_proj, rotate the first rotary_dim dims of q and k (rotate half within them) and
+    multiply their output by sigmoid(gate).
     """
     w = load_tensors(model) if isinstance(model, str | Path) else model
     eps, n_heads = config.rms_norm_eps, config.num_attention_heads
@@ -244,7 +308,7 @@ def forward_stages(
 
     def rope_angles(layer: int) -> tuple[np.ndarray, np.ndarray]:
         theta, scaling = config.layer_rope(layer)
-        inv_freq = rope_inv_freq(config.layer_head_dim(layer), theta, scaling)
+        inv_freq = rope_inv_freq(config.rotary_dim or config.layer_head_dim(layer), theta, scaling)
         angles = np.arange(rows)[:, None] * inv_freq[None, :]
         return np.cos(angles), np.sin(angles)
 
@@ -257,42 +321,52 @@ def forward_stages(
         token = np.asarray(w["model.embed_tokens_per_layer.weight"], np.float64)[list(ids)] * math.sqrt(per_layer)
         per_layer_inputs = (projected + token.reshape(projected.shape)) / math.sqrt(2)
     stages: dict[str, np.ndarray] = {}
+    attended: dict[str, np.ndarray] = {}  # the last attention layer's stages
     kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # each layer's rotated keys and values
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         hd, n_kv = config.layer_head_dim(i), config.layer_num_kv_heads(i)
         cos, sin = rope_angles(i)
         attn_norm = norm(p + "input_layernorm.weight")
-        q = linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"), norm=attn_norm)
-        q = q.reshape(rows, n_heads, hd)
-        if config.qk_norm:
-            q = rmsnorm(q, *norm(p + "self_attn.q_norm.weight"))
-        q_proj = q.reshape(rows, n_heads * hd)
-        q = rope(q, cos, sin).reshape(rows, n_heads * hd)
-        if config.kv_source(i) == i:
-            k_eq_v = config.attention_k_eq_v and config.layer_types[i] == "full_attention"
-            k, v = (
-                linear(x, w[p + f"self_attn.{n}_proj.weight"], w.get(p + f"self_attn.{n}_proj.bias"), norm=attn_norm)
-                for n in ("k", "k" if k_eq_v else "v")
-            )
-            k, v = k.reshape(rows, n_kv, hd), v.reshape(rows, n_kv, hd)
+        if config.is_linear(i):
+            x = x + _gated_delta_net_layer(w, config, p, x, attn_norm)
+        else:
+            q = linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"), norm=attn_norm)
+            q = q.reshape(rows, n_heads, -1)
+            q, out_gate = q[..., :hd], q[..., hd:]  # q_proj holds an output gate only in Qwen 3.5
             if config.qk_norm:
-                k = rmsnorm(k, *norm(p + "self_attn.k_norm.weight"))
-            if config.v_norm:
-                v = rmsnorm(v, np.ones(hd), eps)
-            kv[i] = rope(k, cos, sin), v
-        k, v = kv[config.kv_source(i)]
-        a = attention(
-            q.reshape(rows, n_heads, hd),
-            k,
-            v,
-            0,
-            window=config.layer_window(i),
-            scale=config.attention_scale,
-            softcap=config.attn_logit_softcapping or 0.0,
-        )
-        o = linear(a, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
-        x = x + (rmsnorm(o, *norm(p + "post_attention_layernorm.weight")) if gemma else o)
+                q = rmsnorm(q, *norm(p + "self_attn.q_norm.weight"))
+            q_proj = q.reshape(rows, n_heads * hd)
+            q = _rope_part(q, cos, sin).reshape(rows, n_heads * hd)
+            if config.kv_source(i) == i:
+                k_eq_v = config.attention_k_eq_v and config.layer_types[i] == "full_attention"
+                k, v = (
+                    linear(
+                        x, w[p + f"self_attn.{n}_proj.weight"], w.get(p + f"self_attn.{n}_proj.bias"), norm=attn_norm
+                    )
+                    for n in ("k", "k" if k_eq_v else "v")
+                )
+                k, v = k.reshape(rows, n_kv, hd), v.reshape(rows, n_kv, hd)
+                if config.qk_norm:
+                    k = rmsnorm(k, *norm(p + "self_attn.k_norm.weight"))
+                if config.v_norm:
+                    v = rmsnorm(v, np.ones(hd), eps)
+                kv[i] = _rope_part(k, cos, sin), v
+            k, v = kv[config.kv_source(i)]
+            a = attention(
+                q.reshape(rows, n_heads, hd),
+                k,
+                v,
+                0,
+                window=config.layer_window(i),
+                scale=config.attention_scale,
+                softcap=config.attn_logit_softcapping or 0.0,
+            )
+            if out_gate.size:
+                a = a / (1 + np.exp(-out_gate.reshape(rows, n_heads * hd)))
+            o = linear(a, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
+            x = x + (rmsnorm(o, *norm(p + "post_attention_layernorm.weight")) if gemma else o)
+            attended = {"q_proj": q_proj, "q": q, "k": k, "v": v, "attention": a}
         mlp_norm = norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"))
         gate = linear(x, w[p + "mlp.gate_proj.weight"], norm=mlp_norm)
         up = linear(x, w[p + "mlp.up_proj.weight"], norm=mlp_norm)
@@ -306,12 +380,33 @@ def forward_stages(
         if p + "layer_scalar" in w:
             x = x * float(np.asarray(w[p + "layer_scalar"]).reshape(-1)[0])
         gate_up = np.concatenate([gate, up], axis=1)
-        stages = {"q_proj": q_proj, "q": q, "k": k, "v": v, "attention": a, "gate_up": gate_up, "mlp": h}
+        stages = {**attended, "gate_up": gate_up, "mlp": h}
     head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
     logits = linear(x, head, norm=norm("model.norm.weight"))
     if config.final_logit_softcapping:
         logits = config.final_logit_softcapping * np.tanh(logits / config.final_logit_softcapping)
     return {**stages, "hidden": x, "logits": logits}
+
+
+def _rope_part(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """`rope` over the first 2 * cos.shape[-1] dims of each head [T, heads, hd] (Qwen 3.5's partial RoPE: rotate
+    half within them), the other dims as they are."""
+    rotated = 2 * cos.shape[-1]
+    return np.concatenate([rope(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
+
+
+def _gated_delta_net_layer(
+    w: Mapping[str, np.ndarray], config: ModelConfig, prefix: str, x: np.ndarray, attn_norm: tuple[np.ndarray, float]
+) -> np.ndarray:
+    """A Qwen 3.5 linear_attention layer's output [T, H] (before the residual add), from a sequence's start."""
+    shape = config.linear_attention
+    assert shape is not None
+    a = prefix + "linear_attn."
+    mix = linear(x, np.concatenate([w[a + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")]), norm=attn_norm)
+    conv = np.asarray(w[a + "conv1d.weight"], np.float64).reshape(shape.channels, -1)
+    gates = np.concatenate([-np.exp(np.asarray(w[a + "A_log"], np.float64)), w[a + "dt_bias"], w[a + "norm.weight"]])
+    out, _ = gated_delta_net(shape, mix, conv, gates, eps=config.rms_norm_eps)
+    return linear(out, w[a + "out_proj.weight"])
 
 
 def forward_reference(

@@ -275,6 +275,7 @@ def _qwen3_5_layer(spec: TinySpec, i: int, mat, norm, rng: np.random.Generator) 
             a + "out_proj.weight": mat(h, nv * dv),
         }
     )
+    return tensors
 
 
 def _gemma4_weights(spec: TinySpec, mat, norm) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
-"""Qwen 3.5's Gated DeltaNet op (shaders/linear_attention.wgsl through ops/linear_attention.py) against a float64
-numpy reference written from transformers' torch_recurrent_gated_delta_rule and causal_conv1d_update: a forward's
-rows (a chain or a token tree, from a nonzero committed state and conv window), then the commit of the rows kept.
+"""Qwen 3.5's Gated DeltaNet op (shaders/linear_attention.wgsl through ops/linear_attention.py) against the float64
+numpy reference `testing.references.gated_delta_net` (transformers' torch_recurrent_gated_delta_rule and
+causal_conv1d_update): a forward's rows (a chain or a token tree, from a nonzero committed state and conv window),
+then the commit of the rows kept.
 
 Tolerance: 2e-4 absolute on outputs of O(1) (the gated RMSNorm makes every head's output unit-RMS times weights near
 1), 1e-4 on the state and window: float32 accumulation over at most 128 key dims and 7 sequential updates.
@@ -17,6 +18,7 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.config import LinearAttention
 from doppler_py.ops.linear_attention import GatedDeltaNet, RecurrentState, l2_norm_weight
 from doppler_py.ops.tree import MAX_TREE_ROWS, compaction_moves, layout_words
+from doppler_py.testing.references import gated_delta_net
 
 SHAPES = {
     "awkward": LinearAttention(conv_taps=3, key_heads=1, value_heads=3, key_dim=24, value_dim=40),
@@ -26,49 +28,8 @@ EPS = 1e-6
 MAX_ROWS = 16
 
 
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
 def reference(shape, mix, conv_w, conv_state, state, gates, parents=None):
-    """(out [rows, value_width], per row the state after it [rows, n_v, dk, dv]) for a forward's rows: a chain, or
-    a tree whose node i (row i + 1) hangs under row parents[i] + 1."""
-    rows, nk, nv, dk, dv = mix.shape[0], shape.key_heads, shape.value_heads, shape.key_dim, shape.value_dim
-    channels, width = shape.channels, shape.value_width
-    ancestors = [list(range(r)) for r in range(rows)]
-    if parents is not None:
-        ancestors = [[]]
-        for p in parents:
-            ancestors.append([*ancestors[p + 1], p + 1])
-    neg_a, dt_bias, norm_w = gates[:nv], gates[nv : 2 * nv], gates[2 * nv :]
-    out, states = np.zeros((rows, width)), np.zeros((rows, nv, dk, dv))
-    conv_rows = np.zeros((rows, channels))
-    for r in range(rows):
-        history = np.concatenate([conv_state, mix[ancestors[r] + [r], :channels]])[-shape.conv_taps :]
-        conv_rows[r] = silu((conv_w * history.T).sum(1))
-    q = conv_rows[:, : nk * dk].reshape(rows, nk, dk)
-    k = conv_rows[:, nk * dk : 2 * nk * dk].reshape(rows, nk, dk)
-    v = conv_rows[:, 2 * nk * dk :].reshape(rows, nv, dv)
-    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + EPS) / np.sqrt(dk)
-    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + EPS)
-    z = mix[:, channels : channels + width].reshape(rows, nv, dv)
-    b, a = mix[:, channels + width : channels + width + nv], mix[:, channels + width + nv :]
-    g = neg_a * np.log1p(np.exp(a + dt_bias))
-    beta = 1.0 / (1.0 + np.exp(-b))
-    group = nv // nk
-    for r in range(rows):
-        s = state.copy()
-        for j in [*ancestors[r], r]:
-            for h in range(nv):
-                kj = k[j, h // group]
-                s[h] *= np.exp(g[j, h])
-                s[h] += np.outer(kj, (v[j, h] - kj @ s[h]) * beta[j, h])
-        states[r] = s
-        for h in range(nv):
-            o = q[r, h // group] @ s[h]
-            normed = norm_w * (o / np.sqrt((o * o).mean() + EPS))
-            out[r, h * dv : (h + 1) * dv] = normed * silu(z[r, h])
-    return out, states
+    return gated_delta_net(shape, mix, conv_w, gates, conv_state=conv_state, state=state, parents=parents, eps=EPS)
 
 
 class Layer:
