@@ -82,8 +82,10 @@ def test_rejects_row_counts_and_tensors_that_do_not_fit(gpu, registry):
         RMSNorm(registry, x, Tensor.empty(gpu, 8, "f16"), out, dim=8, eps=EPS, max_rows=2)
 
 
-def test_accumulate_adds_the_normalised_rows_to_out(gpu, registry, rng):
-    """Gemma's post-attention / post-MLP norms: x += rmsnorm(y)."""
+@pytest.mark.parametrize("out_scale", [1.0, 0.375])
+def test_accumulate_adds_the_normalised_rows_to_out_then_scales_the_sum(gpu, registry, rng, out_scale):
+    """Gemma's post-attention / post-MLP norms: x += rmsnorm(y); with Gemma 4's layer_scalar on a layer's last add,
+    x = (x + rmsnorm(y)) * s, rounded in that order."""
     dim, rows = 96, 3
     y = rng.standard_normal((rows, dim)).astype(np.float32)
     weight = (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
@@ -91,14 +93,18 @@ def test_accumulate_adds_the_normalised_rows_to_out(gpu, registry, rng):
     out = Tensor.from_numpy(gpu, residual)
     op = RMSNorm(
         registry, Tensor.from_numpy(gpu, y), Tensor.from_numpy(gpu, weight), out, dim=dim, eps=EPS, max_rows=rows,
-        accumulate=True,
+        accumulate=True, out_scale=out_scale,
     )  # fmt: skip
     rec = registry.recorder()
     op.record(rec, rows=2)
     rec.submit()
     got = out.numpy()
-    np.testing.assert_allclose(got[:2], residual[:2] + rmsnorm(y[:2], weight, EPS), rtol=2e-6, atol=1e-6)
+    expected = (residual[:2] + rmsnorm(y[:2], weight, EPS)) * out_scale
+    np.testing.assert_allclose(got[:2], expected, rtol=2e-6, atol=1e-6)
     assert (got[2] == residual[2]).all()
+    with pytest.raises(ValueError, match="accumulate"):
+        RMSNorm(registry, Tensor.from_numpy(gpu, y), Tensor.from_numpy(gpu, weight), out, dim=dim, eps=EPS,
+                max_rows=rows, out_scale=2.0)  # fmt: skip
 
 
 @pytest.mark.parametrize(("q_heads", "k_heads", "head_dim"), [(4, 2, 32), (9, 3, 64), (2, 1, 256), (3, 3, 16)])
@@ -149,25 +155,3 @@ def test_head_norm_with_v_heads_gives_them_the_third_weight(gpu, registry, rng, 
     expected = np.stack([rmsnorm(heads[:, h], weight.reshape(3, head_dim)[s], EPS) for h, s in enumerate(sections)], 1)
     np.testing.assert_allclose(t.numpy()[:rows], expected.reshape(rows, -1), rtol=2e-6, atol=1e-7)
     assert (t.numpy()[rows:] == qkv[rows:]).all(), "rows past `rows` must be left alone"
-
-
-def test_accumulate_then_out_scale_multiplies_the_sum(gpu, registry, rng):
-    """Gemma 4's layer_scalar on the layer's last add: x = (x + rmsnorm(y)) * s, rounded in that order."""
-    dim, rows = 96, 3
-    y = rng.standard_normal((rows, dim)).astype(np.float32)
-    weight = (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
-    residual = rng.standard_normal((rows, dim)).astype(np.float32)
-    out = Tensor.from_numpy(gpu, residual)
-    op = RMSNorm(
-        registry, Tensor.from_numpy(gpu, y), Tensor.from_numpy(gpu, weight), out, dim=dim, eps=EPS, max_rows=rows,
-        accumulate=True, out_scale=0.375,
-    )  # fmt: skip
-    rec = registry.recorder()
-    op.record(rec, rows=2)
-    rec.submit()
-    got = out.numpy()
-    np.testing.assert_allclose(got[:2], (residual[:2] + rmsnorm(y[:2], weight, EPS)) * 0.375, rtol=2e-6, atol=1e-6)
-    assert (got[2] == residual[2]).all()
-    with pytest.raises(ValueError, match="accumulate"):
-        RMSNorm(registry, Tensor.from_numpy(gpu, y), Tensor.from_numpy(gpu, weight), out, dim=dim, eps=EPS,
-                max_rows=rows, out_scale=2.0)  # fmt: skip
