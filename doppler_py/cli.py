@@ -426,6 +426,16 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"the time limit must be positive, got {text!r}")
+    return seconds
+
+
 def _cmd_parity_doppler(args: argparse.Namespace) -> int:
     from doppler_py.parity.model_parity import format_report, run_parity
     from doppler_py.tokenizer import Tokenizer
@@ -437,7 +447,15 @@ def _cmd_parity_doppler(args: argparse.Namespace) -> int:
         ids = args.ids
     else:
         ids = Tokenizer.from_dir(folder).encode(args.prompt, add_special_tokens=False)
-    report = run_parity(folder, ids, args.steps, with_hf=not args.no_hf)
+    # Phase lines go to stderr as they end: a real model takes minutes in doppler-gpu on SwiftShader.
+    report = run_parity(
+        folder,
+        ids,
+        args.steps,
+        with_hf=not args.no_hf,
+        timeout=args.timeout,
+        log=lambda line: print(line, file=sys.stderr),
+    )
     print(format_report(report, args.atol))
     if args.json:
         Path(args.json).write_text(json.dumps(report.record(), indent=2) + "\n")
@@ -710,6 +728,13 @@ def build_parser() -> argparse.ArgumentParser:
     doppler.add_argument("--atol", type=float, default=1e-4, help="largest |dlogit| that agrees (default 1e-4)")
     doppler.add_argument("--no-hf", action="store_true", help="leave HF transformers out")
     doppler.add_argument("--json", metavar="PATH", help="also write tokens and per-step deltas as JSON")
+    doppler.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="limit on doppler-gpu's conversion and, separately, on its run "
+        "(default 300 and 600 s; SmolLM2-135M takes 35-80 s a step on two cores under SwiftShader)",
+    )
     doppler.set_defaults(func=_cmd_parity_doppler)
 
     check = sub.add_parser(

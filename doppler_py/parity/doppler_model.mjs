@@ -10,10 +10,15 @@
 // and repetition penalty 1 (its default penalty is 1.1, which would change greedy tokens).
 //
 // OUT gets {"tokens": [N ids], "logits": [N base64 float32 rows], "adapter": {...}}: row i is the logits the
-// i-th token was chosen from. WebGPU comes from the module named by DOPPLER_NODE_WEBGPU_MODULE (the npm
-// package `webgpu`, i.e. Dawn), which the package's own Node bootstrap reads.
+// i-th token was chosen from. Each phase (import, load, prefill, every decode step) is printed to stderr as it
+// ends, `doppler-gpu phase NAME SECONDS` (wall time), so that a run stopped at its time limit still tells the
+// Python side where its time went (a real model's forward takes a minute on SwiftShader).
+//
+// WebGPU comes from the module named by DOPPLER_NODE_WEBGPU_MODULE (the npm package `webgpu`, i.e. Dawn),
+// which the package's own Node bootstrap reads.
 
 import { readFileSync, writeFileSync } from 'node:fs';
+import { performance } from 'node:perf_hooks';
 import { pathToFileURL } from 'node:url';
 
 const [packageDir, rdrrDir, jobPath, outPath] = process.argv.slice(2);
@@ -26,6 +31,17 @@ const fromPackage = (path) => import(pathToFileURL(`${packageDir}/src/${path}`).
 const { load } = await fromPackage('index.js');
 const { applyRepetitionPenalty, sample } = await fromPackage('inference/pipelines/text/sampling.js');
 
+// performance.now() counts from the process's start, so the first phase includes Node's start and the imports.
+let phaseStart = 0;
+// Ends the phase that began at the previous call and reports it at once.
+function endPhase(name) {
+  const now = performance.now();
+  const seconds = (now - phaseStart) / 1000;
+  phaseStart = now;
+  console.error(`doppler-gpu phase ${name} ${seconds.toFixed(3)}`);
+}
+endPhase('import');
+
 const GREEDY = { temperature: 0 };
 const NO_PENALTY = 1.0;
 
@@ -37,11 +53,13 @@ process.on('uncaughtException', (error) => {
 });
 
 const model = await load({ url: pathToFileURL(rdrrDir).href });
+endPhase('load');
 try {
   const ids = [...job.ids];
   const tokens = [];
   const rows = [];
   let logits = (await model.advanced.prefillWithLogits('', { inputIds: ids, useChatTemplate: false })).logits;
+  endPhase('prefill');
   for (let step = 0; step < job.steps; step++) {
     const row = Float32Array.from(logits);
     rows.push(Buffer.from(row.buffer).toString('base64'));
@@ -52,6 +70,7 @@ try {
     ids.push(token);
     if (step + 1 < job.steps) {
       logits = (await model.advanced.decodeStepLogits(ids)).logits;
+      endPhase(`decode${step + 1}`);
     }
   }
   writeFileSync(outPath, JSON.stringify({ tokens, logits: rows, adapter: model.deviceInfo ?? null }));

@@ -21,6 +21,8 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +81,7 @@ class DopplerRun:
     tokens: list[int]
     logits: np.ndarray
     adapter: dict | None
+    phases: list[tuple[str, float]]  # (name, wall seconds) of the driver's phases: import, load, prefill, decode<i>
 
 
 def kernel_digests(package: Path) -> dict[str, str]:
@@ -226,18 +229,73 @@ def _node() -> str:
     return node
 
 
-def _run(command: list[str], *, timeout: int, what: str, env: dict[str, str] | None = None, cwd: str | None = None):
+class DopplerTimeoutError(DopplerParityError):
+    """A doppler-gpu phase (its converter, or its load and generation) ran past its time limit."""
+
+    def __init__(self, what: str, limit_s: float, phases: list[tuple[str, float]]):
+        done = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases) or "none"
+        super().__init__(
+            f"{what} took over {limit_s:g} s (its time limit; `doppler-py parity doppler --timeout SECONDS` "
+            f"sets it); phases finished before the limit: {done}"
+        )
+        self.what = what
+        self.limit_s = limit_s
+        self.phases = phases
+
+
+PHASE_LINE = re.compile(r"^doppler-gpu phase (\S+) ([0-9.]+)$")
+
+
+def _phases(lines: list[str]) -> list[tuple[str, float]]:
+    """The `doppler-gpu phase NAME SECONDS` lines the Node driver printed, in order."""
+    found = (PHASE_LINE.match(line) for line in lines)
+    return [(match[1], float(match[2])) for match in found if match]
+
+
+def _run(
+    command: list[str],
+    *,
+    timeout: float,
+    what: str,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Run `command` to its end within `timeout` seconds; returns its output lines (stdout and stderr merged).
+
+    The output is read as it comes so that `log` sees each phase line when the phase ends (a real model's run
+    takes minutes), and so that a run stopped at its limit still says which phases it finished."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, errors="replace"
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+            if log is not None and PHASE_LINE.match(lines[-1]):
+                log(lines[-1])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    except subprocess.TimeoutExpired as exc:
-        raise DopplerParityError(f"{what} took over {timeout} s") from exc
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
-        raise DopplerParityError(f"{what} failed (exit {done.returncode}): " + " / ".join(tail))
+        returncode = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        reader.join(timeout=10)  # a grandchild holding the pipe open must not hang the report
+        raise DopplerTimeoutError(what, timeout, _phases(lines)) from None
+    reader.join()
+    if returncode != 0:
+        tail = [line for line in lines if line.strip()][-6:]
+        raise DopplerParityError(f"{what} failed (exit {returncode}): " + " / ".join(tail))
+    return lines
 
 
-def convert(model_dir: Path, out_dir: Path, package: Path | None = None) -> Path:
-    """Convert the HF folder into RDRR with doppler-gpu's converter; returns `out_dir` (manifest.json inside)."""
+def convert(model_dir: Path, out_dir: Path, package: Path | None = None, *, timeout: float = CONVERT_TIMEOUT_S) -> Path:
+    """Convert the HF folder into RDRR with doppler-gpu's converter within `timeout` seconds; returns `out_dir`
+    (manifest.json inside)."""
     package = package or fetch_package(DOPPLER_GPU)
     hf = json.loads((model_dir / "config.json").read_text())
     config = conversion_config(hf, package, model_id=model_dir.name.lower())
@@ -247,7 +305,7 @@ def convert(model_dir: Path, out_dir: Path, package: Path | None = None) -> Path
     converter = package / "tools/convert-safetensors-node.js"
     with tempfile.TemporaryDirectory(prefix="doppler-convert-") as scratch:  # it writes reports/ under its cwd
         command = [_node(), str(converter), str(model_dir), "--config", str(config_path), "--output-dir", str(out_dir)]
-        _run(command, timeout=CONVERT_TIMEOUT_S, what=f"doppler-gpu's converter on {model_dir}", cwd=scratch)
+        _run(command, timeout=timeout, what=f"doppler-gpu's converter on {model_dir}", cwd=scratch)
     if not (out_dir / "manifest.json").exists():
         raise DopplerParityError(f"doppler-gpu's converter wrote no manifest.json into {out_dir}")
     return out_dir
@@ -267,15 +325,29 @@ def node_environment() -> dict[str, str]:
     return env
 
 
-def run_greedy(rdrr_dir: Path, prompt_ids: list[int], steps: int, package: Path | None = None) -> DopplerRun:
-    """Greedy generation of `steps` tokens after `prompt_ids` in the JS original, with each step's logits."""
+def run_greedy(
+    rdrr_dir: Path,
+    prompt_ids: list[int],
+    steps: int,
+    package: Path | None = None,
+    *,
+    timeout: float = RUN_TIMEOUT_S,
+    log: Callable[[str], None] | None = None,
+) -> DopplerRun:
+    """Greedy generation of `steps` tokens after `prompt_ids` in the JS original, with each step's logits, all
+    within `timeout` seconds (Node's start, the model's load and every step); `log` gets each phase line."""
     package = package or fetch_package(DOPPLER_GPU)
     env = node_environment()
     with tempfile.TemporaryDirectory(prefix="doppler-run-") as scratch:
         job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
         job.write_text(json.dumps({"ids": list(prompt_ids), "steps": steps}))
         command = [_node(), str(DRIVER), str(package), str(rdrr_dir), str(job), str(out)]
-        _run(command, timeout=RUN_TIMEOUT_S, what="doppler-gpu's generation", env=env)
+        lines = _run(command, timeout=timeout, what="doppler-gpu's generation", env=env, log=log)
         result = json.loads(out.read_text())
     rows = [np.frombuffer(base64.b64decode(row), dtype=np.float32) for row in result["logits"]]
-    return DopplerRun(tokens=[int(t) for t in result["tokens"]], logits=np.stack(rows), adapter=result["adapter"])
+    return DopplerRun(
+        tokens=[int(t) for t in result["tokens"]],
+        logits=np.stack(rows),
+        adapter=result["adapter"],
+        phases=_phases(lines),
+    )

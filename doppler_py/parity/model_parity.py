@@ -11,6 +11,8 @@ differ is the pair's first divergence.
 from __future__ import annotations
 
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +54,8 @@ class ParityReport:
     runs: dict[str, EngineRun]
     pairs: list[PairResult] = field(default_factory=list)
     missing: dict[str, str] = field(default_factory=dict)  # engine -> why it did not run
+    # phase -> wall seconds: "ours", "hf", "doppler convert" and the Node driver's phases ("doppler load", ...)
+    timings: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict:
         """Tokens and per-step deltas as plain JSON values."""
@@ -63,6 +67,7 @@ class ParityReport:
                 "-".join(p.pair): {"deltas": p.deltas, "first_divergence": p.first_divergence} for p in self.pairs
             },
             "missing": self.missing,
+            "timings": self.timings,
         }
 
     def agrees(self, atol: float) -> bool:
@@ -116,21 +121,48 @@ def compare_pair(a: EngineRun, b: EngineRun, pair: tuple[str, str]) -> PairResul
     return PairResult(pair, deltas, first)
 
 
-def run_parity(folder: Path, prompt_ids: list[int], steps: int, *, with_hf: bool = True) -> ParityReport:
+def run_parity(
+    folder: Path,
+    prompt_ids: list[int],
+    steps: int,
+    *,
+    with_hf: bool = True,
+    timeout: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ParityReport:
     """Run the three engines on `folder` and compare every pair (HF is left out when transformers is missing
-    or `with_hf` is False; the report says so)."""
+    or `with_hf` is False; the report says so).
+
+    `timeout` limits doppler-gpu's conversion and, separately, its run (None: CONVERT_TIMEOUT_S and
+    RUN_TIMEOUT_S); past it a DopplerTimeoutError names the limit and the phases that finished. `log` gets a
+    line as each phase ends, as a real model's run takes minutes."""
     if not prompt_ids:
         raise doppler_model.DopplerParityError("the prompt is empty: parity needs at least one prompt token")
     if steps < 1:
         raise doppler_model.DopplerParityError(f"steps must be at least 1, got {steps}")
+    if timeout is not None and not timeout > 0:
+        raise doppler_model.DopplerParityError(f"the time limit must be positive, got {timeout} s")
+    say = log or (lambda line: None)
     report = ParityReport(str(folder), list(prompt_ids), steps, {})
+    start = time.perf_counter()
     report.runs["ours"] = our_greedy(folder, prompt_ids, steps)
+    report.timings["ours"] = time.perf_counter() - start
+    say(f"ours: {steps} steps in {report.timings['ours']:.1f} s")
+    convert_limit = doppler_model.CONVERT_TIMEOUT_S if timeout is None else timeout
+    run_limit = doppler_model.RUN_TIMEOUT_S if timeout is None else timeout
     with tempfile.TemporaryDirectory(prefix="doppler-rdrr-") as rdrr:
-        doppler = doppler_model.run_greedy(doppler_model.convert(folder, Path(rdrr)), prompt_ids, steps)
+        start = time.perf_counter()
+        converted = doppler_model.convert(folder, Path(rdrr), timeout=convert_limit)
+        report.timings["doppler convert"] = time.perf_counter() - start
+        say(f"doppler-gpu converter: {report.timings['doppler convert']:.1f} s")
+        doppler = doppler_model.run_greedy(converted, prompt_ids, steps, timeout=run_limit, log=say)
+    report.timings.update((f"doppler {name}", seconds) for name, seconds in doppler.phases)
     report.runs["doppler"] = EngineRun(doppler.tokens, doppler.logits, doppler.tokens)
     if with_hf:
+        start = time.perf_counter()
         try:
             report.runs["hf"] = hf_along(folder, prompt_ids, report.runs["ours"].tokens)
+            report.timings["hf"] = time.perf_counter() - start
         except ImportError as exc:
             report.missing["hf"] = f"transformers/torch not installed ({exc.name})"
     else:
@@ -165,4 +197,6 @@ def format_report(report: ParityReport, atol: float = DEFAULT_ATOL) -> str:
             f"{a} vs {b}: max |dlogit| {pair.max_delta:.2e} over {len(pair.deltas)} steps, "
             f"first divergence {where} -> {verdict} (atol {atol:g})"
         )
+    if report.timings:
+        lines.append("wall s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in report.timings.items()))
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 
 import numpy as np
 import pytest
@@ -190,13 +191,67 @@ def test_cli_prints_every_pair_and_fails_on_a_divergence(doppler_ready, tiny_fol
     status = main(
         ["parity", "doppler", str(tiny_folder(GEMMA)), "--ids", ids, "--steps", "5", "--json", str(report_path)]
     )
-    out = capsys.readouterr().out
-    assert status == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    # Exit 2 is a DopplerError (e.g. a failed or timed-out doppler-gpu run): its message is on stderr.
+    assert status == 1, f"exit {status}; stderr:\n{captured.err}"
     assert "doppler vs hf" in out and "first divergence step 3" in out and "DIFFERS" in out
     record = json.loads(report_path.read_text())
     assert record["pairs"]["ours-hf"]["first_divergence"] is None
     assert record["pairs"]["doppler-hf"]["first_divergence"] == 3  # position 8: the first past the window
     assert len(record["tokens"]["doppler"]) == 5
+
+
+def test_cli_runs_a_single_step_and_reports_each_phase_time(doppler_ready, tiny_folder, tmp_path, capsys):
+    # One step is the prompt's prefill alone: the smallest run, which a real model needs on SwiftShader.
+    report_path = tmp_path / "parity.json"
+    folder = tiny_folder(TINY_SPECS["llama-tied-gqa"])
+    ids = ",".join(map(str, PROMPT))
+    options = ["--ids", ids, "--steps", "1", "--timeout", "300", "--json", str(report_path)]
+    status = main(["parity", "doppler", str(folder), *options])
+    captured = capsys.readouterr()
+    assert status == 0, f"exit {status}; stderr:\n{captured.err}"
+    record = json.loads(report_path.read_text())
+    assert {name: len(tokens) for name, tokens in record["tokens"].items()} == {"ours": 1, "hf": 1, "doppler": 1}
+    timings = record["timings"]
+    assert {"ours", "hf", "doppler convert", "doppler load", "doppler prefill"} <= set(timings)
+    assert not [name for name in timings if name.startswith("doppler decode")]  # no decode step after the last
+    assert all(seconds >= 0 for seconds in timings.values())
+    # The phases reach stderr as they end, and the report's last line sums them up.
+    assert re.search(r"^doppler-gpu phase prefill [0-9.]+$", captured.err, re.MULTILINE), captured.err
+    assert "wall s: ours" in captured.out
+
+
+def test_cli_time_limit_is_a_typed_error_naming_the_limit(doppler_ready, tiny_folder, capsys):
+    # 10 ms: Node alone does not start in that time, so the converter is stopped at its limit.
+    ids = ",".join(map(str, PROMPT))
+    folder = tiny_folder(TINY_SPECS["llama-tied-gqa"])
+    status = main(["parity", "doppler", str(folder), "--ids", ids, "--steps", "2", "--timeout", "0.01"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "DopplerTimeoutError: doppler-gpu's converter" in err and "took over 0.01 s" in err, err
+    assert "--timeout" in err
+
+
+def test_a_run_past_its_limit_reports_the_phases_it_finished(node_executable):
+    # A stand-in for the Node driver: it finishes its "load" phase, then hangs in the next one.
+    script = "console.error('doppler-gpu phase load 0.250'); setTimeout(() => {}, 60000);"
+    seen: list[str] = []
+    start = time.monotonic()
+    with pytest.raises(doppler_model.DopplerTimeoutError) as caught:
+        doppler_model._run([node_executable, "-e", script], timeout=5, what="the stand-in", log=seen.append)
+    assert time.monotonic() - start < 30  # stopped at the limit, not at the script's end
+    assert caught.value.limit_s == 5 and caught.value.phases == [("load", 0.25)]
+    assert "the stand-in took over 5 s" in str(caught.value) and "load 0.2 s" in str(caught.value)
+    assert seen == ["doppler-gpu phase load 0.250"]
+
+
+@pytest.mark.parametrize("limit", ["0", "-5", "soon"])
+def test_cli_refuses_a_time_limit_that_is_not_positive_seconds(limit, tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["parity", "doppler", str(tmp_path), "--timeout", limit])
+    assert caught.value.code == 2
+    assert "--timeout" in capsys.readouterr().err
 
 
 def test_qwen3_5_agrees_in_all_three_engines_while_a_value_head_fits_one_subgroup(doppler_ready, tiny_folder):
