@@ -84,7 +84,12 @@ def test_conversion_config_runs_the_hf_config_in_float32(doppler_gpu_dir):
 def assert_float32_kernels(config: dict, package) -> None:
     """Every kernel a step list names is a float32 one, with the digest the package lists for it."""
     digests = kernel_digests(package)
-    used = {step[1] for phase in ("decode", "prefill", "postLayer", "preLayer") for step in config["execution"][phase]}
+    phases = [config["execution"][phase] for phase in ("decode", "prefill", "postLayer", "preLayer")]
+    # a phase is a step list, or (Gemma 4's prefill) groups of {"layers", "steps"}
+    steps = [
+        step for phase in phases for item in phase for step in (item["steps"] if isinstance(item, dict) else [item])
+    ]
+    used = {step[1] for step in steps}
     for key in used:
         kernel = config["execution"]["kernels"][key]
         assert "f16" not in kernel["kernel"], kernel
@@ -327,3 +332,96 @@ def test_qwen3_5_tiny_shape_is_refused_by_doppler_loader(doppler_ready, tiny_fol
         DopplerParityError, match=re.escape('linearNormMode="shared" but norm.weight shape implies "per_head"')
     ):
         doppler_model.run_greedy(rdrr, PROMPT, 1)
+
+
+GEMMA4 = TINY_SPECS["gemma4"]  # sliding, full, sliding, then a sliding and a full layer reading layers 2's and 1's K/V
+# Positions 2..5: inside the 6-key window, where none of the Gemma 3 window findings can act.
+GEMMA4_PROMPT, GEMMA4_STEPS = [5, 17, 33], 4
+# No per-layer inputs, and so no KV sharing either: transformers 5.24 cannot run a multi-token forward of a
+# KV-shared model without per-layer inputs (Gemma4TextModel._maybe_slice_kv_shared_inputs indexes them, None).
+GEMMA4_NO_PER_LAYER = dataclasses.replace(
+    GEMMA4, hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, seed=12
+)
+
+
+def test_conversion_config_runs_gemma4_in_float32(doppler_gpu_dir):
+    config = conversion_config(config_dict(GEMMA4), doppler_gpu_dir, "tiny-gemma4")
+    inference = config["inference"]
+    assert config["quantization"]["weights"] == config["quantization"]["embeddings"] == "f32"
+    assert config["session"]["kvcache"]["kvDtype"] == "f32"
+    assert config["session"]["perLayerInputs"]["materialization"] == "gpu_resident"
+    assert inference["attention"]["queryPreAttnScalar"] == 1  # Gemma 4 scores q.k unscaled
+    assert inference["attention"]["valueNorm"] is True and inference["attention"]["queryKeyNorm"] is True
+    assert inference["attention"]["slidingWindow"] == GEMMA4.sliding_window
+    assert inference["normalization"]["rmsNormWeightOffset"] is False
+    assert inference["ffn"]["useDoubleWideMlp"] is True
+    assert inference["rope"]["ropeTheta"] == GEMMA4.rope_theta
+    assert inference["rope"]["ropeLocalTheta"] == GEMMA4.rope_local_base_freq
+    assert inference["rope"]["partialRotaryFactor"] == GEMMA4.partial_rotary_factor
+    assert inference["rope"]["ropeFrequencyBaseDim"] == GEMMA4.global_head_dim  # proportional: the whole head
+    assert inference["output"]["finalLogitSoftcapping"] == GEMMA4.final_logit_softcapping
+    assert inference["output"]["tieWordEmbeddings"] is False
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert inference["layerPattern"]["type"] == "custom" and inference["layerPattern"]["layerTypes"] == layer_types
+    # the template's two prefill groups (its sliding and its full layers) hold this model's layers of each type
+    assert [group["layers"] for group in config["execution"]["prefill"]] == [[0, 2, 3], [1, 4]]
+    assert_float32_kernels(config, doppler_gpu_dir)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"enable_moe_block": True}, "enable_moe_block"),
+        ({"attention_k_eq_v": True}, "attention_k_eq_v"),
+        ({"layer_types": ["sliding_attention", "linear_attention"] * 2 + ["full_attention"]}, "linear_attention"),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_theta": 1e4},
+                    "full_attention": {"rope_type": "yarn", "rope_theta": 1e6},
+                }
+            },
+            "yarn",
+        ),
+        ({"num_kv_shared_layers": 5}, "every layer KV-shared"),
+    ],
+    ids=["moe", "k-eq-v", "linear-layer", "yarn", "all-shared"],
+)
+def test_gemma4_configs_outside_the_mapping_are_refused_by_name(tmp_path, change, named):
+    with pytest.raises(DopplerParityError, match=named):
+        conversion_config(config_dict(GEMMA4) | change, tmp_path, "m")
+
+
+def test_gemma4_without_per_layer_inputs_agrees_in_all_three_engines(doppler_ready, tiny_folder):
+    """Mixed head dims (32 sliding, 64 full), proportional partial RoPE on the full layers, q/k/v norms, unscaled
+    scores, layer scalars and the final soft-cap agree in all three engines inside the window."""
+    report = run_parity(tiny_folder(GEMMA4_NO_PER_LAYER), GEMMA4_PROMPT, GEMMA4_STEPS)
+    assert report.agrees(DEFAULT_ATOL), [(p.pair, p.max_delta, p.first_divergence) for p in report.pairs]
+    assert report.runs["ours"].tokens == report.runs["doppler"].tokens == report.runs["hf"].tokens
+
+
+def doppler_per_layer_tensors(folder) -> dict[str, np.ndarray]:
+    """The model's tensors with the per-layer embedding table times sqrt(2): HF's per-layer input over them,
+    (rmsnorm(proj) * w + sqrt(2) * E[ids] * sqrt(P)) / sqrt(2) = rmsnorm(proj) * w / sqrt(2) + E[ids] * sqrt(P),
+    is what doppler-gpu computes over the original ones (docs/parity-findings.md, finding 6)."""
+    tensors = {name: np.asarray(t, np.float64) for name, t in references.load_tensors(folder).items()}
+    tensors["model.embed_tokens_per_layer.weight"] = tensors["model.embed_tokens_per_layer.weight"] * np.sqrt(2)
+    return tensors
+
+
+def test_gemma4_per_layer_inputs_are_the_diagnosed_doppler_behaviour(doppler_ready, tiny_folder):
+    """Ours matches HF; the JS original matches the numpy forward whose per-layer inputs leave the token part
+    unscaled by 1/sqrt(2) (KV sharing, double-wide MLPs and everything else as HF), and not HF's."""
+    model = tiny_folder(GEMMA4)
+    report = run_parity(model, GEMMA4_PROMPT, GEMMA4_STEPS)
+    ours_hf = report.pairs[0]
+    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
+    doppler = report.runs["doppler"]
+    sequence = GEMMA4_PROMPT + doppler.tokens[:-1]
+    config = ModelConfig.from_file(model / "config.json")
+    rows = slice(len(GEMMA4_PROMPT) - 1, None)
+    diagnosed = references.forward_reference(doppler_per_layer_tensors(model), config, sequence)[rows]
+    np.testing.assert_allclose(doppler.logits, diagnosed, atol=DEFAULT_ATOL, rtol=0)
+    plain = references.forward_reference(model, config, sequence)[rows]
+    np.testing.assert_allclose(plain, hf_logits(model, sequence)[rows], atol=DEFAULT_ATOL, rtol=0)
+    assert np.abs(doppler.logits - plain).max() > 100 * DEFAULT_ATOL
