@@ -7,7 +7,9 @@ to a numpy forward carrying the three diagnosed disagreements (tests/parity/dopp
 docs/parity-findings.md), so a doppler-gpu version that changed its behaviour fails here and gets looked at.
 On Qwen 3.5 they agree while a Gated DeltaNet value head fits one SwiftShader subgroup (4 columns); wider value
 heads are held to a numpy model of the reduction race in its recurrent kernel, and the tiny spec's own shape
-to the loader's refusal (docs/parity-findings.md).
+to the loader's refusal (docs/parity-findings.md). On Gemma 4 they agree without per-layer inputs inside the
+window; with them the JS original is held to a numpy model of its per-layer combine, and past the window to
+that plus the three Gemma 3 findings (its sliding layers' keys in a ring).
 """
 
 from __future__ import annotations
@@ -425,3 +427,53 @@ def test_gemma4_per_layer_inputs_are_the_diagnosed_doppler_behaviour(doppler_rea
     plain = references.forward_reference(model, config, sequence)[rows]
     np.testing.assert_allclose(plain, hf_logits(model, sequence)[rows], atol=DEFAULT_ATOL, rtol=0)
     assert np.abs(doppler.logits - plain).max() > 100 * DEFAULT_ATOL
+
+
+PER_LAYER_COMBINE = "per-layer-combine"  # finding 6: the token part of the per-layer inputs is not scaled by 1/sqrt(2)
+
+
+def gemma4_doppler_logits(
+    model, config, sequence: list[int], prompt_len: int, findings: tuple[str, ...], *, ring_sliding: bool = True
+):
+    """The numpy forward over `sequence` carrying the given findings as doppler-gpu shows them on Gemma 4: the
+    three Gemma 3 window findings (doppler_findings.py), with the sliding layers' keys in a ring of `window`
+    rows and the full layers' in a contiguous cache (a Gemma 4 cache with mixed head dims or KV-shared layers
+    is "mixed-geometry", whose sliding layers are rings: src/inference/pipelines/text/init.js,
+    resolveMixedGeometrySlidingLayerLayout), and the per-layer combine (`doppler_per_layer_tensors`)."""
+    window = config.sliding_window
+    ring = doppler_attention(prompt_len, window, ring_sliding, findings)
+    contiguous = doppler_attention(prompt_len, window, False, findings)
+
+    def attend(q, k, v, start_pos, *, window=0, **options):
+        return (ring if window else contiguous)(q, k, v, start_pos, window=window, **options)
+
+    tensors = doppler_per_layer_tensors(model) if PER_LAYER_COMBINE in findings else model
+    saved = references.attention
+    references.attention = attend
+    try:
+        return references.forward_reference(tensors, config, sequence)[prompt_len - 1 :]
+    finally:
+        references.attention = saved
+
+
+def test_gemma4_past_the_window_is_the_diagnosed_doppler_behaviour(doppler_ready, tiny_folder):
+    """A 12-id prompt over the 6-key window: the JS original matches the numpy model of the per-layer combine
+    and the three Gemma 3 window findings (sliding layers in a ring), and each of the four is needed."""
+    model = tiny_folder(GEMMA4)
+    report = run_parity(model, LONG_PROMPT, GEMMA4_STEPS)
+    ours_hf = report.pairs[0]
+    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
+    doppler = report.runs["doppler"]
+    sequence = LONG_PROMPT + doppler.tokens[:-1]
+    config = ModelConfig.from_file(model / "config.json")
+    every = (*FINDINGS, PER_LAYER_COMBINE)
+    diagnosed = gemma4_doppler_logits(model, config, sequence, len(LONG_PROMPT), every)
+    np.testing.assert_allclose(doppler.logits, diagnosed, atol=DEFAULT_ATOL, rtol=0)
+    for finding in every:
+        without = gemma4_doppler_logits(
+            model, config, sequence, len(LONG_PROMPT), tuple(f for f in every if f != finding)
+        )
+        assert np.abs(doppler.logits - without).max() > 100 * DEFAULT_ATOL, f"{finding} is not needed here"
+    # ...and the sliding layers' ring is needed too: their keys read from a contiguous cache do not match.
+    flat = gemma4_doppler_logits(model, config, sequence, len(LONG_PROMPT), every, ring_sliding=False)
+    assert np.abs(doppler.logits - flat).max() > 100 * DEFAULT_ATOL
