@@ -67,7 +67,9 @@ QWEN3_5_LINEAR_FIELDS = (
 # inference fields and refuses what neither it nor the E2B config it starts from covers.
 GEMMA4_TYPES = ("gemma4_text",)
 GEMMA4_LAYER_TYPES = ("sliding_attention", "full_attention")
-GEMMA4_ROPE_TYPES = {"sliding_attention": ("default",), "full_attention": ("default", "proportional")}
+# Every Gemma 4 checkpoint rotates its full layers proportionally (the E2B template's form) and its sliding
+# layers plainly; the lane maps those two and refuses the rest.
+GEMMA4_ROPE_TYPES = {"sliding_attention": "default", "full_attention": "proportional"}
 
 # float32 kernels of the package that do what its f16 configs' kernels do: (file, entry).
 F32_MATMUL = ("matmul_f32.wgsl", "main")
@@ -187,7 +189,7 @@ def _gemma4_config(hf: dict, package: Path, model_id: str) -> dict:
     """The float32 conversion config of a `gemma4_text` folder, from the package's E2B f32-activation config."""
     _check_gemma4(hf)
     config = json.loads((package / "src/config/conversion" / TEMPLATES["gemma4_text"]).read_text())
-    template_types = _template_layer_types(config["inference"]["layerPattern"], len(config["execution"]["prefill"]))
+    template_types = _template_layer_types(config)
     rope = hf["rope_parameters"]
     layer_types = list(hf["layer_types"])
     eos = hf.get("eos_token_id")
@@ -220,14 +222,14 @@ def _gemma4_config(hf: dict, package: Path, model_id: str) -> dict:
         useDoubleWideMlp=bool(hf.get("use_double_wide_mlp", False)),
     )
     full, sliding = rope["full_attention"], rope["sliding_attention"]
-    proportional = full.get("rope_type") == "proportional"
     inference["rope"].update(
         ropeTheta=full["rope_theta"],
         ropeLocalTheta=sliding["rope_theta"],
-        # A proportional RoPE spreads its frequencies over the whole full-attention head (the converter derives
-        # the same from config.json and refuses a conflicting value, src/converter/rope-config.js).
-        partialRotaryFactor=full.get("partial_rotary_factor", 1.0) if proportional else None,
-        ropeFrequencyBaseDim=hf.get("global_head_dim") or hf["head_dim"] if proportional else None,
+        # transformers' proportional RoPE defaults the factor to 1 and spreads its frequencies over the whole
+        # full-attention head (the converter derives the same base dim from config.json and refuses a
+        # conflicting one, src/converter/rope-config.js, resolveFrequencyBaseDim)
+        partialRotaryFactor=full.get("partial_rotary_factor", 1.0),
+        ropeFrequencyBaseDim=hf.get("global_head_dim") or hf["head_dim"],
         ropeLocalPartialRotaryFactor=None,
         ropeLocalFrequencyBaseDim=None,
     )
@@ -259,14 +261,21 @@ def _gemma4_config(hf: dict, package: Path, model_id: str) -> dict:
     return config
 
 
-def _template_layer_types(pattern: dict, groups: int) -> list[str]:
-    """The layer type of each of the Gemma 4 template's prefill groups: its layer pattern is every_n (every
-    `period`-th layer from `offset` is full attention), and its groups list the sliding layers, then the full."""
-    if pattern.get("type") != "every_n" or groups != 2:
-        raise DopplerParityError(
-            f"{DOPPLER_GPU.spec}'s {TEMPLATES['gemma4_text']} changed its layer pattern or prefill groups"
-        )
-    return list(GEMMA4_LAYER_TYPES)
+def _template_layer_types(template: dict) -> list[str]:
+    """The layer type of each of the Gemma 4 template's prefill groups, from its layer pattern (every_n: every
+    `period`-th layer from `offset` is full attention); each group must hold layers of one type."""
+    pattern, groups = template["inference"]["layerPattern"], template["execution"]["prefill"]
+    if pattern.get("type") != "every_n":
+        raise DopplerParityError(f"{TEMPLATES['gemma4_text']}: layer pattern {pattern.get('type')!r}, not every_n")
+    kinds = []
+    for group in groups:
+        types = {GEMMA4_LAYER_TYPES[i % pattern["period"] == pattern["offset"]] for i in group["layers"]}
+        if len(types) != 1:
+            raise DopplerParityError(f"{TEMPLATES['gemma4_text']}: a prefill group mixes layer types {types}")
+        kinds.append(types.pop())
+    if sorted(kinds) != sorted(GEMMA4_LAYER_TYPES):
+        raise DopplerParityError(f"{TEMPLATES['gemma4_text']}: prefill groups of types {kinds}")
+    return kinds
 
 
 def _check_gemma4(hf: dict) -> None:
@@ -282,10 +291,8 @@ def _check_gemma4(hf: dict) -> None:
         if not isinstance(params, dict) or "rope_theta" not in params:
             raise DopplerParityError(f"gemma4_text without rope_parameters.{kind}.rope_theta")
         rope_type = params.get("rope_type", "default")
-        if rope_type not in allowed:
-            raise DopplerParityError(f"gemma4_text {kind} rope_type {rope_type!r}: not mapped to doppler-gpu's RoPE")
-    if hf.get("rope_scaling"):
-        raise DopplerParityError(f"rope_scaling {hf['rope_scaling']!r}: not mapped to doppler-gpu's RoPE fields")
+        if rope_type != allowed:
+            raise DopplerParityError(f"gemma4_text {kind} rope_type {rope_type!r}: the lane maps {allowed!r} only")
     if hf.get("enable_moe_block"):  # the converter refuses it too (src/converter/core.js, Gemma 4 MoE)
         raise DopplerParityError("gemma4_text with enable_moe_block: doppler-gpu runs no Gemma 4 MoE blocks")
     if hf.get("attention_k_eq_v"):

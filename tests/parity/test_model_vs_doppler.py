@@ -385,9 +385,19 @@ def test_conversion_config_runs_gemma4_in_float32(doppler_gpu_dir):
             },
             "yarn",
         ),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_theta": 1e4},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                }
+            },
+            "full_attention rope_type 'default'",
+        ),
         ({"num_kv_shared_layers": 5}, "every layer KV-shared"),
+        ({"attention_bias": True}, "attention_bias"),
     ],
-    ids=["moe", "k-eq-v", "linear-layer", "yarn", "all-shared"],
+    ids=["moe", "k-eq-v", "linear-layer", "yarn", "plain-full-rope", "all-shared", "attention-bias"],
 )
 def test_gemma4_configs_outside_the_mapping_are_refused_by_name(tmp_path, change, named):
     with pytest.raises(DopplerParityError, match=named):
