@@ -1,5 +1,6 @@
 """Whole-model parity with the JS original: doppler-gpu 0.5.1's converter and pipeline (Node, Dawn on SwiftShader)
-against our engine and HF transformers on tiny random LLaMA, Qwen3, Gemma 3 and Qwen 3.5 models, all in float32.
+against our engine and HF transformers on tiny random LLaMA, Qwen3, Gemma 3, Qwen 3.5 and Gemma 4 models, all in
+float32.
 
 Where the engines agree, logits agree to a few 1e-6 (atol 1e-4, the model-families issue's bound) and greedy
 tokens are identical. On Gemma 3 with the window active they do not: the JS original's logits are instead held
