@@ -41,13 +41,15 @@ DRIVER = Path(__file__).with_name("doppler_model.mjs")
 CONVERT_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 600
 
-# The package's conversion configs the generated ones start from: plain Qwen3 (0.6B), Gemma 3 (270m) and
-# Qwen 3.5 (9B, its f32-activation config). A LLaMA layer is a Qwen3 layer without the q/k norms.
+# The package's conversion configs the generated ones start from: plain Qwen3 (0.6B), Gemma 3 (270m), Qwen 3.5
+# (9B, its f32-activation config) and Gemma 4 (E2B, its f32-activation config without the int4 per-layer table).
+# A LLaMA layer is a Qwen3 layer without the q/k norms.
 TEMPLATES = {
     "llama": "qwen3/qwen-3-reranker-0-6b-f16-af32.json",
     "qwen3": "qwen3/qwen-3-reranker-0-6b-f16-af32.json",
     "gemma3_text": "gemma3/gemma-3-270m-it-f16-af32.json",
     "qwen3_5_text": "qwen3/qwen-3-5-9b-f16-af32.json",
+    "gemma4_text": "gemma4/gemma-4-e2b-it-q4k-ehf16-af32.json",
 }
 GEMMA_TYPES = ("gemma3_text",)
 # Qwen 3.5 text: Gated DeltaNet layers between gated full-attention layers, (1 + w) norms, partial RoPE.
@@ -62,6 +64,14 @@ QWEN3_5_LINEAR_FIELDS = (
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
 )
+# Gemma 4 text: the converter reads the per-layer shapes (head_dim / global_head_dim, num_kv_shared_layers,
+# hidden_size_per_layer_input, ...) from config.json itself (src/converter/core.js); the lane sets the
+# inference fields and refuses what neither it nor the E2B config it starts from covers.
+GEMMA4_TYPES = ("gemma4_text",)
+GEMMA4_LAYER_TYPES = ("sliding_attention", "full_attention")
+# Every Gemma 4 checkpoint rotates its full layers proportionally (the E2B template's form) and its sliding
+# layers plainly; the lane maps those two and refuses the rest.
+GEMMA4_ROPE_TYPES = {"sliding_attention": "default", "full_attention": "proportional"}
 
 # float32 kernels of the package that do what its f16 configs' kernels do: (file, entry).
 F32_MATMUL = ("matmul_f32.wgsl", "main")
@@ -108,6 +118,8 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
         raise DopplerParityError(f"{model_type} with use_sliding_window: not mapped to doppler-gpu's layer pattern")
     if hf.get("rope_scaling"):
         raise DopplerParityError(f"rope_scaling {hf['rope_scaling']!r}: not mapped to doppler-gpu's RoPE fields")
+    if model_type in GEMMA4_TYPES:
+        return _gemma4_config(hf, package, model_id)
     qwen3_5 = model_type in QWEN3_5_TYPES
     rope = _rope_parameters(hf, model_type)
     if qwen3_5:
@@ -176,6 +188,127 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
     return config
 
 
+def _gemma4_config(hf: dict, package: Path, model_id: str) -> dict:
+    """The float32 conversion config of a `gemma4_text` folder, from the package's E2B f32-activation config."""
+    _check_gemma4(hf)
+    config = json.loads((package / "src/config/conversion" / TEMPLATES["gemma4_text"]).read_text())
+    template_types = _template_layer_types(config)
+    rope = hf["rope_parameters"]
+    layer_types = list(hf["layer_types"])
+    eos = hf.get("eos_token_id")
+    config["modelType"] = "gemma4"
+    config["output"] = {"baseDir": ".", "modelBaseId": model_id, "textOnly": True, "fast": False}
+    # The template quantizes to Q4K with f16 embeddings; the lane runs every tensor in f32 (the per-layer input
+    # table included: the converter int4-quantizes it only when the quantization config asks for it).
+    config["quantization"] = {"weights": "f32", "embeddings": "f32", "lmHead": "f32", "computePrecision": "f32"}
+    config["manifest"] = {"eosTokenId": eos[0] if isinstance(eos, list) else eos}  # no vision/audio configs
+    config.pop("largeWeights", None)  # names the multimodal checkpoint's embedding, which a text folder lacks
+    inference = config["inference"]
+    inference["attention"].update(
+        queryPreAttnScalar=1,  # transformers' Gemma4TextAttention scores q.k unscaled (scaling = 1.0)
+        attnLogitSoftcapping=None,
+        slidingWindow=hf.get("sliding_window"),
+        queryKeyNorm=True,
+        valueNorm=True,
+        attentionBias=False,
+    )
+    inference["normalization"].update(
+        rmsNormEps=hf["rms_norm_eps"],
+        rmsNormWeightOffset=False,  # Gemma 4's norms scale by w, not 1 + w
+        postAttentionNorm=True,
+        preFeedforwardNorm=True,
+        postFeedforwardNorm=True,
+    )
+    activation = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")
+    inference["ffn"].update(
+        activation="gelu" if activation.startswith("gelu") else activation,
+        useDoubleWideMlp=bool(hf.get("use_double_wide_mlp", False)),
+    )
+    full, sliding = rope["full_attention"], rope["sliding_attention"]
+    inference["rope"].update(
+        ropeTheta=full["rope_theta"],
+        ropeLocalTheta=sliding["rope_theta"],
+        # transformers' proportional RoPE defaults the factor to 1 and spreads its frequencies over the whole
+        # full-attention head (the converter derives the same base dim from config.json and refuses a
+        # conflicting one, src/converter/rope-config.js, resolveFrequencyBaseDim)
+        partialRotaryFactor=full.get("partial_rotary_factor", 1.0),
+        ropeFrequencyBaseDim=hf.get("global_head_dim") or hf["head_dim"],
+        ropeLocalPartialRotaryFactor=None,
+        ropeLocalFrequencyBaseDim=None,
+    )
+    inference["output"].update(
+        finalLogitSoftcapping=hf.get("final_logit_softcapping"),
+        tieWordEmbeddings=bool(hf.get("tie_word_embeddings", True)),
+        scaleEmbeddings=True,
+        embeddingVocabSize=hf["vocab_size"],
+    )
+    inference["layerPattern"].update(
+        type="custom", globalPattern=None, period=None, offset=None, layerTypes=layer_types
+    )
+    inference["chatTemplate"] = {"type": None, "enabled": False}  # the prompt goes in as token ids
+    session = config["session"]
+    session["kvcache"]["kvDtype"] = "f32"
+    session["kvcache"]["maxSeqLen"] = hf.get("max_position_embeddings", 2048)
+    session["decodeLoop"].update(batchSize=1, readbackInterval=1)
+    # The template's "gpu_split_tables" reads the per-layer input table through ranged shard reads, which a
+    # model loaded from a file URL under Node lacks (src/loader/per-layer-input-loader.js:86 and :354: "requires
+    # range-backed per-layer inputs ... shard range loading is unavailable"); a tiny table fits the GPU whole.
+    session["perLayerInputs"]["materialization"] = "gpu_resident"
+    execution = config["execution"]
+    # The template's prefill runs its sliding and its full layers as two groups (head-256 and head-512 kernels);
+    # each group gets this model's layers of its type.
+    for group, kind in zip(execution["prefill"], template_types, strict=True):
+        group["layers"] = [i for i, layer_type in enumerate(layer_types) if layer_type == kind]
+    execution["prefill"] = [group for group in execution["prefill"] if group["layers"]]
+    _float32_kernels(execution, kernel_digests(package))
+    return config
+
+
+def _template_layer_types(template: dict) -> list[str]:
+    """The layer type of each of the Gemma 4 template's prefill groups, from its layer pattern (every_n: every
+    `period`-th layer from `offset` is full attention); each group must hold layers of one type."""
+    pattern, groups = template["inference"]["layerPattern"], template["execution"]["prefill"]
+    if pattern.get("type") != "every_n":
+        raise DopplerParityError(f"{TEMPLATES['gemma4_text']}: layer pattern {pattern.get('type')!r}, not every_n")
+    kinds = []
+    for group in groups:
+        types = {GEMMA4_LAYER_TYPES[i % pattern["period"] == pattern["offset"]] for i in group["layers"]}
+        if len(types) != 1:
+            raise DopplerParityError(f"{TEMPLATES['gemma4_text']}: a prefill group mixes layer types {types}")
+        kinds.append(types.pop())
+    if sorted(kinds) != sorted(GEMMA4_LAYER_TYPES):
+        raise DopplerParityError(f"{TEMPLATES['gemma4_text']}: prefill groups of types {kinds}")
+    return kinds
+
+
+def _check_gemma4(hf: dict) -> None:
+    """Refuse, by name, a Gemma 4 config the lane's mapping (or doppler-gpu's converter) does not cover."""
+    layer_types = hf.get("layer_types")
+    if not layer_types or any(kind not in GEMMA4_LAYER_TYPES for kind in layer_types):
+        raise DopplerParityError(
+            f"gemma4_text layer_types {layer_types!r}: the lane maps {' and '.join(GEMMA4_LAYER_TYPES)} layers"
+        )
+    rope = hf.get("rope_parameters") or {}
+    for kind, allowed in GEMMA4_ROPE_TYPES.items():
+        params = rope.get(kind)
+        if not isinstance(params, dict) or "rope_theta" not in params:
+            raise DopplerParityError(f"gemma4_text without rope_parameters.{kind}.rope_theta")
+        rope_type = params.get("rope_type", "default")
+        if rope_type != allowed:
+            raise DopplerParityError(f"gemma4_text {kind} rope_type {rope_type!r}: the lane maps {allowed!r} only")
+    if hf.get("enable_moe_block"):  # the converter refuses it too (src/converter/core.js, Gemma 4 MoE)
+        raise DopplerParityError("gemma4_text with enable_moe_block: doppler-gpu runs no Gemma 4 MoE blocks")
+    if hf.get("attention_k_eq_v"):
+        # Nothing in the package reads attention_k_eq_v: a full layer without v_proj is the 12B/31B form
+        raise DopplerParityError("gemma4_text with attention_k_eq_v: doppler-gpu's converter does not read it")
+    if hf.get("attention_bias"):
+        raise DopplerParityError("gemma4_text with attention_bias: doppler-gpu's Gemma 4 configs have none")
+    if hf.get("use_bidirectional_attention") == "all":
+        raise DopplerParityError("gemma4_text with use_bidirectional_attention 'all': the lane runs causal models")
+    if hf.get("num_kv_shared_layers", 0) >= hf["num_hidden_layers"]:
+        raise DopplerParityError("gemma4_text with every layer KV-shared (the assistant form): not a target model")
+
+
 def _rope_parameters(hf: dict, model_type: str) -> dict:
     """rope_theta and friends, from config.json's top level or from transformers 5's `rope_parameters`."""
     rope = dict(hf.get("rope_parameters") or {})
@@ -207,7 +340,7 @@ def _float32_kernels(execution: dict, digests: dict[str, str]) -> None:
     kernels = execution["kernels"]
     roles = {"decode": F32_DECODE_ATTENTION, "prefill": F32_PREFILL_ATTENTION}
     for phase, attention in roles.items():
-        for step in execution[phase]:
+        for step in _steps(execution[phase]):
             if step[0] == "attention":
                 kernels[step[1]] = _kernel(digests, *attention, precision={"kvDtype": "f32"})
     for key, kernel in kernels.items():
@@ -220,6 +353,11 @@ def _float32_kernels(execution: dict, digests: dict[str, str]) -> None:
             # with a digest kernel-ref-digests.js does not list (the loader checks only a digest's form).
             extra = {name: value for name, value in kernel.items() if name not in ("kernel", "entry", "digest")}
             kernels[key] = _kernel(digests, kernel["kernel"], kernel["entry"], **extra)
+
+
+def _steps(phase: list) -> list[list]:
+    """A phase's steps: a step list, or (Gemma 4's prefill) groups of {"layers", "steps"}."""
+    return [step for item in phase for step in (item["steps"] if isinstance(item, dict) else [item])]
 
 
 def _node() -> str:

@@ -1,5 +1,6 @@
 """Whole-model parity with the JS original: doppler-gpu 0.5.1's converter and pipeline (Node, Dawn on SwiftShader)
-against our engine and HF transformers on tiny random LLaMA, Qwen3, Gemma 3 and Qwen 3.5 models, all in float32.
+against our engine and HF transformers on tiny random LLaMA, Qwen3, Gemma 3, Qwen 3.5 and Gemma 4 models, all in
+float32.
 
 Where the engines agree, logits agree to a few 1e-6 (atol 1e-4, the model-families issue's bound) and greedy
 tokens are identical. On Gemma 3 with the window active they do not: the JS original's logits are instead held
@@ -8,7 +9,10 @@ docs/parity-findings.md), so a doppler-gpu version that changed its behaviour fa
 On Qwen 3.5 they agree while a Gated DeltaNet value head fits one SwiftShader subgroup (4 columns); wider value
 heads are held to a numpy model of the reduction race in its recurrent kernel, and the tiny spec's own shape
 to the loader's refusal (docs/parity-findings.md). Past a hidden size of 124 its subgroup RMSNorm loses elements
-under SwiftShader (finding 6): a tiny LLaMA of hidden 128, and SmolLM2-135M on request, are held to that.
+under SwiftShader (finding 6): a tiny LLaMA of hidden 128, and SmolLM2-135M on request, are held to that. On
+Gemma 4 they agree without per-layer inputs inside the window; with them the JS original is held to a numpy model
+of its per-layer combine (finding 7), and past the window to that plus the three Gemma 3 findings (its sliding
+layers' keys in a ring).
 """
 
 from __future__ import annotations
@@ -92,7 +96,12 @@ def test_conversion_config_runs_the_hf_config_in_float32(doppler_gpu_dir):
 def assert_float32_kernels(config: dict, package) -> None:
     """Every kernel a step list names is a float32 one, with the digest the package lists for it."""
     digests = kernel_digests(package)
-    used = {step[1] for phase in ("decode", "prefill", "postLayer", "preLayer") for step in config["execution"][phase]}
+    phases = [config["execution"][phase] for phase in ("decode", "prefill", "postLayer", "preLayer")]
+    # a phase is a step list, or (Gemma 4's prefill) groups of {"layers", "steps"}
+    steps = [
+        step for phase in phases for item in phase for step in (item["steps"] if isinstance(item, dict) else [item])
+    ]
+    used = {step[1] for step in steps}
     for key in used:
         kernel = config["execution"]["kernels"][key]
         assert "f16" not in kernel["kernel"], kernel
@@ -481,3 +490,156 @@ def test_smollm2_in_all_three_engines(doppler_ready, smollm2_gguf, monkeypatch, 
     doppler = report.runs["doppler"].logits
     assert np.abs(doppler - doppler_rmsnorm_logits(monkeypatch, folder, ids)[-1:]).max() < 1e-3
     assert pairs["doppler", "hf"].max_delta > 1.0
+
+
+GEMMA4 = TINY_SPECS["gemma4"]  # sliding, full, sliding, then a sliding and a full layer reading layers 2's and 1's K/V
+# Positions 2..5: inside the 6-key window, where none of the Gemma 3 window findings can act.
+GEMMA4_PROMPT, GEMMA4_STEPS = [5, 17, 33], 4
+# No per-layer inputs, and so no KV sharing either: transformers 5.24 cannot run a multi-token forward of a
+# KV-shared model without per-layer inputs (Gemma4TextModel._maybe_slice_kv_shared_inputs indexes them, None).
+GEMMA4_NO_PER_LAYER = dataclasses.replace(
+    GEMMA4, hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, seed=12
+)
+
+
+def test_conversion_config_runs_gemma4_in_float32(doppler_gpu_dir):
+    config = conversion_config(config_dict(GEMMA4), doppler_gpu_dir, "tiny-gemma4")
+    inference = config["inference"]
+    assert config["quantization"]["weights"] == config["quantization"]["embeddings"] == "f32"
+    assert config["session"]["kvcache"]["kvDtype"] == "f32"
+    assert config["session"]["perLayerInputs"]["materialization"] == "gpu_resident"
+    assert inference["attention"]["queryPreAttnScalar"] == 1  # Gemma 4 scores q.k unscaled
+    assert inference["attention"]["valueNorm"] is True and inference["attention"]["queryKeyNorm"] is True
+    assert inference["attention"]["slidingWindow"] == GEMMA4.sliding_window
+    assert inference["normalization"]["rmsNormWeightOffset"] is False
+    assert inference["ffn"]["useDoubleWideMlp"] is True
+    assert inference["rope"]["ropeTheta"] == GEMMA4.rope_theta
+    assert inference["rope"]["ropeLocalTheta"] == GEMMA4.rope_local_base_freq
+    assert inference["rope"]["partialRotaryFactor"] == GEMMA4.partial_rotary_factor
+    assert inference["rope"]["ropeFrequencyBaseDim"] == GEMMA4.global_head_dim  # proportional: the whole head
+    assert inference["output"]["finalLogitSoftcapping"] == GEMMA4.final_logit_softcapping
+    assert inference["output"]["tieWordEmbeddings"] is False
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert inference["layerPattern"]["type"] == "custom" and inference["layerPattern"]["layerTypes"] == layer_types
+    # the template's two prefill groups (its sliding and its full layers) hold this model's layers of each type
+    assert [group["layers"] for group in config["execution"]["prefill"]] == [[0, 2, 3], [1, 4]]
+    assert_float32_kernels(config, doppler_gpu_dir)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"enable_moe_block": True}, "enable_moe_block"),
+        ({"attention_k_eq_v": True}, "attention_k_eq_v"),
+        ({"layer_types": ["sliding_attention", "linear_attention"] * 2 + ["full_attention"]}, "linear_attention"),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_theta": 1e4},
+                    "full_attention": {"rope_type": "yarn", "rope_theta": 1e6},
+                }
+            },
+            "yarn",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_theta": 1e4},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                }
+            },
+            "full_attention rope_type 'default'",
+        ),
+        ({"num_kv_shared_layers": 5}, "every layer KV-shared"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+    ids=["moe", "k-eq-v", "linear-layer", "yarn", "plain-full-rope", "all-shared", "attention-bias"],
+)
+def test_gemma4_configs_outside_the_mapping_are_refused_by_name(tmp_path, change, named):
+    with pytest.raises(DopplerParityError, match=named):
+        conversion_config(config_dict(GEMMA4) | change, tmp_path, "m")
+
+
+def test_gemma4_without_per_layer_inputs_agrees_in_all_three_engines(doppler_ready, tiny_folder):
+    """Mixed head dims (32 sliding, 64 full), proportional partial RoPE on the full layers, q/k/v norms, unscaled
+    scores, layer scalars and the final soft-cap agree in all three engines inside the window."""
+    report = run_parity(tiny_folder(GEMMA4_NO_PER_LAYER), GEMMA4_PROMPT, GEMMA4_STEPS)
+    assert report.agrees(DEFAULT_ATOL), [(p.pair, p.max_delta, p.first_divergence) for p in report.pairs]
+    assert report.runs["ours"].tokens == report.runs["doppler"].tokens == report.runs["hf"].tokens
+
+
+def doppler_per_layer_tensors(folder) -> dict[str, np.ndarray]:
+    """The model's tensors with the per-layer embedding table times sqrt(2): HF's per-layer input over them,
+    (rmsnorm(proj) * w + sqrt(2) * E[ids] * sqrt(P)) / sqrt(2) = rmsnorm(proj) * w / sqrt(2) + E[ids] * sqrt(P),
+    is what doppler-gpu computes over the original ones (docs/parity-findings.md, finding 7)."""
+    tensors = {name: np.asarray(t, np.float64) for name, t in references.load_tensors(folder).items()}
+    tensors["model.embed_tokens_per_layer.weight"] = tensors["model.embed_tokens_per_layer.weight"] * np.sqrt(2)
+    return tensors
+
+
+def test_gemma4_per_layer_inputs_are_the_diagnosed_doppler_behaviour(doppler_ready, tiny_folder):
+    """Ours matches HF; the JS original matches the numpy forward whose per-layer inputs leave the token part
+    unscaled by 1/sqrt(2) (KV sharing, double-wide MLPs and everything else as HF), and not HF's."""
+    model = tiny_folder(GEMMA4)
+    report = run_parity(model, GEMMA4_PROMPT, GEMMA4_STEPS)
+    ours_hf = report.pairs[0]
+    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
+    doppler = report.runs["doppler"]
+    sequence = GEMMA4_PROMPT + doppler.tokens[:-1]
+    config = ModelConfig.from_file(model / "config.json")
+    rows = slice(len(GEMMA4_PROMPT) - 1, None)
+    diagnosed = references.forward_reference(doppler_per_layer_tensors(model), config, sequence)[rows]
+    np.testing.assert_allclose(doppler.logits, diagnosed, atol=DEFAULT_ATOL, rtol=0)
+    plain = references.forward_reference(model, config, sequence)[rows]
+    np.testing.assert_allclose(plain, hf_logits(model, sequence)[rows], atol=DEFAULT_ATOL, rtol=0)
+    assert np.abs(doppler.logits - plain).max() > 100 * DEFAULT_ATOL
+
+
+PER_LAYER_COMBINE = "per-layer-combine"  # finding 7: the token part of the per-layer inputs is not scaled by 1/sqrt(2)
+
+
+def gemma4_doppler_logits(
+    model, config, sequence: list[int], prompt_len: int, findings: tuple[str, ...], *, ring_sliding: bool = True
+):
+    """The numpy forward over `sequence` carrying the given findings as doppler-gpu shows them on Gemma 4: the
+    three Gemma 3 window findings (doppler_findings.py), with the sliding layers' keys in a ring of `window`
+    rows and the full layers' in a contiguous cache (a Gemma 4 cache with mixed head dims or KV-shared layers
+    is "mixed-geometry", whose sliding layers are rings: src/inference/pipelines/text/init.js,
+    resolveMixedGeometrySlidingLayerLayout), and the per-layer combine (`doppler_per_layer_tensors`)."""
+    window = config.sliding_window
+    ring = doppler_attention(prompt_len, window, ring_sliding, findings)
+    contiguous = doppler_attention(prompt_len, window, False, findings)
+
+    def attend(q, k, v, start_pos, *, window=0, **options):
+        return (ring if window else contiguous)(q, k, v, start_pos, window=window, **options)
+
+    tensors = doppler_per_layer_tensors(model) if PER_LAYER_COMBINE in findings else model
+    saved = references.attention
+    references.attention = attend
+    try:
+        return references.forward_reference(tensors, config, sequence)[prompt_len - 1 :]
+    finally:
+        references.attention = saved
+
+
+def test_gemma4_past_the_window_is_the_diagnosed_doppler_behaviour(doppler_ready, tiny_folder):
+    """A 12-id prompt over the 6-key window: the JS original matches the numpy model of the per-layer combine
+    and the three Gemma 3 window findings (sliding layers in a ring), and each of the four is needed."""
+    model = tiny_folder(GEMMA4)
+    report = run_parity(model, LONG_PROMPT, GEMMA4_STEPS)
+    ours_hf = report.pairs[0]
+    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
+    doppler = report.runs["doppler"]
+    sequence = LONG_PROMPT + doppler.tokens[:-1]
+    config = ModelConfig.from_file(model / "config.json")
+    every = (*FINDINGS, PER_LAYER_COMBINE)
+    diagnosed = gemma4_doppler_logits(model, config, sequence, len(LONG_PROMPT), every)
+    np.testing.assert_allclose(doppler.logits, diagnosed, atol=DEFAULT_ATOL, rtol=0)
+    for finding in every:
+        without = gemma4_doppler_logits(
+            model, config, sequence, len(LONG_PROMPT), tuple(f for f in every if f != finding)
+        )
+        assert np.abs(doppler.logits - without).max() > 100 * DEFAULT_ATOL, f"{finding} is not needed here"
+    # ...and the sliding layers' ring is needed too: their keys read from a contiguous cache do not match.
+    flat = gemma4_doppler_logits(model, config, sequence, len(LONG_PROMPT), every, ring_sliding=False)
+    assert np.abs(doppler.logits - flat).max() > 100 * DEFAULT_ATOL
