@@ -441,14 +441,14 @@ def test_serve_takes_the_api_key_from_the_flag_or_the_environment(monkeypatch):
     assert keys == ["from-env", "from-flag", None]
 
 
-def test_serve_parallel_reaches_the_engine(monkeypatch):
+def test_serve_parallel_and_kv_budget_reach_the_engine(monkeypatch):
     import contextlib
 
     loads = []
     monkeypatch.setattr("doppler_py.server.serve", lambda engine, config: None)
     monkeypatch.setattr(cli, "_load", lambda args, **options: loads.append(options) or contextlib.nullcontext(None))
-    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--parallel", "3"]) == 0
-    assert loads == [{"parallel": 1}, {"parallel": 3}]
+    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--parallel", "3", "--kv-budget-mb", "512"]) == 0
+    assert loads == [{"parallel": 1, "kv_budget_mb": None}, {"parallel": 3, "kv_budget_mb": 512}]
 
 
 @pytest.mark.parametrize(("text", "value"), [("auto", None), ("on", True), ("off", False)])
