@@ -58,7 +58,13 @@ from doppler_py.ops.elementwise import LogitSoftCap, PerLayerGate, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
 from doppler_py.ops.linear import GatedInput, InputNorm, Linear
-from doppler_py.ops.linear_attention import GatedDeltaNet, RecurrentState, l2_norm_weight, recurrent_bytes
+from doppler_py.ops.linear_attention import (
+    GatedDeltaNet,
+    LayerState,
+    RecurrentState,
+    l2_norm_weight,
+    recurrent_bytes,
+)
 from doppler_py.ops.norms import HeadRMSNorm, RMSNorm
 from doppler_py.ops.rope import rope_table
 from doppler_py.ops.tree import MAX_TREE_ROWS
@@ -453,7 +459,8 @@ class Transformer:
             kv_shared=cfg.kv_source(layer) != layer,
         )
 
-    def _linear_op(self, cache: KVCache, state, layer: int) -> GatedDeltaNet:
+    def _linear_op(self, cache: KVCache, state: LayerState, layer: int) -> GatedDeltaNet:
+        """Layer `layer`'s Gated DeltaNet over `cache`'s recurrent state for it."""
         assert cache.recurrent is not None and self.config.linear_attention is not None
         weights = self.weights.layers[layer].linear
         assert weights is not None
