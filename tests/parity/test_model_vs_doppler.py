@@ -166,6 +166,16 @@ def test_gemma3_agrees_while_the_window_covers_the_whole_context(doppler_ready, 
     assert report.agrees(DEFAULT_ATOL), [(p.pair, p.max_delta, p.first_divergence) for p in report.pairs]
 
 
+def doppler_path(model, prompt: list[int], steps: int):
+    """Run the three engines; ours must agree with HF. Returns doppler-gpu's run and the sequence it decoded along
+    (the prompt and its tokens but the last), over which a numpy model of its findings is held to its logits."""
+    report = run_parity(model, prompt, steps)
+    ours_hf = next(p for p in report.pairs if p.pair == ("ours", "hf"))
+    assert ours_hf.first_divergence is None and ours_hf.max_delta <= DEFAULT_ATOL
+    doppler = report.runs["doppler"]
+    return doppler, prompt + doppler.tokens[:-1]
+
+
 @pytest.mark.parametrize(
     ("spec", "prompt", "ring", "needed"),
     [
@@ -181,11 +191,7 @@ def test_gemma3_past_the_window_is_the_diagnosed_doppler_behaviour(
     """Ours matches HF; the JS original matches the numpy model of its three findings, and each finding that
     can act here is needed for that match (so each one is pinned: a doppler-gpu that changes it fails)."""
     model = tiny_folder(spec)
-    report = run_parity(model, prompt, STEPS)
-    ours_hf = report.pairs[0]
-    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
-    doppler = report.runs["doppler"]
-    sequence = prompt + doppler.tokens[:-1]
+    doppler, sequence = doppler_path(model, prompt, STEPS)
     config = ModelConfig.from_file(model / "config.json")
 
     def logits_with(findings: tuple[str, ...]) -> np.ndarray:
@@ -363,11 +369,7 @@ def test_qwen3_5_wider_value_heads_are_the_diagnosed_doppler_behaviour(
     model = tiny_folder(QWEN3_5_WIDE_VALUES)
     prompt = LONG_PROMPT[:prompt_len]
     steps = 5 - prompt_len  # positions prompt_len - 1 .. 3
-    report = run_parity(model, prompt, steps)
-    ours_hf = report.pairs[0]
-    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
-    doppler = report.runs["doppler"]
-    sequence = prompt + doppler.tokens[:-1]
+    doppler, sequence = doppler_path(model, prompt, steps)
     raced, _ = doppler_qwen3_5_logits(monkeypatch, model, sequence, prompt_len, race=True)
     np.testing.assert_allclose(doppler.logits, raced[prompt_len - 1 :], atol=DEFAULT_ATOL, rtol=0)
     plain, _ = doppler_qwen3_5_logits(monkeypatch, model, sequence, prompt_len, race=False)
@@ -460,11 +462,7 @@ def test_llama_wider_than_124_is_the_diagnosed_rmsnorm_behaviour(doppler_ready, 
     sum of squares (finding 6), and not HF itself. 128 loses its last 4 squares; 256 also counts its last
     subgroup's 33 times."""
     folder = tiny_folder(dataclasses.replace(TINY_SPECS["llama-tied-gqa"], hidden_size=hidden, seed=11))
-    report = run_parity(folder, PROMPT, 3)
-    ours_hf = next(p for p in report.pairs if p.pair == ("ours", "hf"))
-    assert ours_hf.first_divergence is None and ours_hf.max_delta <= DEFAULT_ATOL
-    doppler = report.runs["doppler"]
-    path = PROMPT + doppler.tokens[:-1]
+    doppler, path = doppler_path(folder, PROMPT, 3)
     steps = slice(len(PROMPT) - 1, None)
     assert np.abs(doppler.logits - doppler_rmsnorm_logits(monkeypatch, folder, path)[steps]).max() < DEFAULT_ATOL
     assert np.abs(doppler.logits - hf_logits(folder, path)[steps]).max() > 100 * DEFAULT_ATOL
@@ -581,11 +579,7 @@ def test_gemma4_per_layer_inputs_are_the_diagnosed_doppler_behaviour(doppler_rea
     """Ours matches HF; the JS original matches the numpy forward whose per-layer inputs leave the token part
     unscaled by 1/sqrt(2) (KV sharing, double-wide MLPs and everything else as HF), and not HF's."""
     model = tiny_folder(GEMMA4)
-    report = run_parity(model, GEMMA4_PROMPT, GEMMA4_STEPS)
-    ours_hf = report.pairs[0]
-    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
-    doppler = report.runs["doppler"]
-    sequence = GEMMA4_PROMPT + doppler.tokens[:-1]
+    doppler, sequence = doppler_path(model, GEMMA4_PROMPT, GEMMA4_STEPS)
     config = ModelConfig.from_file(model / "config.json")
     rows = slice(len(GEMMA4_PROMPT) - 1, None)
     diagnosed = references.forward_reference(doppler_per_layer_tensors(model), config, sequence)[rows]
@@ -626,11 +620,7 @@ def test_gemma4_past_the_window_is_the_diagnosed_doppler_behaviour(doppler_ready
     """A 12-id prompt over the 6-key window: the JS original matches the numpy model of the per-layer combine
     and the three Gemma 3 window findings (sliding layers in a ring), and each of the four is needed."""
     model = tiny_folder(GEMMA4)
-    report = run_parity(model, LONG_PROMPT, GEMMA4_STEPS)
-    ours_hf = report.pairs[0]
-    assert ours_hf.pair == ("ours", "hf") and ours_hf.max_delta <= DEFAULT_ATOL and ours_hf.first_divergence is None
-    doppler = report.runs["doppler"]
-    sequence = LONG_PROMPT + doppler.tokens[:-1]
+    doppler, sequence = doppler_path(model, LONG_PROMPT, GEMMA4_STEPS)
     config = ModelConfig.from_file(model / "config.json")
     every = (*FINDINGS, PER_LAYER_COMBINE)
     diagnosed = gemma4_doppler_logits(model, config, sequence, len(LONG_PROMPT), every)
