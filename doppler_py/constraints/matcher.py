@@ -56,6 +56,7 @@ class GrammarMatcher:
         grammar = constraint.grammar if isinstance(constraint, Constraint) else constraint
         # log_level=0: llguidance would print its warnings to stderr; errors are read with get_error() instead.
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self._tokenizer = tokenizer
         self._raise_if_error()
         self._ll_words = mask_words(self.tokenizer_size)  # llguidance writes exactly its own vocabulary's words
         self._in_vocabulary = np.zeros(self.words, dtype=np.uint32)  # bit set for ids the tokenizer has
@@ -160,17 +161,29 @@ class GrammarMatcher:
         self.length -= count
 
     def walk(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
-        """How many of `tokens` the grammar allows in a row from here, and the tokens it forces after those
-        (`forced_tokens` there). The matcher ends where it started."""
+        """How many of `tokens` the grammar allows in a row from here, and the forced bytes' spelling after those
+        (`forced_spelling` there). The matcher ends where it started."""
         valid = 0
         try:
             for token in tokens:
                 if not self._allows(self.mask(), int(token)) or not self._commit(int(token)):
                     break
                 valid += 1
-            return valid, self.forced_tokens()
+            return valid, self.forced_spelling()
         finally:
             self.rollback(valid)
+
+    def forced_spelling(self) -> list[int]:
+        """The bytes the grammar forces next, as tokens: `forced_tokens()`, then the canonical tokens of the rest.
+
+        The rest are only likely: llguidance stops forcing tokens where the model may still merge the forced bytes
+        with free ones into a longer token (after `"name":` the forced ` "` may open ` "Dan`). They are drafts to
+        verify, not forced tokens; `forced_tokens()` alone where the spelling does not start with them.
+        """
+        forced = self.forced_tokens()
+        spelled = list(self._tokenizer.tokenize_bytes(bytes(self._matcher.compute_ff_bytes())))
+        self._raise_if_error()
+        return spelled if spelled[: len(forced)] == forced else forced
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next, whatever the model says (e.g. `{"name": "` after a schema's start).

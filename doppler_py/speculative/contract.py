@@ -107,6 +107,8 @@ class Proposal:
                     drafting is a cost of the step all the same; None: count
     forced          how many leading tokens a grammar forces, drafted by the engine (`StepContext.grammar`), not the
                     drafter: always accepted; the tokens after them, if any, continue them (`continue_tokens`)
+    spelled         how many tokens after the forced ones spell the rest of the grammar's forced bytes (the engine's
+                    drafts too, likely but not certain: `GrammarMatcher.forced_spelling`)
     """
 
     count: int
@@ -116,6 +118,12 @@ class Proposal:
     values: Sequence[float] | None = None
     made: int | None = None
     forced: int = 0
+    spelled: int = 0
+
+    @property
+    def by_grammar(self) -> bool:
+        """The engine drafted it from a grammar (its leading tokens at least), not the drafter."""
+        return self.forced + self.spelled > 0
 
     @property
     def drafts_made(self) -> int:

@@ -293,9 +293,8 @@ class SpeculativeEngine:
                 if self.speculative:
                     speculate = self._ready(ctx, produced == 0) if self.batch is None else self.usable_rows >= 2
                     k_step = self.policy.next_k(remaining) if speculate else 0
-                    forced = grammar.forced_tokens() if speculate and grammar is not None else []
-                    if forced:
-                        proposal = self._forced_proposal(ctx, forced, k_step, remaining)
+                    if speculate and grammar is not None and (spelled := grammar.forced_spelling()):
+                        proposal = self._forced_proposal(ctx, spelled, len(grammar.forced_tokens()), k_step, remaining)
                         k_step = proposal.count
                     if not batching or k_step:
                         plain_steps = 1
@@ -327,26 +326,30 @@ class SpeculativeEngine:
             self.close_context(ctx)
             self.steps.drafter = drafter
 
-    def _forced_proposal(self, ctx: StepContext, forced: list[int], k: int, remaining: int) -> Proposal:
-        """The grammar's own drafts: always accepted, so as many as pay, pause or not (`policy.forced_k`); after the
-        whole forced run, the drafter's continuation of it where it drafts from tokens alone (`continue_tokens`),
-        within the k the policy gave the drafter, and after that continuation the tokens the grammar would force
-        next (a JSON value copied from the prompt, then the next key), and so on while room is left."""
-        n = self.policy.forced_k(min(len(forced), remaining - 1))
-        tokens = forced[:n]
+    def _forced_proposal(self, ctx: StepContext, spelled: list[int], forced: int, k: int, remaining: int) -> Proposal:
+        """The grammar's own drafts: the forced bytes `spelled` (`GrammarMatcher.forced_spelling`), whose first
+        `forced` tokens are always accepted and the rest nearly always, so as many as pay, pause or not
+        (`policy.forced_k`); after the whole spelling, the drafter's continuation of it where it drafts from
+        tokens alone (`continue_tokens`), within the k the policy gave the drafter, and after that continuation
+        the grammar's next spelling (a JSON value copied from the prompt, then the next key), and so on while room
+        is left."""
+        n = self.policy.forced_k(min(len(spelled), remaining - 1))
+        tokens = spelled[:n]
         room = min(k, self.capacity - n, remaining - 1 - n)
-        while n == len(forced) and room > 0:
+        while n == len(spelled) and room > 0:
             more = self.drafter.continue_tokens([*ctx.tokens, *tokens], room)[:room]
-            valid, then_forced = ctx.grammar.walk([*tokens, *more])
-            more = more[: valid - len(tokens)]  # up to the first draft the grammar refuses
+            valid, then_spelled = ctx.grammar.walk([*tokens, *more])
+            more = more[: max(0, valid - len(tokens))]  # up to the first draft the grammar refuses
             if not more:
                 break
-            then_forced = then_forced[: room - len(more)]
-            tokens += more + then_forced
-            room -= len(more) + len(then_forced)
-            if not then_forced:
+            then_spelled = then_spelled[: room - len(more)]
+            tokens += more + then_spelled
+            room -= len(more) + len(then_spelled)
+            if not then_spelled:
                 break
-        return Proposal(len(tokens), tokens, forced=n) if tokens else NO_PROPOSAL
+        if not tokens:
+            return NO_PROPOSAL
+        return Proposal(len(tokens), tokens, forced=min(n, forced), spelled=n - min(n, forced))
 
     def open_context(
         self,
@@ -493,8 +496,10 @@ class SpeculativeEngine:
         """A step's statistics, the drafter's acceptance for the policy, and the KV-cache invariant check."""
         stats.record(outcome.drafted, outcome.accepted, times, outcome.made)
         stats.forced_tokens += min(outcome.accepted, outcome.forced)
-        if outcome.drafted > outcome.forced:  # the grammar's drafts say nothing of the drafter's
-            self.policy.observe(outcome.drafted - outcome.forced, outcome.accepted - outcome.forced)
+        # The grammar's drafts say nothing of the drafter's, nor do drafts of its that were never reached.
+        grammar = outcome.forced + outcome.spelled
+        if outcome.drafted > grammar and outcome.accepted >= grammar:
+            self.policy.observe(outcome.drafted - grammar, outcome.accepted - grammar)
         self._check_cache(ctx)
         return outcome.new
 

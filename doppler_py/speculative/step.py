@@ -64,6 +64,7 @@ class StepOutcome:
     tree: bool = False  # the drafts were a token tree
     made: int = 0  # drafts made, verified or not (more than `drafted` where the policy trimmed the proposal)
     forced: int = 0  # leading drafts a grammar forced (the engine's, not the drafter's)
+    spelled: int = 0  # drafts after those spelling the rest of the grammar's forced bytes (the engine's too)
 
 
 class StepMarks(Protocol):
@@ -240,9 +241,10 @@ class Stepper:
         ctx.hidden_rows = len(new)  # the rows verified and kept: the root's and the accepted path's, or each step's
         if ctx.grammar is not None:
             ctx.grammar.advance(new)
-        # Forced tokens are none of the drafter's: it catches up as after plain steps.
-        self.drafter.commit(ctx, 0 if proposal.forced else accepted)
-        return StepOutcome(new, n, accepted, proposal.on_gpu, tree, proposal.drafts_made, proposal.forced)
+        # The grammar's drafts are none of the drafter's: it catches up as after plain steps.
+        self.drafter.commit(ctx, 0 if proposal.by_grammar else accepted)
+        made = proposal.drafts_made
+        return StepOutcome(new, n, accepted, proposal.on_gpu, tree, made, proposal.forced, proposal.spelled)
 
     def _check(self, proposal: Proposal, k: int, plain_steps: int, constrained: bool) -> tuple[int, bool]:
         """The number of drafts and whether they are a tree, after refusing what the verification cannot take."""
@@ -450,7 +452,8 @@ def _leading_chain(proposal: Proposal, n: int) -> Proposal:
     tokens = proposal.tokens if proposal.on_gpu else list(proposal.tokens)[:n]
     logits = proposal.draft_logits if n else None
     made, forced = proposal.drafts_made, min(n, proposal.forced)
-    return Proposal(n, tokens if n else (), logits, values=values, made=made, forced=forced)
+    spelled = min(n - forced, proposal.spelled)
+    return Proposal(n, tokens if n else (), logits, values=values, made=made, forced=forced, spelled=spelled)
 
 
 def check_status(status: int, pos: int, n_draft: int) -> None:

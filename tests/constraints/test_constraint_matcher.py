@@ -204,6 +204,19 @@ def test_smollm2_rollback_restores_every_earlier_state(smollm2_tokenizer, smollm
 
 
 @pytest.mark.realmodel
+def test_smollm2_forced_bytes_are_spelled_past_the_forced_tokens(smollm2_tokenizer, smollm2_ll, schema):
+    """After a key's colon the bytes ` "` are forced, but not a token: the model may write ` "` merged with the value
+    (` "Ali`, say). `forced_spelling` drafts them as their canonical token; `walk` ends with the same spelling."""
+    encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    matcher = GrammarMatcher(smollm2_ll, schema, 49152)
+    matcher.advance(matcher.forced_tokens())  # {"name":
+    assert matcher.forced_tokens() == [] and matcher.forced_spelling() == encode(' "')
+    assert matcher.walk(encode(' "Ann",')) == (len(encode(' "Ann",')), encode(' "kind": "'))
+    matcher.advance(encode(' "'))
+    assert matcher.forced_spelling() == matcher.forced_tokens() == []  # the value is free
+
+
+@pytest.mark.realmodel
 def test_smollm2_forced_tokens_are_the_canonical_tokens_of_forced_text(smollm2_tokenizer, smollm2_ll, schema):
     matcher = GrammarMatcher(smollm2_ll, schema, 49152)
     matcher.advance(smollm2_tokenizer.encode("{", add_special_tokens=False))

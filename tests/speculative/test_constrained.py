@@ -106,6 +106,47 @@ def test_forced_tokens_after_a_continuation_join_the_same_step(models, tokenizer
     assert proposals[0].forced == len(tokenizer.encode("ab", add_special_tokens=False))
 
 
+@pytest.fixture(scope="module")
+def merging_tokenizer(tmp_path_factory):
+    """The tiny target's characters plus one merge, "ab" (id 35 of its 48): a forced "a" may then open "ab", so
+    llguidance does not force the token "a"; it is only the likely spelling of the forced byte."""
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as Backend
+
+    from doppler_py.testing.tiny import SMALL_CHARSET, SPECIAL_TOKENS
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *SMALL_CHARSET, "ab"])}
+    backend = Backend(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    folder = tmp_path_factory.mktemp("merging-tokenizer")
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}')
+    return Tokenizer.from_dir(folder)
+
+
+def test_the_rest_of_the_forced_bytes_is_drafted_as_its_likely_spelling(models, merging_tokenizer, monkeypatch):
+    """Each word opens with a forced "a" that the model may write as "a" or inside "ab": the step drafts "a" (not
+    forced, `Proposal.spelled`) with lookup's continuation behind it, and the output is still the masked reference's
+    whichever spelling the model takes."""
+    pattern = r"(a[bcd] ){3,5}!"
+    tokenizer, target = merging_tokenizer, models["target"]
+    prompt = tokenizer.encode("ab ac ad ac ab !", add_special_tokens=False)
+    grammar = lambda: matcher_for(tokenizer, pattern)  # noqa: E731
+    spelled_a = grammar()
+    assert spelled_a.forced_tokens() == [] and spelled_a.forced_spelling() == tokenizer.encode("a")
+    expected = reference_decode(target, prompt, 16, GREEDY, stop_ids=[EOS], grammar=grammar())
+    engine = SpeculativeEngine(target, PromptLookupDrafter(min_ngram=1))
+    proposals = []
+    make = engine._forced_proposal
+    monkeypatch.setattr(engine, "_forced_proposal", lambda *args: proposals.append(make(*args)) or proposals[-1])
+    result = engine.generate(prompt, 16, GREEDY, k=4, stop_ids=[EOS], grammar=grammar())
+    engine.close()
+    assert result.tokens == expected
+    spellings = [p for p in proposals if p.forced == 0 and p.spelled >= 1]
+    assert spellings and any(p.count > p.spelled for p in spellings)  # lookup continued a spelling in one step
+
+
 def test_drafts_the_grammar_refuses_are_cut_before_verification(models, tokenizer):
     """A drafter that always proposes "z", which the grammar never allows: each proposal is cut to nothing (a plain
     step), so only the grammar's forced tokens are ever verified as drafts, and the output is the reference's."""

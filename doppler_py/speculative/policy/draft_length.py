@@ -303,9 +303,10 @@ class DraftLengthPolicy:
         return self.tokens_per_step * plain / (verify + self.k * (self.costs.draft_per_token or 0.0))
 
     def forced_k(self, available: int) -> int:
-        """How many of `available` tokens a grammar forces one step should verify. They are always accepted, so
-        the count with the most tokens per second of verification (0: a plain step), whatever the drafter's
-        acceptance or a pause; all of them (within k_now) where the costs are not measured yet."""
+        """How many of `available` tokens a grammar forces (or spells: `GrammarMatcher.forced_spelling`) one step
+        should verify. They are (nearly) always accepted, so the count with the most tokens per second of
+        verification (0: a plain step), whatever the drafter's acceptance or a pause; all of them (within k_now)
+        where the costs are not measured yet."""
         n = min(available, self.k_now)
         costs = [self.costs.verify_cost(m + 1) for m in range(n + 1)]
         if n < 1 or None in costs:
