@@ -89,6 +89,7 @@ GLOBAL_NAMES = {
         "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
     },
 }
+LLAMA_CPP_ROPE_BASE = 10_000.0  # llama.cpp's loader: rope.freq_base when missing (freq_base_swa: freq_base)
 GEMMA4_ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a tensor of the folder
 _UNROTATED_FACTOR = 1e29  # llama.cpp writes 1e30: a frequency divided by it is 0 in float32
 # What a mixture-of-experts Gemma 4 (26B A4B) adds to a layer, besides metadata expert_count.
@@ -146,7 +147,7 @@ def qwen35_config(meta: _Metadata, base: dict[str, Any]) -> dict[str, Any]:
         "linear_value_head_dim": inner // value_heads,
         "rope_parameters": {
             "rope_type": "default",
-            "rope_theta": meta.model("rope.freq_base", 10_000_000.0),
+            "rope_theta": meta.model("rope.freq_base", LLAMA_CPP_ROPE_BASE),
             "partial_rotary_factor": rotary / head_dim,
         },
     }
@@ -292,6 +293,7 @@ def gemma4_config(meta: _Metadata, base: dict[str, Any]) -> dict[str, Any]:
     if per_layer and per_layer_embed is None:
         raise ModelFormatError(f"{path}: tensor 'per_layer_token_embd.weight' is missing")
     cap = meta.model("final_logit_softcapping", None)
+    full_theta = meta.model("rope.freq_base", LLAMA_CPP_ROPE_BASE)
     config = base | {
         "model_type": "gemma4_text",
         "hidden_act": None,
@@ -310,11 +312,11 @@ def gemma4_config(meta: _Metadata, base: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": cap,
         "enable_moe_block": False,
         "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": meta.model("rope.freq_base_swa", 10_000.0)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": meta.model("rope.freq_base_swa", full_theta)},
             "full_attention": {
                 "rope_type": "proportional",
                 "partial_rotary_factor": _proportional_fraction(meta, global_head_dim),
-                "rope_theta": meta.model("rope.freq_base", 1_000_000.0),
+                "rope_theta": full_theta,
             },
         },
     }

@@ -128,9 +128,9 @@ def write_qwen35_gguf(path, folder, matrix_type: Q = Q.F32, arch: str = "qwen35"
     return path
 
 
-def write_gemma4_gguf(path, folder, *, extra_tensors=(), expert_count: int | None = None):
-    """The tiny Gemma 4 folder as llama.cpp's Gemma4Model writes it, with a "gemma4" BPE vocabulary."""
-    cfg = config_dict(GEMMA4)
+def write_gemma4_gguf(path, folder, *, spec=GEMMA4, extra_tensors=(), expert_count: int | None = None):
+    """A tiny Gemma 4 folder as llama.cpp's Gemma4Model writes it, with a "gemma4" BPE vocabulary."""
+    cfg = config_dict(spec)
     writer = gguf.GGUFWriter(str(path), "gemma4")
     add_common(writer, cfg)
     swa = [kind == "sliding_attention" for kind in cfg["layer_types"]]
@@ -151,6 +151,8 @@ def write_gemma4_gguf(path, folder, *, extra_tensors=(), expert_count: int | Non
     writer.add_feed_forward_length([ffn if i < layers - shared else 2 * ffn for i in range(layers)])
     writer.add_rope_dimension_count(cfg["global_head_dim"])
     writer.add_rope_dimension_count_swa(cfg["head_dim"])
+    if (global_kv := cfg.get("num_global_key_value_heads")) is not None:
+        writer.add_head_count_kv([cfg["num_key_value_heads"] if sliding else global_kv for sliding in swa])
     if expert_count:
         writer.add_expert_count(expert_count)
     writer.add_tokenizer_model("gemma4")
@@ -234,6 +236,19 @@ def test_a_gemma4_gguf_runs_like_transformers_on_the_original_folder(tmp_path, t
     ids = sequence(GEMMA4.vocab_size, PREFILL + DECODE)
     ours_logits = our_logits(tiny_model(out, "f32", max_rows=32), ids)
     np.testing.assert_allclose(ours_logits, reference.hf_logits(folder, ids), atol=1e-4, rtol=0)
+
+
+def test_a_gemma4_gguf_whose_full_layers_have_values_equal_to_keys(tmp_path, tiny_folder, tiny_model, reference):
+    """attention_k_eq_v shows as full layers without attn_v, their KV head count in a per-layer head_count_kv."""
+    spec = dataclasses.replace(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=2, seed=12)
+    folder = tiny_folder(spec)
+    out = convert_gguf(
+        write_gemma4_gguf(tmp_path / "g.gguf", folder, spec=spec), tmp_path / "out", "f32", progress=False
+    )
+    assert_same_model_config(out, folder)
+    ids = sequence(spec.vocab_size, PREFILL + DECODE, seed=1)
+    ours = our_logits(tiny_model(out, "f32", max_rows=32), ids)
+    np.testing.assert_allclose(ours, reference.hf_logits(folder, ids), atol=1e-4, rtol=0)
 
 
 def test_the_gemma4_vocabulary_is_bpe_over_utf8_with_byte_fallback(tmp_path, tiny_folder):
