@@ -353,7 +353,13 @@ def _family_config(meta: _Metadata, arch: _GGUFArchitecture) -> dict[str, Any]:
     """config.json of a qwen35 or gemma4 file: the fields every family shares, then its own (gguf_families)."""
     gguf = meta.gguf
     tokens = meta.get("tokenizer.ggml.tokens")
-    layers = meta.checked(f"{meta.arch}.block_count", "a positive integer", lambda v: _is_int(v) and v > 0)
+    blocks = meta.checked(f"{meta.arch}.block_count", "a positive integer", lambda v: _is_int(v) and v > 0)
+    mtp = _mtp_layers(meta)
+    if mtp >= blocks:
+        raise ModelFormatError(
+            f"{gguf.path}: {meta.arch}.nextn_predict_layers = {mtp} leaves none of block_count = {blocks} layers"
+        )
+    layers = blocks - mtp
     base: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
         "vocab_size": meta.model("vocab_size", None) or (len(tokens) if isinstance(tokens, list) else None),
@@ -375,6 +381,14 @@ def _family_config(meta: _Metadata, arch: _GGUFArchitecture) -> dict[str, Any]:
     if meta.arch == "qwen35":
         return families.qwen35_config(meta, base)
     return families.gemma4_config(meta, base)
+
+
+def _mtp_layers(meta: _Metadata) -> int:
+    """How many of block_count's layers are multi-token-prediction layers after the model's own (llama.cpp writes
+    Qwen 3.5's MTP block as the last blocks); they are left out, as transformers' CausalLM leaves out mtp.*."""
+    return meta.checked(
+        f"{meta.arch}.nextn_predict_layers", "a non-negative integer", lambda v: _is_int(v) and v >= 0, 0
+    )
 
 
 def _stop_ids(meta: _Metadata, gemma: bool) -> int | list[int] | None:
@@ -458,6 +472,7 @@ def _layer_tensors(arch: _GGUFArchitecture) -> dict[str, str]:
 
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 _FAMILY_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+(?:\.weight|\.bias)?)")  # qwen35's ssm_a has no suffix
 
 
@@ -528,14 +543,18 @@ def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights:
         if name not in gguf.tensors:
             raise ModelFormatError(f"{gguf.path}: tensor {name!r} is missing")
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    family = architecture in families.LAYER_NAMES
+    mtp_layers = _mtp_layers(_Metadata(gguf)) if family else 0
     plan = []
     for tensor in gguf.tensors.values():
         if architecture == "gemma4" and tensor.name == families.GEMMA4_ROPE_FREQS:
             continue  # read into the config's proportional RoPE
+        block = _BLOCK_INDEX.match(tensor.name)
+        if block and 0 <= int(block[1]) - config.num_hidden_layers < mtp_layers:
+            continue  # a multi-token-prediction layer (_mtp_layers), its nextn.* tensors included
         name = hf_tensor_name(tensor.name, architecture)
         if name is None:
             raise UnsupportedModelError(f"{gguf.path}: tensor {tensor.name!r} has no Hugging Face counterpart")
-        family = architecture in families.LAYER_NAMES
         match = (_FAMILY_LAYER_TENSOR_NAME if family else _LAYER_TENSOR_NAME).fullmatch(tensor.name)
         if match and int(match[1]) >= config.num_hidden_layers:
             raise ModelFormatError(

@@ -87,8 +87,7 @@ def finish(writer) -> None:
 
 
 def add_common(writer, cfg: dict) -> None:
-    """TextModel.set_gguf_parameters' part of the metadata that Gemma4Model does not write again."""
-    writer.add_block_count(cfg["num_hidden_layers"])
+    """TextModel.set_gguf_parameters' part of the metadata that Gemma4Model and the MTP block do not change."""
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(cfg["num_attention_heads"])
@@ -96,11 +95,27 @@ def add_common(writer, cfg: dict) -> None:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
 
 
+def mtp_block(cfg: dict, rng) -> dict[str, np.ndarray]:
+    """Some of a multi-token-prediction block as _Qwen35MtpMixin writes it, the block after the model's own layers
+    (GGUF names: the installed gguf package's name map lists nextn tensors for qwen35moe only)."""
+    h, t = cfg["hidden_size"], gguf.MODEL_TENSOR
+    shapes = {t.NEXTN_EH_PROJ: (h, 2 * h), t.NEXTN_ENORM: (h,), t.NEXTN_HNORM: (h,), t.ATTN_NORM: (h,)}
+    return {
+        gguf.TENSOR_NAMES[kind].format(bid=cfg["num_hidden_layers"]) + ".weight": rng.standard_normal(shape).astype(
+            np.float32
+        )
+        for kind, shape in shapes.items()
+    }
+
+
 def write_qwen35_gguf(path, folder, matrix_type: Q = Q.F32, arch: str = "qwen35"):
-    """The tiny Qwen 3.5 folder as llama.cpp's Qwen3_5TextModel writes it, with a byte-level BPE vocabulary."""
+    """The tiny Qwen 3.5 folder as llama.cpp's Qwen3_5TextModel writes it, with a byte-level BPE vocabulary and
+    a multi-token-prediction block (which the real models have)."""
     cfg = config_dict(QWEN35)
     writer = gguf.GGUFWriter(str(path), arch)
     add_common(writer, cfg)
+    writer.add_block_count(cfg["num_hidden_layers"] + 1)  # the MTP block
+    writer.add_nextn_predict_layers(1)
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
@@ -124,6 +139,8 @@ def write_qwen35_gguf(path, folder, matrix_type: Q = Q.F32, arch: str = "qwen35"
     writer.add_chat_template(CHAT_TEMPLATE)
     weights = dict(llama_cpp_qwen35_tensor(n, w, cfg) for n, w in load_file(str(folder / "model.safetensors")).items())
     add_tensors(writer, gguf.MODEL_ARCH.QWEN35, weights, QWEN35.num_hidden_layers, matrix_type)
+    for name, array in mtp_block(cfg, np.random.default_rng(0)).items():
+        writer.add_tensor(name, array)
     finish(writer)
     return path
 
@@ -133,6 +150,7 @@ def write_gemma4_gguf(path, folder, *, spec=GEMMA4, extra_tensors=(), expert_cou
     cfg = config_dict(spec)
     writer = gguf.GGUFWriter(str(path), "gemma4")
     add_common(writer, cfg)
+    writer.add_block_count(cfg["num_hidden_layers"])
     swa = [kind == "sliding_attention" for kind in cfg["layer_types"]]
     layers, shared = cfg["num_hidden_layers"], cfg["num_kv_shared_layers"]
     rope = cfg["rope_parameters"]
