@@ -12,7 +12,8 @@ Qwen 3.5
   linear_value_head_dim; full_attention_interval (layer i is a Gated DeltaNet layer unless (i + 1) % interval
   == 0, as llama.cpp's loader reads it); attention.key_length = head_dim; rope.dimension_count = head_dim x
   partial_rotary_factor. rope.dimension_sections (interleaved M-RoPE) is not read: for text every section sees
-  the same position, which is plain partial RoPE.
+  the same position, which is plain partial RoPE. nextn_predict_layers: multi-token-prediction blocks written
+  after the model's layers and counted in block_count (_Qwen35MtpMixin); left out (gguf.py).
 - Tensors: A_log is stored as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed to [channels, taps];
   every norm weight but the gated one (linear_attn.norm) as 1 + w (gguf.py undoes that shift). With fewer key
   than value heads, value heads are reordered from grouped by key head to tiled (k0 k1 k0 k1 ...): the V rows of
