@@ -37,7 +37,9 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from doppler_py.errors import ModelFormatError, UnsupportedModelError
+from doppler_py.model import gguf_families as families
 from doppler_py.model.config import ModelConfig
+from doppler_py.model.spm_vocab import SPACE as SPACE_PIECE
 from doppler_py.model.spm_vocab import spm_tokenizer
 from doppler_py.paths import cache_dir
 
@@ -226,6 +228,9 @@ _ARCHITECTURES = {
     "gemma3": _GGUFArchitecture(
         "Gemma3ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False, has_qk_norm=True, gemma=True
     ),
+    # Layers of two kinds, names and values as gguf_families describes.
+    "qwen35": _GGUFArchitecture("Qwen3_5ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False),
+    "gemma4": _GGUFArchitecture("Gemma4ForCausalLM", rope_rows_permuted=False, has_qkv_bias=False),
 }
 # What llama.cpp fixes in its code for Gemma rather than storing: every 2nd (Gemma 2) or 6th (Gemma 3) layer is
 # global, the others sliding-window; Gemma 3's sliding layers use RoPE base 10000; the 27B models (46 and 62
@@ -286,6 +291,8 @@ def _list_of(item: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 def _architecture(gguf: GGUFFile) -> _GGUFArchitecture:
     arch = gguf.metadata.get("general.architecture")
+    if arch in families.REFUSED:
+        raise UnsupportedModelError(f"{gguf.path}: GGUF architecture {arch!r}: {families.REFUSED[arch]}", advice="")
     if not isinstance(arch, str) or arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
@@ -296,13 +303,15 @@ def _architecture(gguf: GGUFFile) -> _GGUFArchitecture:
 def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """The Hugging Face config.json contents this GGUF's metadata describes."""
     arch = _architecture(gguf)
+    meta = _Metadata(gguf)
+    if meta.arch in families.LAYER_NAMES:
+        return _family_config(meta, arch)
     if "rope_freqs.weight" in gguf.tensors:
         raise UnsupportedModelError(
             f"{gguf.path}: tensor 'rope_freqs.weight' (llama3-style RoPE scaling baked into frequency factors) "
             "is not supported in GGUF import",
             advice="convert the original Hugging Face folder instead",
         )
-    meta = _Metadata(gguf)
     hidden = meta.model("embedding_length")
     heads = meta.model("attention.head_count")
     # llama.cpp's default, hidden / heads, written out: Qwen3's HF config would otherwise default to 128.
@@ -338,6 +347,48 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     if arch.gemma:
         config |= _gemma_config(meta, hidden, heads, head_dim)
     return config
+
+
+def _family_config(meta: _Metadata, arch: _GGUFArchitecture) -> dict[str, Any]:
+    """config.json of a qwen35 or gemma4 file: the fields every family shares, then its own (gguf_families)."""
+    gguf = meta.gguf
+    tokens = meta.get("tokenizer.ggml.tokens")
+    blocks = meta.checked(f"{meta.arch}.block_count", "a positive integer", lambda v: _is_int(v) and v > 0)
+    mtp = _mtp_layers(meta)
+    if mtp >= blocks:
+        raise ModelFormatError(
+            f"{gguf.path}: {meta.arch}.nextn_predict_layers = {mtp} leaves none of block_count = {blocks} layers"
+        )
+    layers = blocks - mtp
+    base: dict[str, Any] = {
+        "architectures": [arch.hf_architecture],
+        "vocab_size": meta.model("vocab_size", None) or (len(tokens) if isinstance(tokens, list) else None),
+        "hidden_size": meta.model("embedding_length"),
+        "intermediate_size": meta.model("feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": meta.model("attention.head_count"),
+        "num_key_value_heads": meta.model("attention.head_count_kv"),
+        "rms_norm_eps": meta.model("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": meta.model("context_length"),
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _stop_ids(meta, meta.arch == "gemma4"),
+    }
+    if meta.model("rope.scaling.type", "none") != "none":
+        raise UnsupportedModelError(
+            f"{gguf.path}: {meta.arch}.rope.scaling.type = {meta.model('rope.scaling.type')!r} is not supported"
+        )
+    if meta.arch == "qwen35":
+        return families.qwen35_config(meta, base)
+    return families.gemma4_config(meta, base)
+
+
+def _mtp_layers(meta: _Metadata) -> int:
+    """How many of block_count's layers are multi-token-prediction layers after the model's own (llama.cpp writes
+    Qwen 3.5's MTP block as the last blocks); they are left out, as transformers' CausalLM leaves out mtp.*."""
+    return meta.checked(
+        f"{meta.arch}.nextn_predict_layers", "a non-negative integer", lambda v: _is_int(v) and v >= 0, 0
+    )
 
 
 def _stop_ids(meta: _Metadata, gemma: bool) -> int | list[int] | None:
@@ -421,6 +472,8 @@ def _layer_tensors(arch: _GGUFArchitecture) -> dict[str, str]:
 
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
+_FAMILY_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+(?:\.weight|\.bias)?)")  # qwen35's ssm_a has no suffix
 
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
@@ -428,18 +481,28 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     counterpart."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    if architecture in families.LAYER_NAMES:
+        match = _FAMILY_LAYER_TENSOR_NAME.fullmatch(gguf_name)
+        part = match and families.LAYER_NAMES[architecture].get(match[2])
+        return f"model.layers.{match[1]}.{part}" if part else families.GLOBAL_NAMES[architecture].get(gguf_name)
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
     part = match and _layer_tensors(_ARCHITECTURES[architecture]).get(match[2])
     return f"model.layers.{match[1]}.{part}.{match[3]}" if part else None
 
 
-def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture) -> Iterator[str]:
+def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture, architecture: str) -> Iterator[str]:
     """The tensor names the config calls for, lazily: a corrupt block_count (up to 2^64) must end at the first
     missing layer, not build billions of names."""
     yield from ("token_embd.weight", "output_norm.weight")
     if not config.tie_word_embeddings:
         yield "output.weight"
+    if config.hidden_size_per_layer_input:
+        yield from families.GLOBAL_NAMES["gemma4"]
+    family = {"qwen35": families.qwen35_expected, "gemma4": families.gemma4_expected}.get(architecture)
     for layer in range(config.num_hidden_layers):
+        if family:
+            yield from (f"blk.{layer}.{part}" for part in family(config, layer))
+            continue
         yield from (f"blk.{layer}.{part}.weight" for part in _layer_tensors(arch))
         if arch.has_qkv_bias:
             yield from (f"blk.{layer}.attn_{part}.bias" for part in "qkv")
@@ -453,6 +516,7 @@ def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 _ITEM_BYTES = {"F32": 4, "F16": 2, "U8": 1}
+_NO_RESTORE = families.Restore()
 
 
 @dataclass(frozen=True)
@@ -466,6 +530,7 @@ class _Planned:
     kept_format: str | None  # the ggml block format of a "keep" tensor stored as raw bytes
     rope_heads: int  # undo the Q/K row permutation over this many heads (0: rows stay)
     shift: float = 0.0  # added to the values (-1: a Gemma norm weight stored as 1 + w)
+    restore: families.Restore = _NO_RESTORE  # rows to reorder, values to transform (qwen35)
 
     @property
     def nbytes(self) -> int:
@@ -473,16 +538,24 @@ class _Planned:
 
 
 def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights: str) -> list[_Planned]:
-    for name in _expected_tensors(config, arch):
+    architecture = gguf.metadata["general.architecture"]
+    for name in _expected_tensors(config, arch, architecture):
         if name not in gguf.tensors:
             raise ModelFormatError(f"{gguf.path}: tensor {name!r} is missing")
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    family = architecture in families.LAYER_NAMES
+    mtp_layers = _mtp_layers(_Metadata(gguf)) if family else 0
     plan = []
     for tensor in gguf.tensors.values():
-        name = hf_tensor_name(tensor.name, gguf.metadata["general.architecture"])
+        if architecture == "gemma4" and tensor.name == families.GEMMA4_ROPE_FREQS:
+            continue  # read into the config's proportional RoPE
+        block = _BLOCK_INDEX.match(tensor.name)
+        if block and 0 <= int(block[1]) - config.num_hidden_layers < mtp_layers:
+            continue  # a multi-token-prediction layer (_mtp_layers), its nextn.* tensors included
+        name = hf_tensor_name(tensor.name, architecture)
         if name is None:
             raise UnsupportedModelError(f"{gguf.path}: tensor {tensor.name!r} has no Hugging Face counterpart")
-        match = _LAYER_TENSOR_NAME.fullmatch(tensor.name)
+        match = (_FAMILY_LAYER_TENSOR_NAME if family else _LAYER_TENSOR_NAME).fullmatch(tensor.name)
         if match and int(match[1]) >= config.num_hidden_layers:
             raise ModelFormatError(
                 f"{gguf.path}: tensor {tensor.name!r} is beyond block_count = {config.num_hidden_layers}"
@@ -493,22 +566,30 @@ def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights:
                 f"{gguf.path}: tensor {tensor.name!r} has {tensor.shape[0]} rows, expected "
                 f"{heads} heads x head_dim {config.head_dim}"
             )
-        planned = _plan_tensor(name, tensor, weights, heads)
-        if arch.gemma and tensor.name.endswith("norm.weight"):
+        if architecture == "qwen35" and match:
+            restore = families.qwen35_restore(match[2], tensor, config, gguf.path)
+        else:
+            restore = _NO_RESTORE
+        planned = _plan_tensor(name, tensor, weights, heads, restore)
+        # Gemma 2/3 and Qwen 3.5 scale by 1 + w, which llama.cpp stores; Qwen 3.5's gated norm scales by w.
+        shifted = arch.gemma or architecture == "qwen35"
+        if shifted and tensor.name.endswith("norm.weight") and not tensor.name.endswith("ssm_norm.weight"):
             planned = dataclasses.replace(planned, shift=-1.0)
         plan.append(planned)
     return plan
 
 
-def _plan_tensor(name: str, tensor: GGUFTensor, weights: str, rope_heads: int) -> _Planned:
+def _plan_tensor(name: str, tensor: GGUFTensor, weights: str, rope_heads: int, restore: families.Restore) -> _Planned:
     kind = tensor.ggml_type
-    if weights == "keep" and kind in KEPT_BLOCK_FORMATS and len(tensor.shape) == 2:
-        return _Planned(name, tensor, "U8", tensor.rows.shape, KEPT_BLOCK_FORMATS[kind], rope_heads)
+    # Blocks are kept when at most their rows move; values transformed within a row are dequantised.
+    keep_blocks = len(tensor.shape) == 2 and restore.values is None and restore.shape is None
+    if weights == "keep" and kind in KEPT_BLOCK_FORMATS and keep_blocks:
+        return _Planned(name, tensor, "U8", tensor.rows.shape, KEPT_BLOCK_FORMATS[kind], rope_heads, restore=restore)
     if weights == "keep" and kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         dtype = "F32" if kind == GGMLQuantizationType.F32 else "F16"
     else:
         dtype = "F32" if weights == "f32" else "F16"
-    return _Planned(name, tensor, dtype, tensor.shape, None, rope_heads)
+    return _Planned(name, tensor, dtype, restore.shape or tensor.shape, None, rope_heads, restore=restore)
 
 
 def _materialise(item: _Planned, gguf_path: Path) -> np.ndarray:
@@ -517,6 +598,8 @@ def _materialise(item: _Planned, gguf_path: Path) -> np.ndarray:
     rows = source.rows
     if item.rope_heads:
         rows = unpermute_rope_rows(rows, item.rope_heads)
+    if item.restore.rows is not None:
+        rows = rows[item.restore.rows]
     if item.kept_format:
         return rows
     try:
@@ -529,6 +612,9 @@ def _materialise(item: _Planned, gguf_path: Path) -> np.ndarray:
     values = values.reshape(source.shape)
     if item.shift:
         values = values.astype(np.float32) + np.float32(item.shift)
+    if item.restore.values is not None:
+        values = item.restore.values(values)
+    values = values.reshape(item.shape)
     if item.dtype == "F32":
         return values.astype(np.float32, copy=False)
     half = values.astype(np.float16)
@@ -587,6 +673,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+# Qwen 3.5: combining marks (\p{M}) continue a word (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 # How the text splitting that llama.cpp names in `tokenizer.ggml.pre` is spelled for the tokenizers package.
 # A missing or unknown name is refused rather than guessed: a wrong split tokenises silently differently.
 _PRE_TOKENIZER_SPLITS = {
@@ -594,6 +685,7 @@ _PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
 }
 _GPT2_PRE_TOKENIZERS = ("gpt-2",)
 _DIGIT_SPLITTING_PRE_TOKENIZERS = ("smollm",)  # GPT-2's regex after splitting every digit on its own
@@ -639,17 +731,41 @@ def _byte_level_bpe(meta: _Metadata, vocab: dict[str, int]):
     return tokenizer
 
 
+def _gemma4_bpe(meta: _Metadata, vocab: dict[str, int]):
+    """Gemma 4's vocabulary (tokenizer model "gemma4"), as llama.cpp reads it: BPE over raw UTF-8 with each space
+    written "▁", the text split only between newline runs and the rest, unknown bytes spelled <0xXX>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    path = meta.gguf.path
+    merges = []
+    for index, merge in enumerate(meta.checked("tokenizer.ggml.merges", "a list of strings", _list_of(_is_str))):
+        cut = merge.find(" ", 1)  # from 1: a piece may itself be a space
+        if cut < 0:
+            raise ModelFormatError(f"{path}: tokenizer.ggml.merges[{index}] = {merge!r} is not a pair")
+        merges.append((merge[:cut], merge[cut + 1 :]))
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=False))
+    except Exception as exc:  # the tokenizers package raises plain Exception, e.g. for a merge of unknown tokens
+        raise ModelFormatError(f"{path}: the BPE vocabulary and merges do not fit together ({exc})") from None
+    tokenizer.normalizer = normalizers.Replace(" ", SPACE_PIECE)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tokenizer
+
+
 def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
     """`(tokenizer.json text, tokenizer_config.json contents)` for the vocabulary in the metadata: byte-level BPE
-    (tokenizer model "gpt2") or SentencePiece (model "llama", see `spm_vocab`)."""
+    (tokenizer model "gpt2"), SentencePiece (model "llama", see `spm_vocab`) or Gemma 4's BPE (model "gemma4")."""
     from tokenizers import AddedToken, processors
 
     meta = _Metadata(gguf)
     model = meta.required("tokenizer.ggml.model")
-    if model not in ("gpt2", "llama"):
+    if model not in ("gpt2", "llama", "gemma4"):
         raise UnsupportedModelError(
             f"{gguf.path}: tokenizer.ggml.model = {model!r} is not supported "
-            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece)"
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece; 'gemma4', BPE over UTF-8)"
         )
     tokens = meta.checked("tokenizer.ggml.tokens", "a list of strings", _list_of(_is_str))
     vocab = {token: index for index, token in enumerate(tokens)}
@@ -672,6 +788,8 @@ def tokenizer_files(gguf: GGUFFile) -> tuple[str, dict[str, Any]]:
 
     if model == "gpt2":
         tokenizer = _byte_level_bpe(meta, vocab)
+    elif model == "gemma4":
+        tokenizer = _gemma4_bpe(meta, vocab)
     else:
         scores = meta.checked("tokenizer.ggml.scores", "a list of numbers", _list_of(_is_number))
         if len(scores) != len(tokens):
@@ -761,7 +879,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, weights: str = "f16
     config_data["torch_dtype"] = {"f32": "float32", "f16": "float16"}.get(weights)
     config = ModelConfig.from_dict(config_data, source=f"{gguf_path} (metadata)")
     rotary_dims = gguf.metadata.get(f"{gguf.metadata['general.architecture']}.rope.dimension_count", config.head_dim)
-    if rotary_dims != config.head_dim:
+    if rotary_dims != config.head_dim and gguf.metadata["general.architecture"] not in families.LAYER_NAMES:
         raise UnsupportedModelError(
             f"{gguf_path}: rotary embedding on {rotary_dims} of {config.head_dim} head dimensions is not supported"
         )
