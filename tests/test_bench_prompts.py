@@ -84,3 +84,24 @@ def test_no_method_always_runs_right_after_the_same_one(bench):
         assert all(sorted(order[i * 4 : i * 4 + 4]) == sorted(methods) for i in range(6))
         follows_plain |= {order[j + 1] for j in range(len(order) - 1) if order[j] == "plain"}
     assert follows_plain >= {"eagle", "auto", "medusa"}
+
+
+def test_the_mask_cost_replays_the_answer_through_a_fresh_matcher(bench, tiny_folder):
+    """Each token's mask and commit is timed on the host, and its share is of one constrained plain step; an answer
+    the schema refuses raises instead of being timed."""
+    from types import SimpleNamespace
+
+    from doppler_py.errors import InternalError
+    from doppler_py.testing.tiny import TinySpec
+    from doppler_py.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_folder(TinySpec(vocab_size=128)))
+    engine = SimpleNamespace(tokenizer=tokenizer, model=SimpleNamespace(config=SimpleNamespace(vocab_size=128)))
+    answer = '{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "celsius", "days": 3}}'
+    tokens = tokenizer.encode(answer, add_special_tokens=False)
+    cost = bench.mask_cost(engine, "weather-tool", tokens, plain_tokens_per_s=20.0)
+    assert cost["prompt"] == "weather-tool" and cost["tokens"] == len(tokens) == len(answer)
+    assert 0 < cost["median_us"] <= 10 * cost["mean_us"]
+    assert cost["share_of_plain_step"] == pytest.approx(cost["median_us"] * 1e-6 * 20.0, rel=0.01, abs=1e-4)
+    with pytest.raises(InternalError, match="is not allowed"):
+        bench.mask_cost(engine, "weather-tool", tokenizer.encode('{"city"', add_special_tokens=False), 20.0)

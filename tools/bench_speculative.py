@@ -413,6 +413,32 @@ def load_peer(threads: int):
     return model.eval(), tokenizer
 
 
+def mask_cost(engine, prompt: str, tokens: list[int], plain_tokens_per_s: float) -> dict:
+    """The host's share of constrained decoding: a fresh matcher replays the answer `tokens`, timing each token's
+    mask (the row uploaded for the sampler) and commit; against one constrained plain step (1 / its tok/s)."""
+    from doppler_py.constraints.grammar import constraint_from_options
+    from doppler_py.constraints.matcher import GrammarMatcher
+    from doppler_py.constraints.tokenizer_bridge import ll_tokenizer
+
+    ll = ll_tokenizer(engine.tokenizer)
+    constraint = constraint_from_options(response_format=response_format(prompt), tokenizer=ll)
+    matcher = GrammarMatcher(ll, constraint, engine.model.config.vocab_size)
+    seconds = []
+    for token in tokens:
+        start = time.perf_counter()
+        matcher.mask()
+        matcher.advance([token])
+        seconds.append(time.perf_counter() - start)
+    per_token = statistics.median(seconds)
+    return {
+        "prompt": prompt,
+        "tokens": len(tokens),
+        "median_us": round(per_token * 1e6, 1),
+        "mean_us": round(statistics.fmean(seconds) * 1e6, 1),
+        "share_of_plain_step": round(per_token * plain_tokens_per_s, 4),
+    }
+
+
 def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
@@ -472,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for p in prompts if PROMPTS[p][0] in args.groups.split(",")]
     results: dict[str, dict[str, dict[str, list[dict]]]] = {}
     sampled: list[dict] = []
+    masks: list[dict] = []  # the grammar's host cost per token (structured prompts)
     for weight in weights:
         # warmup="now": every mode compiled and calibrated at its first use (the warm-up runs below), so the timed
         # runs measure steady speculation, not the default's wait for the compile to pay for itself.
@@ -513,6 +540,11 @@ def main(argv: list[str] | None = None) -> int:
                             f"accept {row['acceptance_rate']:.2f} tok/step {row['tokens_per_step']:.2f}",
                             file=sys.stderr,
                         )
+            masks += [
+                mask_cost(engine, p, runs["plain"][0]["text_tokens"], median(runs["plain"], "tokens_per_s"))
+                for p, runs in per_prompt.items()
+                if p in SCHEMAS and "plain" in runs
+            ]
             if args.sampled_temperature > 0:  # every drafter on open-ended prompts, lookup's on copy-heavy ones too
                 for prompt, method in (
                     (p, m)
@@ -625,6 +657,13 @@ def main(argv: list[str] | None = None) -> int:
         if row["group"] == OPEN_ENDED and row["method"] == "eagle":
             cost = row["draft_cost_vs_plain_step"]
             print(f"eagle {row['prompt']:10s} acceptance by position {row['acceptance_by_position']} draft cost {cost}")
+    if masks:
+        print("\nthe grammar's host cost per token (mask + commit), against a constrained plain step:")
+        for row in masks:
+            print(
+                f"{row['prompt']:14s} median {row['median_us']:7.1f} us, mean {row['mean_us']:7.1f} us "
+                f"({100 * row['share_of_plain_step']:.2f}% of a plain step, {row['tokens']} tokens)"
+            )
     if sampled:
         print(
             f"\nT = {args.sampled_temperature}: acceptance (open-ended prompts; lookup methods on the other groups too)"
@@ -642,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "sampled": [{k: v for k, v in r.items() if k != "text_tokens"} for r in sampled],
         "sampled_temperature": args.sampled_temperature,
+        "mask_cost": masks,
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
