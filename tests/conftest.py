@@ -12,7 +12,15 @@ import zlib
 
 import numpy as np
 import pytest
-from support.trained_heads import block_dir, fused_dir, head_dir, heads_dir, tiny_corpus  # noqa: F401  (shared fixtures)
+from support.trained_heads import (  # noqa: F401  (shared fixtures)
+    block_dir,
+    family_corpus,
+    fused_dir,
+    head_dir,
+    heads_dir,
+    tiny_corpus,
+    trained_head,
+)
 
 from doppler_py.gpu import dispatch_loop
 from doppler_py.gpu.device import default_gpu

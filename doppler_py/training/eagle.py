@@ -130,12 +130,23 @@ def head_config(target_config, draft_vocab: int) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": t.max_position_embeddings,
         "rms_norm_eps": t.rms_norm_eps,
-        "rope_theta": getattr(t, "rope_theta", None) or t.rope_parameters["rope_theta"],
+        "rope_theta": target_rope_theta(t),
         "tie_word_embeddings": True,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+
+
+def target_rope_theta(target_config) -> float:
+    """The target's RoPE base, which the head's layer takes: transformers 4's `rope_theta`, else transformers 5's
+    `rope_parameters`, whose bases Gemma 4 keeps per layer type (the full-attention layers' is taken, as the head
+    attends over the whole context)."""
+    theta = getattr(target_config, "rope_theta", None)
+    if theta:
+        return float(theta)
+    params = target_config.rope_parameters
+    return float(params["full_attention"]["rope_theta"] if "full_attention" in params else params["rope_theta"])
 
 
 def train(

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from support.tiny_specs import CORPUS_OPTIONS, DRAFT, PADDED_DRAFT, TARGET  # noqa: F401
+from support.tiny_specs import CORPUS_OPTIONS, DRAFT, HEAD_TARGETS, PADDED_DRAFT, TARGET  # noqa: F401
 
 from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, Linear
 
@@ -18,10 +18,19 @@ from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, Linear
 
 
 @pytest.fixture(scope="session")
-def models(tiny_model):
+def head_targets(tiny_model):
+    """A function family -> the Transformer of HEAD_TARGETS[family], loaded once per session ("llama": TARGET,
+    the same model as `models["target"]`)."""
+    return lambda family: tiny_model(HEAD_TARGETS[family], max_rows=32, max_positions=256)
+
+
+@pytest.fixture(scope="session")
+def models(tiny_model, head_targets):
     """name -> Transformer for "target", "draft", "padded_draft", loaded once per session."""
-    specs = {"target": TARGET, "draft": DRAFT, "padded_draft": PADDED_DRAFT}
-    return {name: tiny_model(spec, max_rows=32, max_positions=256) for name, spec in specs.items()}
+    drafts = {"draft": DRAFT, "padded_draft": PADDED_DRAFT}
+    return {"target": head_targets("llama")} | {
+        name: tiny_model(spec, max_rows=32, max_positions=256) for name, spec in drafts.items()
+    }
 
 
 def replay_accepted(drafts, tokens: list[int], prompt_len: int, k: int) -> int:

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 from speculative.conftest import (
+    HEAD_TARGETS,
     TARGET,
     check_drafts_follow_their_reported_rows,
     check_two_token_joint,
@@ -47,15 +48,16 @@ KINDS = ("eagle-1", "eagle-3")  # a head without fused layers, and one with (`fu
 
 
 @pytest.fixture(scope="module")
-def heads(request, models):
-    """kind → (head folder, the head loaded on the tiny target), each made on first use."""
+def heads(trained_head, head_targets):
+    """(kind, family="llama") → (head folder, the head loaded on that family's tiny target), each made on first
+    use."""
     loaded: dict = {}
 
-    def get(kind: str):
-        if kind not in loaded:
-            folder = request.getfixturevalue("head_dir" if kind == "eagle-1" else "fused_dir")
-            loaded[kind] = (folder, load_head(folder, models["target"]))
-        return loaded[kind]
+    def get(kind: str, family: str = "llama"):
+        if (kind, family) not in loaded:
+            folder = trained_head(kind, family)
+            loaded[kind, family] = (folder, load_head(folder, head_targets(family)))
+        return loaded[kind, family]
 
     yield get
     for _, head in loaded.values():
@@ -67,9 +69,9 @@ def head(heads):
     return heads("eagle-1")[1]
 
 
-def torch_accepted(head_dir, tiny_folder, tokens: list[int], prompt_len: int, k: int) -> int:
+def torch_accepted(head_dir, target_folder, tokens: list[int], prompt_len: int, k: int) -> int:
     """Drafts accepted when the trainer's torch head drafts (greedy, k pinned) over a known greedy output."""
-    hf, _ = load_target(tiny_folder(TARGET))
+    hf, _ = load_target(target_folder)
     ref, stats, draft_ids = import_head(head_dir, hf.config)
     features, _, taps = target_features(hf, [tokens], taps=stats.tap_layers)[0]
     embed = hf.get_input_embeddings().weight.detach()
@@ -81,32 +83,40 @@ def torch_accepted(head_dir, tiny_folder, tokens: list[int], prompt_len: int, k:
 
 
 @pytest.mark.parametrize(
-    ("kind", "case", "k"),
-    [("eagle-1", "0", 1), ("eagle-1", "1", 3), ("eagle-1", "2", 8), ("eagle-1", "long", 2), ("eagle-3", "1", 3),
-     ("eagle-3", "long", 8)],
+    ("family", "kind", "case", "k"),
+    [("llama", "eagle-1", "0", 1), ("llama", "eagle-1", "1", 3), ("llama", "eagle-1", "2", 8),
+     ("llama", "eagle-1", "long", 2), ("llama", "eagle-3", "1", 3), ("llama", "eagle-3", "long", 8),
+     ("qwen3_5", "eagle-1", "long", 3), ("qwen3_5", "eagle-3", "long", 8), ("gemma4", "eagle-1", "1", 3),
+     ("gemma4", "eagle-3", "2", 3)],
 )  # fmt: skip
 def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(
-    models, heads, head_dir, tiny_folder, kind, case, k
+    head_targets, heads, tiny_folder, family, kind, case, k
 ):
-    target = models["target"]
-    folder, head = heads(kind)
-    prompt = held_in_prompt(head_dir.parent / "work", case)
+    """On Qwen 3.5 the features of the rows a step kept follow a recurrent state rolled back past the rejected
+    ones; on Gemma 4 they pass per-layer inputs and KV-shared layers: both as in the trainer's torch target."""
+    target = head_targets(family)
+    folder, head = heads(kind, family)
+    prompt = held_in_prompt(folder.parent / "work", case)
     engine = SpeculativeEngine(target, EagleDrafter(target, head))
     result = engine.generate(prompt, 40, GREEDY, k=k)
     engine.close()
     assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
-    expected = torch_accepted(folder, tiny_folder, prompt + result.tokens, len(prompt), k)
+    expected = torch_accepted(folder, tiny_folder(HEAD_TARGETS[family]), prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained head is right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
 
 
-@pytest.mark.parametrize(("kind", "case", "k"), [("eagle-1", "1", 4), ("eagle-1", "long", 8), ("eagle-3", "long", 8)])
-def test_greedy_eagle_trees_equal_plain_greedy(models, heads, head_dir, kind, case, k):
+@pytest.mark.parametrize(
+    ("family", "kind", "case", "k"),
+    [("llama", "eagle-1", "1", 4), ("llama", "eagle-1", "long", 8), ("llama", "eagle-3", "long", 8),
+     ("qwen3_5", "eagle-3", "long", 8), ("gemma4", "eagle-3", "long", 8)],
+)  # fmt: skip
+def test_greedy_eagle_trees_equal_plain_greedy(head_targets, heads, family, kind, case, k):
     """EAGLE-2's dynamic tree; after each tree step the head drafts on from the accepted path's features (and a
-    fused head's tapped layers), moved into place by the engine."""
-    target = models["target"]
-    head = heads(kind)[1]
-    prompt = held_in_prompt(head_dir.parent / "work", case)
+    fused head's tapped layers), moved into place by the engine (on Qwen 3.5, with the recurrent states' rows)."""
+    target = head_targets(family)
+    folder, head = heads(kind, family)
+    prompt = held_in_prompt(folder.parent / "work", case)
     drafter = EagleDrafter(target, head)
     drafter.branches = drafter.tree_branches
     engine = SpeculativeEngine(target, drafter)
@@ -277,9 +287,10 @@ def test_sampled_drafts_follow_the_rows_they_report(models, head, monkeypatch):
     assert check_drafts_follow_their_reported_rows(models["target"], drafter, monkeypatch)["sampled"] > 0
 
 
-def test_sampled_eagle_is_reproducible_by_seed(models, head):
-    target = models["target"]
-    engine = SpeculativeEngine(target, EagleDrafter(target, head))
+@pytest.mark.parametrize("family", list(HEAD_TARGETS))
+def test_sampled_eagle_is_reproducible_by_seed(head_targets, heads, family):
+    target = head_targets(family)
+    engine = SpeculativeEngine(target, EagleDrafter(target, heads("eagle-1", family)[1]))
     runs = [engine.generate(PROMPT, 20, SamplingParams(temperature=0.8, seed=s), k=3).tokens for s in (5, 5, 6)]
     engine.close()
     assert runs[0] == runs[1] != runs[2]

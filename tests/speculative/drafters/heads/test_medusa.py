@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 from speculative.conftest import (
+    HEAD_TARGETS,
     TARGET,
     check_drafts_follow_their_reported_rows,
     compile_requests,
@@ -36,15 +37,29 @@ GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
-def heads(heads_dir, models):
-    loaded = load_medusa(heads_dir, models["target"])
-    yield loaded
-    loaded.close()
+def family_heads(trained_head, head_targets):
+    """family → (its tiny target, Medusa heads trained on it and loaded there), each loaded on first use."""
+    loaded: dict = {}
+
+    def get(family: str):
+        if family not in loaded:
+            target = head_targets(family)
+            loaded[family] = (target, load_medusa(trained_head("medusa", family), target))
+        return loaded[family]
+
+    yield get
+    for _, heads in loaded.values():
+        heads.close()
 
 
-def torch_accepted(heads_dir, tiny_folder, tokens: list[int], prompt_len: int, k: int) -> int:
+@pytest.fixture(scope="module")
+def heads(family_heads):
+    return family_heads("llama")[1]
+
+
+def torch_accepted(heads_dir, target_folder, tokens: list[int], prompt_len: int, k: int) -> int:
     """Drafts accepted when the trainer's torch heads draft (greedy, k pinned) over a known greedy output."""
-    hf, _ = load_target(tiny_folder(TARGET))
+    hf, _ = load_target(target_folder)
     ref, draft_ids = import_heads(heads_dir)
     with torch.no_grad():
         logits = ref(hf.model.norm(target_features(hf, [tokens])[0][0]))  # [K, T, N]
@@ -56,27 +71,33 @@ def torch_accepted(heads_dir, tiny_folder, tokens: list[int], prompt_len: int, k
     return replay_accepted(drafts, tokens, prompt_len, k)
 
 
-@pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 2), ("2", 8), ("long", 3)])
+@pytest.mark.parametrize(
+    ("family", "case", "k"),
+    [("llama", "0", 1), ("llama", "1", 2), ("llama", "2", 8), ("llama", "long", 3), ("qwen3_5", "long", 3),
+     ("gemma4", "long", 3)],
+)  # fmt: skip
 def test_greedy_medusa_equals_plain_greedy_and_drafts_as_the_trainer_does(
-    models, heads, heads_dir, tiny_folder, case, k
+    family_heads, trained_head, tiny_folder, family, case, k
 ):
-    target = models["target"]
+    target, heads = family_heads(family)
+    heads_dir = trained_head("medusa", family)
     prompt = held_in_prompt(heads_dir.parent / "work", case)
     engine = SpeculativeEngine(target, MedusaDrafter(target, heads))
     result = engine.generate(prompt, 40, GREEDY, k=k)
     engine.close()
     assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
     assert result.stats.drafted > 0 and max(len(result.stats.acceptance_by_position), 1) <= 3  # k capped at K
-    expected = torch_accepted(heads_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
+    expected = torch_accepted(heads_dir, tiny_folder(HEAD_TARGETS[family]), prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained heads are right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
 
 
-@pytest.mark.parametrize("k", [2, 5, 8])
-def test_greedy_medusa_trees_equal_plain_greedy(models, heads, heads_dir, k):
+@pytest.mark.parametrize(("family", "k"), [("llama", 2), ("llama", 5), ("llama", 8), ("qwen3_5", 5), ("gemma4", 5)])
+def test_greedy_medusa_trees_equal_plain_greedy(family_heads, trained_head, family, k):
     """Each head's best tokens, by the acceptance measured per head and rank: the same tokens as plain decoding,
     through trees (a budget of 2 already branches: the tiny heads' second token beats two heads' first)."""
-    target = models["target"]
+    target, heads = family_heads(family)
+    heads_dir = trained_head("medusa", family)
     drafter = MedusaDrafter(target, heads)
     drafter.branches = drafter.tree_branches
     engine = SpeculativeEngine(target, drafter)

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 from speculative.conftest import (
+    HEAD_TARGETS,
     TARGET,
     check_drafts_follow_their_reported_rows,
     compile_requests,
@@ -112,16 +113,30 @@ from doppler_py.training.spark import import_block, prev_slots  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def block(block_dir, models):
-    loaded = load_spark(block_dir, models["target"])
-    yield loaded
-    loaded.close()
+def family_blocks(trained_head, head_targets):
+    """family → (its tiny target, a spark block trained on it and loaded there), each loaded on first use."""
+    loaded: dict = {}
+
+    def get(family: str):
+        if family not in loaded:
+            target = head_targets(family)
+            loaded[family] = (target, load_spark(trained_head("spark", family), target))
+        return loaded[family]
+
+    yield get
+    for _, block in loaded.values():
+        block.close()
 
 
-def torch_accepted(block_dir, tiny_folder, tokens: list[int], prompt_len: int, k: int) -> int:
+@pytest.fixture(scope="module")
+def block(family_blocks):
+    return family_blocks("llama")[1]
+
+
+def torch_accepted(block_dir, target_folder, tokens: list[int], prompt_len: int, k: int) -> int:
     """Drafts accepted when the trainer's torch block drafts (greedy, k pinned, all verified) over a known
     greedy output: position i's previous token is the draft before it, as on the GPU."""
-    hf, _ = load_target(tiny_folder(TARGET))
+    hf, _ = load_target(target_folder)
     ref, draft_ids = import_block(block_dir)
     n = draft_ids.size
     slot = {int(t): s for s, t in enumerate(draft_ids)}
@@ -142,18 +157,23 @@ def torch_accepted(block_dir, tiny_folder, tokens: list[int], prompt_len: int, k
     return replay_accepted(drafts, tokens, prompt_len, k)
 
 
-@pytest.mark.parametrize(("case", "k"), [("0", 1), ("1", 2), ("2", 8), ("long", 3)])
+@pytest.mark.parametrize(
+    ("family", "case", "k"),
+    [("llama", "0", 1), ("llama", "1", 2), ("llama", "2", 8), ("llama", "long", 3), ("qwen3_5", "long", 3),
+     ("gemma4", "long", 3)],
+)  # fmt: skip
 def test_greedy_spark_equals_plain_greedy_and_drafts_as_the_trainer_does(
-    models, block, block_dir, tiny_folder, case, k
+    family_blocks, trained_head, tiny_folder, family, case, k
 ):
-    target = models["target"]
+    target, block = family_blocks(family)
+    block_dir = trained_head("spark", family)
     prompt = held_in_prompt(block_dir.parent / "work", case)
     engine = SpeculativeEngine(target, SparkDrafter(target, block))
     result = engine.generate(prompt, 40, GREEDY, k=k)
     engine.close()
     assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
     assert result.stats.drafted > 0 and max(len(result.stats.acceptance_by_position), 1) <= BLOCK
-    expected = torch_accepted(block_dir, tiny_folder, prompt + result.tokens, len(prompt), k)
+    expected = torch_accepted(block_dir, tiny_folder(HEAD_TARGETS[family]), prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained block is right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
 
