@@ -4,7 +4,10 @@ One op serves decode (rows=1), speculative verification (a few rows) and prefill
 shader header explains the work split. Per call the op picks two numbers:
 
 * key lanes: when a call has fewer 4-query blocks than a workgroup has lane groups (decode, verification),
-  several groups take turns over the keys of one block instead of idling;
+  several groups take turns over the keys of one block instead of idling; on CPU adapters a prefill whose
+  grid would have fewer than CPU_WORKGROUPS_PER_CORE workgroups per core also trades blocks per workgroup for
+  key lanes (a chat turn's ~20 rows over a long cached context: the grid then shares out evenly over the
+  cores), and the shader gives a part-filled last workgroup's spare groups to key lanes as well;
 * splits: for few rows over a long context the key range is also split across workgroups (flash-decoding),
   merged by a second dispatch (shaders/attention_reduce.wgsl), so a call has enough workgroups to keep
   every core busy.
