@@ -13,7 +13,9 @@
 // their slice's partial dot products to workgroup memory, then each lane sums its group's partials and
 // runs the online softmax update (running max m, sum l, accumulators) on its slice.
 // When a workgroup has fewer blocks than groups, `key_lanes` groups share a block and take turns of STEP
-// keys ("key lanes"); their states are merged in workgroup memory at the end. Long contexts can also be
+// keys ("key lanes"); their states are merged in workgroup memory at the end. The last workgroup of a call
+// may hold fewer blocks than the others; it doubles its key lanes (from Params.key_lanes) while its blocks
+// still fit and each lane still gets a step of keys, so its spare groups share the work. Long contexts can also be
 // split across workgroups (grid z, split_len keys each): each split then writes unnormalised partials that
 // attention_reduce.wgsl combines (flash-decoding); with n_splits == 1 the result goes straight to `out`.
 //
@@ -56,7 +58,7 @@
 //           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope 1, 2, 3),
 //           8 tree (read) [rows] of (depth, ancestor mask) per row (ops/tree.py; read when tree == 1).
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
-//         64 / (HEAD_DIM / 16)); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
+//         64 / (HEAD_DIM / 16); the last workgroup may use more, as above); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
 //         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
 //         rope (1: RoPE and the cache write inside, as above; 2: the same before the key loop, one workgroup
 //         per kv head; 3: q rotated as loaded, the caches only read (KV-shared layers); 0: q rotated and the
@@ -326,8 +328,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let hd4 = HEAD_DIM / 4u;
   let slices = HEAD_DIM / 16u;
   let groups = LANES / slices;
-  let key_lanes = params.key_lanes;
-  let blocks_per_wg = groups / key_lanes;
+  let blocks_per_wg = groups / params.key_lanes;
   let group = params.n_heads / params.n_kv_heads;
   let n_pairs = params.rows * group;
   let n_blocks = (n_pairs + 3u) / 4u;
@@ -347,13 +348,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     storageBarrier();  // params is uniform: the barrier stays in uniform control flow
   }
 
-  let slice = t % slices;
-  let lane_group = t / slices;
-  let key_lane = lane_group % key_lanes;
-  let local_block = lane_group / key_lanes;
-  let block = wid.x * blocks_per_wg + local_block;
-  let has_block = lane_group < blocks_per_wg * key_lanes && block < n_blocks;
-
   // The workgroup's last pair sits on its latest row, which bounds the keys any of its lanes needs.
   let last_pair = min(n_pairs, 4u * (wid.x + 1u) * blocks_per_wg) - 1u;
   // Its first pair sits on its earliest row: keys before that row's window are masked for every lane (a
@@ -368,6 +362,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   }
   let key_begin = max(split * params.split_len, window_begin);
   let key_end = min((split + 1u) * params.split_len, params.start_pos + last_pair / group + 1u);
+  // The last workgroup may hold fewer blocks than the others: its spare groups become more key lanes while
+  // each lane still gets a step of keys (prefills of a few dozen rows have one such workgroup per kv head,
+  // which would otherwise take as long as a full one). The count is uniform over the workgroup.
+  let wg_blocks = min(blocks_per_wg, n_blocks - wid.x * blocks_per_wg);
+  var key_lanes = params.key_lanes;
+  while (2u * key_lanes * wg_blocks <= groups && key_begin + 2u * key_lanes * STEP <= key_end) {
+    key_lanes *= 2u;
+  }
+  let slice = t % slices;
+  let lane_group = t / slices;
+  let key_lane = lane_group % key_lanes;
+  let local_block = lane_group / key_lanes;
+  let block = wid.x * blocks_per_wg + local_block;
+  let has_block = local_block < wg_blocks;
+
   // With rope == 1, keys from start_pos on come from q (this call's rows), after those in the caches.
   var cached_end = key_end;
   var new_begin = key_end;

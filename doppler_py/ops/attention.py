@@ -4,7 +4,10 @@ One op serves decode (rows=1), speculative verification (a few rows) and prefill
 shader header explains the work split. Per call the op picks two numbers:
 
 * key lanes: when a call has fewer 4-query blocks than a workgroup has lane groups (decode, verification),
-  several groups take turns over the keys of one block instead of idling;
+  several groups take turns over the keys of one block instead of idling; on CPU adapters a prefill whose
+  grid would have fewer than CPU_WORKGROUPS_PER_CORE workgroups per core also trades blocks per workgroup for
+  key lanes (a chat turn's ~20 rows over a long cached context: the grid then shares out evenly over the
+  cores), and the shader gives a part-filled last workgroup's spare groups to key lanes as well;
 * splits: for few rows over a long context the key range is also split across workgroups (flash-decoding),
   merged by a second dispatch (shaders/attention_reduce.wgsl), so a call has enough workgroups to keep
   every core busy.
@@ -45,6 +48,7 @@ MAX_HEAD_DIM = 512
 MAX_SPLITS = 16
 SPLIT_MAX_ROWS = 16  # only decode/verification-sized calls split the key range; prefill has blocks enough
 MIN_SPLIT_KEYS = 256  # a split scores at least this many keys (two steps of 16 key lanes)
+CPU_WORKGROUPS_PER_CORE = 4  # enough that uneven workgroups (causal rows, a part-filled last one) even out
 GPU_TARGET_WORKGROUPS = 256  # enough to fill the multiprocessors of a large GPU
 FUSED_ROPE_MAX_ROWS = 16  # longer calls rotate and write the cache by a rope.wgsl dispatch first
 # The shader's Params.rope per mode (module docstring; None: no `rope=`, q arrives rotated).
@@ -61,6 +65,18 @@ def target_workgroups(adapter_type: str) -> int:
     if adapter_type.lower() == "cpu":
         return os.cpu_count() or 1
     return GPU_TARGET_WORKGROUPS
+
+
+def balance_workgroups(adapter_type: str) -> int:
+    """Workgroups below which `plan` gives a call's blocks more key lanes, so the grid shares out evenly.
+
+    A CPU adapter takes workgroups one at a time per core, so a grid of a few unequal workgroups leaves cores
+    idle at its end: ask for CPU_WORKGROUPS_PER_CORE per core. GPUs keep the split target's own rule (the
+    blocks of a call fill `target_workgroups` or not; this was not measured there), so 0: never.
+    """
+    if adapter_type.lower() == "cpu":
+        return CPU_WORKGROUPS_PER_CORE * (os.cpu_count() or 1)
+    return 0
 
 
 class Attention:
@@ -146,7 +162,9 @@ class Attention:
         self.max_rows = max_rows
         self.window = window
         self.lane_groups = LANES // (head_dim // 16)
-        self.target_workgroups = target_workgroups(str(registry.gpu.info.get("adapter_type", "")))
+        adapter_type = str(registry.gpu.info.get("adapter_type", ""))
+        self.target_workgroups = target_workgroups(adapter_type)
+        self.balance_workgroups = balance_workgroups(adapter_type)
         self.rope: RoPE | None = None  # the rope.wgsl dispatch of calls that do not fuse it
         self.kv_shared = kv_shared
         writes = rope is not None and not kv_shared
@@ -227,6 +245,18 @@ class Attention:
         key_lanes = 1
         # Double the key lanes while blocks still fill the workgroup and each lane still gets a step of keys.
         while 2 * key_lanes * blocks <= self.lane_groups and 2 * key_lanes * STEP <= min(split_len, keys):
+            key_lanes *= 2
+        # Then, while a prefill's grid is too coarse to share out evenly over the cores, trade blocks per workgroup
+        # for key lanes (a short prefill over a long context: 23 rows of SmolLM2 fill two workgroups per kv head,
+        # one of them nearly empty; the shader gives a last, part-filled workgroup's spare groups to key lanes).
+        # Decode and verification keep their grid: one workgroup per kv head is what lets them write the caches
+        # in place (rope_mode "local").
+        while (
+            rows > SPLIT_MAX_ROWS
+            and workgroups(blocks, self.lane_groups // key_lanes) * self.n_kv_heads * splits < self.balance_workgroups
+            and 2 * key_lanes <= self.lane_groups
+            and 2 * key_lanes * STEP <= min(split_len, keys)
+        ):
             key_lanes *= 2
         return key_lanes, split_len, workgroups(context, split_len)
 

@@ -483,6 +483,62 @@ def test_scores_are_soft_capped(gpu, registry, rng, softcap):
     assert np.abs(case.expected(1, 300) - uncapped).max() > 1e-2, "the cap must change the result"
 
 
+# -- short prefills over a long cached context (a chat turn after the prefix cache) ---------------------------
+# SmolLM2's 9/3 heads and 16 lane groups: 17, 23 and 29 rows are 13, 18 and 22 blocks per kv head, so the last
+# workgroup is part-filled whatever key lanes the plan picks; the contexts are no multiple of STEP.
+SHORT_PREFILLS = [(17, 301), (23, 300), (29, 517)]
+# The plan's balance target (Attention.balance_workgroups): 0 leaves one key lane per block (GPUs), 8 is two
+# cores' (CPU_WORKGROUPS_PER_CORE = 4), 1000 gives every block all the key lanes its keys allow.
+BALANCES = {"one-key-lane": 0, "two-cores": 8, "most-key-lanes": 1000}
+
+
+@pytest.mark.parametrize("balance", sorted(BALANCES))
+@pytest.mark.parametrize(("rows", "start_pos"), SHORT_PREFILLS)
+def test_short_prefill_over_a_long_context_matches_reference(gpu, registry, rng, balance, rows, start_pos):
+    """Whatever key lanes the plan gives the blocks, and the shader the last workgroup's, each row sees exactly
+    its causal keys."""
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=560, max_rows=32)
+    case.op.balance_workgroups = BALANCES[balance]
+    case.check(case.run(registry, rows, start_pos), rows, start_pos)
+
+
+@pytest.mark.parametrize("balance", ["two-cores", "most-key-lanes"])
+@pytest.mark.parametrize("window", [5, 20, 61])
+def test_short_prefill_windows_cut_the_key_lanes_turns(gpu, registry, rng, balance, window):
+    """Windows shorter than, about and longer than a key lane's turn (STEP keys, a row's window starting in the
+    middle of one), over a context whose earliest keys no workgroup needs."""
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=560, max_rows=32, window=window)
+    case.op.balance_workgroups = BALANCES[balance]
+    for rows, start_pos in SHORT_PREFILLS:
+        case.check(case.run(registry, rows, start_pos), rows, start_pos)
+
+
+def test_short_prefills_take_more_key_lanes_and_verification_keeps_its_grid(gpu, registry, rng):
+    """Under the balance target a short prefill's grid grows by key lanes; decode and verification calls keep
+    one workgroup per kv head (their rope_mode "local" needs it), and a call too short for a turn per lane keeps
+    one key lane."""
+    case = Case(gpu, registry, rng, **SMOLLM2, max_seq=560, max_rows=32)
+    case.op.balance_workgroups = 8
+    key_lanes, _, _ = case.op.plan(23, 500)
+    grid = case.op.call(23, 500)[1]
+    assert key_lanes > 1 and grid[0] * grid[1] * grid[2] >= 8
+    for rows in (1, 5, 16):
+        assert case.op.call(rows, 500)[1][0] == 1
+    assert case.op.plan(23, 0)[0] * STEP <= 23
+
+
+# A 23-row token tree: rows past 16 take a rope dispatch and the short-prefill plan.
+LONG_TREE = [-1, 0, 0, 1, 1, 2, 5, 6, -1, 8, 9, 3, 11, 12, 4, 14, 15, 7, 17, -1, 19, 20]
+
+
+@pytest.mark.parametrize("balance", sorted(BALANCES))
+@pytest.mark.parametrize("start_pos", [0, 290])
+def test_a_long_tree_over_a_long_context_sees_its_ancestors(gpu, registry, rng, balance, start_pos):
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=320, max_rows=MAX_TREE_ROWS, mode="rope-dispatch")
+    case.op.balance_workgroups = BALANCES[balance]
+    case.run_and_check(registry, len(LONG_TREE) + 1, start_pos, parents=LONG_TREE)
+
+
 # -- token trees (tree=True) ---------------------------------------------------------------------------------
 TREES = {
     "chain": [-1, 0, 1, 2],
