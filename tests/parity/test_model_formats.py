@@ -171,9 +171,9 @@ def test_format_configs_keep_the_packages_formats_and_fit_the_heads(doppler_gpu_
 
 
 def test_doppler_f16_activations_give_nan_logits(lavapipe25, tiny_folder, tmp_path):
-    """Finding 9 (docs/parity-findings.md): the package's Gemma 3 f16-activation config, on the tiny model, writes
-    all-NaN logits at the prompt's prefill on lavapipe 25. Pinned here so that a doppler-gpu (or Mesa) that
-    changes it fails and the format gets compared instead."""
+    """Finding 9 (docs/parity-findings.md): the package's Gemma 3 f16-activation config writes all-NaN logits at
+    the prefill on lavapipe 25, from the missing barrier in rmsnorm_f16.wgsl's rmsnorm_small_f16. Pinned here so
+    that a doppler-gpu that fixes it fails this test and the format gets compared instead."""
     rdrr = doppler_model.convert(tiny_folder(GEMMA), tmp_path / "rdrr", fmt="q4k-af16")
     with pytest.raises(DopplerParityError, match=r"no finite candidate logits.*nan=128"):
         doppler_model.run_greedy(rdrr, PROMPT, 1)
