@@ -46,6 +46,8 @@ if [ "$mode" = test ]; then
   if [ -f tests/parity/package.json ]; then
     (cd tests/parity && npm ci --no-audit --no-fund --loglevel=error)
   fi
+  # Mesa 25's lavapipe beside the system's Mesa, for Dawn only: the JS original's f16 and Q4K paths need shader-f16
+  tools/mesa25.sh
 else
   "${pip[@]}" -e "."
 fi

@@ -52,7 +52,14 @@ process.on('uncaughtException', (error) => {
   process.exit(1);
 });
 
-const model = await load({ url: pathToFileURL(rdrrDir).href });
+// The KV cache is allocated from the runtime config's session, whose default kvDtype is f16 (src/config/schema/
+// kvcache.schema.js), not from the manifest's session: on an adapter with shader-f16 an f32 model's attention
+// steps then meet an f16 cache and its precision contract refuses them (docs/parity-findings.md, finding 8).
+// The manifest's own kvDtype goes in as the runtime's.
+const manifest = JSON.parse(readFileSync(`${rdrrDir}/manifest.json`, 'utf8'));
+const kvDtype = manifest.inference?.session?.kvcache?.kvDtype;
+const runtimeConfig = kvDtype ? { inference: { session: { kvcache: { kvDtype } } } } : undefined;
+const model = await load({ url: pathToFileURL(rdrrDir).href }, { runtimeConfig });
 endPhase('load');
 try {
   const ids = [...job.ids];

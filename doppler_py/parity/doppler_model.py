@@ -8,8 +8,10 @@ kernels that read them, digests from the package's `src/config/kernels/kernel-re
 comparison with HF transformers in float32 measures the engines, not rounding to f16.
 
 The package's loader finds WebGPU through the npm package `webgpu` (Dawn), fetched pinned like doppler-gpu.
-Dawn needs a Vulkan driver it accepts: Chrome's SwiftShader (Debian's `chromium` package ships its ICD), named
-by DOPPLER_DAWN_VK_ICD. Debian's Mesa 22.3 lavapipe is refused by Dawn ("shaderUniform*ArrayDynamicIndexing").
+Dawn needs a Vulkan driver it accepts (`dawn_driver`): Mesa 25's lavapipe where tools/mesa25.sh unpacked it
+(shader-f16, which the package's f16-activation and Q4K paths need), else Chrome's SwiftShader (Debian's
+`chromium` package ships its ICD; no shader-f16), or whatever DOPPLER_DAWN_VK_ICD names. Debian's Mesa 22.3
+lavapipe is refused by Dawn ("shaderUniform*ArrayDynamicIndexing").
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ WEBGPU = NpmPackage(
     "sha512-3L4GfmqJLvYUIEWJngEQY+2HQiUlAFkg8+P8NDDj3Xx5hHHIFO/r8JW+ynfqBj7kHN4mbnwO74uB+lrRtLhp4Q==",
 )
 SWIFTSHADER_ICD = Path(os.environ.get("DOPPLER_DAWN_VK_ICD", "/usr/lib/chromium/vk_swiftshader_icd.json"))
+# Mesa 25's lavapipe, unpacked beside the system's Mesa by tools/mesa25.sh: lvp_icd.json, and lib/ with the newer
+# libdrm it links (LD_LIBRARY_PATH for the Node process only). Dawn accepts it, with shader-f16.
+MESA25_DIR = Path(os.environ.get("DOPPLER_MESA25_DIR", Path.home() / ".cache/doppler-py/mesa25"))
+# "swiftshader": run on SwiftShader even where Mesa 25 is there (findings that depend on its 4-wide subgroups).
+DRIVER_CHOICE = "DOPPLER_DAWN_DRIVER"
 DRIVER = Path(__file__).with_name("doppler_model.mjs")
 CONVERT_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 600
@@ -50,6 +57,18 @@ TEMPLATES = {
     "gemma3_text": "gemma3/gemma-3-270m-it-f16-af32.json",
     "qwen3_5_text": "qwen3/qwen-3-5-9b-f16-af32.json",
     "gemma4_text": "gemma4/gemma-4-e2b-it-q4k-ehf16-af32.json",
+}
+# The package's production-format configs (Q4K weights; f16 embeddings and LM head; f16 KV cache; activations
+# f32 "af32" or f16 "af16") the formats lane starts from. Gemma 3 270m has both; the plain Qwen3 (and so LLaMA)
+# configs only af32. Under "q4k-af16" the package dequantizes the Q4K weights to f16 on load and runs its f16
+# kernels; under "q4k" (af32) its fused Q4K matmuls read the blocks as they are.
+FORMAT_TEMPLATES = {
+    "llama": {"q4k": "qwen3/qwen-3-reranker-0-6b-q4k-ehf16-af32.json"},
+    "qwen3": {"q4k": "qwen3/qwen-3-reranker-0-6b-q4k-ehf16-af32.json"},
+    "gemma3_text": {
+        "q4k": "gemma3/gemma-3-270m-it-q4k-ehf16-af32.json",
+        "q4k-af16": "gemma3/gemma-3-270m-it-q4k-ehf16-af16.json",
+    },
 }
 GEMMA_TYPES = ("gemma3_text",)
 # Qwen 3.5 text: Gated DeltaNet layers between gated full-attention layers, (1 + w) norms, partial RoPE.
@@ -78,6 +97,11 @@ F32_MATMUL = ("matmul_f32.wgsl", "main")
 F32_GATHER = ("gather.wgsl", "main")
 F32_DECODE_ATTENTION = ("attention_decode.wgsl", "attention_decode")
 F32_PREFILL_ATTENTION = ("attention_streaming.wgsl", "main")
+# The package's head-size-generic kernels for its head-size-specific f16-KV attention ones (file -> (file, entry)).
+F16KV_GENERIC_ATTENTION = {
+    "attention_head256_f16kv.wgsl": ("attention_streaming_f16kv.wgsl", "main"),
+    "attention_decode_online_head256_f16kv.wgsl": ("attention_decode_online_f16kv.wgsl", "main"),
+}
 
 
 class DopplerParityError(DopplerError):
@@ -92,6 +116,7 @@ class DopplerRun:
     logits: np.ndarray
     adapter: dict | None
     phases: list[tuple[str, float]]  # (name, wall seconds) of the driver's phases: import, load, prefill, decode<i>
+    driver: str  # the Vulkan driver Dawn ran on (DawnDriver.name)
 
 
 def kernel_digests(package: Path) -> dict[str, str]:
@@ -107,9 +132,17 @@ def _kernel(digests: dict[str, str], file: str, entry: str, **extra) -> dict:
     return {"kernel": file, "entry": entry, "digest": f"sha256:{digests[key]}", **extra}
 
 
-def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
-    """The doppler-gpu conversion config that runs the HF config `hf` in float32, as its own configs are laid out."""
+def conversion_config(hf: dict, package: Path, model_id: str, fmt: str = "f32") -> dict:
+    """The doppler-gpu conversion config that runs the HF config `hf` in format `fmt`, as its own configs are laid
+    out: "f32" (float32 end to end), or one of FORMAT_TEMPLATES' production formats (the package's own config
+    for the family and format, quantization, session and kernels kept, the inference fields set from `hf`)."""
     model_type = hf.get("model_type")
+    if fmt != "f32":
+        formats = FORMAT_TEMPLATES.get(model_type, {})
+        if fmt not in formats:
+            raise DopplerParityError(
+                f"format {fmt!r} for {model_type!r}: the lane runs {', '.join(sorted(formats)) or 'f32 only'}"
+            )
     if model_type not in TEMPLATES:
         raise DopplerParityError(
             f"model_type {model_type!r}: the doppler-gpu parity lane runs {', '.join(sorted(TEMPLATES))}"
@@ -124,13 +157,15 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
     rope = _rope_parameters(hf, model_type)
     if qwen3_5:
         _check_qwen3_5(hf)
-    config = json.loads((package / "src/config/conversion" / TEMPLATES[model_type]).read_text())
+    template = TEMPLATES[model_type] if fmt == "f32" else FORMAT_TEMPLATES[model_type][fmt]
+    config = json.loads((package / "src/config/conversion" / template).read_text())
     gemma = model_type in GEMMA_TYPES
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
     config["modelType"] = "transformer"
     config["output"] = {"baseDir": ".", "modelBaseId": model_id, "textOnly": True, "fast": False}
-    config["quantization"] = {"weights": "f32", "embeddings": "f32", "lmHead": "f32", "computePrecision": "f32"}
+    if fmt == "f32":
+        config["quantization"] = {"weights": "f32", "embeddings": "f32", "lmHead": "f32", "computePrecision": "f32"}
     config["manifest"] = {"eosTokenId": eos[0] if isinstance(eos, list) else eos}
     inference = config["inference"]
     for key in ("supportsRerank", "rerank"):
@@ -181,11 +216,28 @@ def conversion_config(hf: dict, package: Path, model_id: str) -> dict:
     )
     inference["chatTemplate"] = {"type": None, "enabled": False}  # the prompt goes in as token ids
     session = config["session"]
-    session["kvcache"]["kvDtype"] = "f32"
     session["kvcache"]["maxSeqLen"] = hf.get("max_position_embeddings", 2048)
     session["decodeLoop"]["batchSize"] = 1
-    _float32_kernels(config["execution"], kernel_digests(package))
+    if fmt == "f32":
+        session["kvcache"]["kvDtype"] = "f32"
+        _float32_kernels(config["execution"], kernel_digests(package))
+    else:
+        _fit_attention_to_head_dim(config["execution"], kernel_digests(package), head_dim)
     return config
+
+
+def _fit_attention_to_head_dim(execution: dict, digests: dict[str, str], head_dim: int) -> None:
+    """Point a production config's attention kernels written for one head size (Gemma 3 270m's head256 ones, which
+    read 256 columns per head) at the package's head-size-generic f16-KV kernels when this model's heads differ."""
+    kernels = execution["kernels"]
+    for key, kernel in kernels.items():
+        sized = re.search(r"_head(\d+)_", kernel["kernel"])
+        if sized and int(sized[1]) != head_dim:
+            generic = F16KV_GENERIC_ATTENTION.get(kernel["kernel"])
+            if generic is None:
+                raise DopplerParityError(f"{kernel['kernel']} reads heads of {sized[1]}; this model's are {head_dim}")
+            extra = {name: value for name, value in kernel.items() if name not in ("kernel", "entry", "digest")}
+            kernels[key] = _kernel(digests, *generic, **extra)
 
 
 def _gemma4_config(hf: dict, package: Path, model_id: str) -> dict:
@@ -431,12 +483,19 @@ def _run(
     return lines
 
 
-def convert(model_dir: Path, out_dir: Path, package: Path | None = None, *, timeout: float = CONVERT_TIMEOUT_S) -> Path:
-    """Convert the HF folder into RDRR with doppler-gpu's converter within `timeout` seconds; returns `out_dir`
-    (manifest.json inside)."""
+def convert(
+    model_dir: Path,
+    out_dir: Path,
+    package: Path | None = None,
+    *,
+    timeout: float = CONVERT_TIMEOUT_S,
+    fmt: str = "f32",
+) -> Path:
+    """Convert the HF folder into RDRR in format `fmt` (see `conversion_config`) with doppler-gpu's converter
+    within `timeout` seconds; returns `out_dir` (manifest.json inside)."""
     package = package or fetch_package(DOPPLER_GPU)
     hf = json.loads((model_dir / "config.json").read_text())
-    config = conversion_config(hf, package, model_id=model_dir.name.lower())
+    config = conversion_config(hf, package, model_id=model_dir.name.lower(), fmt=fmt)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "conversion.json"
     config_path.write_text(json.dumps(config, indent=1))
@@ -449,15 +508,42 @@ def convert(model_dir: Path, out_dir: Path, package: Path | None = None, *, time
     return out_dir
 
 
-def node_environment() -> dict[str, str]:
-    """The environment under which the package's loader finds Dawn on SwiftShader."""
+@dataclass(frozen=True)
+class DawnDriver:
+    """The Vulkan driver Dawn runs the JS original on: its ICD json, and a library folder it needs first on
+    LD_LIBRARY_PATH (None: the system's)."""
+
+    name: str  # "lavapipe 25" or "swiftshader" (or "DOPPLER_DAWN_VK_ICD" when named there)
+    icd: Path
+    library_dir: Path | None
+
+
+def dawn_driver() -> DawnDriver:
+    """DOPPLER_DAWN_VK_ICD when set; else Mesa 25's lavapipe when tools/mesa25.sh unpacked it (shader-f16, ~10x
+    faster than SwiftShader) unless DOPPLER_DAWN_DRIVER=swiftshader; else Chrome's SwiftShader ICD."""
+    if "DOPPLER_DAWN_VK_ICD" in os.environ:
+        return DawnDriver("DOPPLER_DAWN_VK_ICD", SWIFTSHADER_ICD, None)
+    mesa25 = MESA25_DIR / "lvp_icd.json"
+    if mesa25.is_file() and os.environ.get(DRIVER_CHOICE) != "swiftshader":
+        return DawnDriver("lavapipe 25", mesa25, MESA25_DIR / "lib")
     if not SWIFTSHADER_ICD.is_file():
         raise DopplerParityError(
-            f"no Vulkan driver Dawn accepts: Chrome's SwiftShader ICD {SWIFTSHADER_ICD} is missing "
-            "(install Debian's chromium, or name another ICD in DOPPLER_DAWN_VK_ICD)"
+            f"no Vulkan driver Dawn accepts: neither Mesa 25's lavapipe ({mesa25}; tools/mesa25.sh unpacks it) nor "
+            f"Chrome's SwiftShader ICD {SWIFTSHADER_ICD} is there (install Debian's chromium, or name another ICD "
+            "in DOPPLER_DAWN_VK_ICD)"
         )
+    return DawnDriver("swiftshader", SWIFTSHADER_ICD, None)
+
+
+def node_environment(driver: DawnDriver | None = None) -> dict[str, str]:
+    """The environment under which the package's loader finds Dawn on `driver` (default: `dawn_driver()`)."""
+    driver = driver or dawn_driver()
+    if not driver.icd.is_file():
+        raise DopplerParityError(f"no Vulkan driver Dawn accepts: the ICD {driver.icd} ({driver.name}) is missing")
     env = dict(os.environ)
-    env["VK_ICD_FILENAMES"] = str(SWIFTSHADER_ICD)
+    env["VK_ICD_FILENAMES"] = env["VK_DRIVER_FILES"] = str(driver.icd)
+    if driver.library_dir is not None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(driver.library_dir), env.get("LD_LIBRARY_PATH")]))
     env["DOPPLER_NODE_WEBGPU_MODULE"] = str(fetch_package(WEBGPU))
     env.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # Dawn's Vulkan loader complains without one
     return env
@@ -475,7 +561,8 @@ def run_greedy(
     """Greedy generation of `steps` tokens after `prompt_ids` in the JS original, with each step's logits, all
     within `timeout` seconds (Node's start, the model's load and every step); `log` gets each phase line."""
     package = package or fetch_package(DOPPLER_GPU)
-    env = node_environment()
+    driver = dawn_driver()
+    env = node_environment(driver)
     with tempfile.TemporaryDirectory(prefix="doppler-run-") as scratch:
         job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
         job.write_text(json.dumps({"ids": list(prompt_ids), "steps": steps}))
@@ -488,4 +575,5 @@ def run_greedy(
         logits=np.stack(rows),
         adapter=result["adapter"],
         phases=_phases(lines),
+        driver=driver.name,
     )

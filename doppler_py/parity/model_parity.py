@@ -56,6 +56,7 @@ class ParityReport:
     missing: dict[str, str] = field(default_factory=dict)  # engine -> why it did not run
     # phase -> wall seconds: "ours", "hf", "doppler convert" and the Node driver's phases ("doppler load", ...)
     timings: dict[str, float] = field(default_factory=dict)
+    dawn_driver: str | None = None  # the Vulkan driver doppler-gpu ran on (doppler_model.DawnDriver.name)
 
     def record(self) -> dict:
         """Tokens and per-step deltas as plain JSON values."""
@@ -68,13 +69,15 @@ class ParityReport:
             },
             "missing": self.missing,
             "timings": self.timings,
+            "dawn_driver": self.dawn_driver,
         }
 
     def agrees(self, atol: float) -> bool:
         return not self.missing and all(p.first_divergence is None and p.max_delta <= atol for p in self.pairs)
 
 
-def our_greedy(folder: Path, prompt_ids: list[int], steps: int) -> EngineRun:
+def our_greedy(folder: Path, prompt_ids: list[int], steps: int, precision: str = "f32") -> EngineRun:
+    """Our engine's greedy steps with the weights loaded in `precision` (see loader.load_weights)."""
     from doppler_py.gpu.device import default_gpu
     from doppler_py.gpu.kernels import KernelRegistry
     from doppler_py.model.loader import load_weights
@@ -82,7 +85,7 @@ def our_greedy(folder: Path, prompt_ids: list[int], steps: int) -> EngineRun:
 
     gpu = default_gpu()
     registry = KernelRegistry(gpu)
-    weights = load_weights(folder, gpu, "f32")
+    weights = load_weights(folder, gpu, precision)
     model = Transformer(weights, registry, max_positions=len(prompt_ids) + steps)
     try:
         cache = model.new_cache(len(prompt_ids) + steps)
@@ -158,6 +161,7 @@ def run_parity(
         doppler = doppler_model.run_greedy(converted, prompt_ids, steps, timeout=run_limit, log=say)
     report.timings.update((f"doppler {name}", seconds) for name, seconds in doppler.phases)
     report.runs["doppler"] = EngineRun(doppler.tokens, doppler.logits, doppler.tokens)
+    report.dawn_driver = doppler.driver
     if with_hf:
         start = time.perf_counter()
         try:
@@ -176,6 +180,8 @@ def run_parity(
 def format_report(report: ParityReport, atol: float = DEFAULT_ATOL) -> str:
     names = [name for name in ENGINES if name in report.runs]
     lines = [f"model: {report.model}", f"prompt ids ({len(report.prompt_ids)}): {report.prompt_ids}"]
+    if report.dawn_driver is not None:
+        lines.append(f"doppler-gpu ran on Dawn over {report.dawn_driver}")
     for engine, why in report.missing.items():
         lines.append(f"{engine}: not run: {why}")
     header = f"{'step':>4}  " + "  ".join(f"{n:>7}" for n in names)

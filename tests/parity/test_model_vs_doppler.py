@@ -76,6 +76,16 @@ def doppler_ready(node_executable, doppler_gpu_dir):
     return doppler_gpu_dir
 
 
+@pytest.fixture
+def on_swiftshader(doppler_ready, monkeypatch):
+    """doppler-gpu on SwiftShader even where Mesa 25's lavapipe is there: for the findings whose numpy models
+    depend on SwiftShader's 4-wide subgroups (findings 5 and 6)."""
+    if not doppler_model.SWIFTSHADER_ICD.is_file():
+        skip_unless_ci(f"Chrome's SwiftShader ICD {doppler_model.SWIFTSHADER_ICD} is missing (Debian's chromium)")
+    monkeypatch.setenv(doppler_model.DRIVER_CHOICE, "swiftshader")
+    return doppler_ready
+
+
 def test_conversion_config_runs_the_hf_config_in_float32(doppler_gpu_dir):
     config = conversion_config(config_dict(GEMMA), doppler_gpu_dir, "tiny-gemma3")
     inference = config["inference"]
@@ -361,7 +371,7 @@ def doppler_qwen3_5_logits(monkeypatch, folder, ids: list[int], prompt_len: int,
 
 @pytest.mark.parametrize("prompt_len", [1, 3])
 def test_qwen3_5_wider_value_heads_are_the_diagnosed_doppler_behaviour(
-    doppler_ready, tiny_folder, monkeypatch, prompt_len
+    on_swiftshader, tiny_folder, monkeypatch, prompt_len
 ):
     """Ours matches HF; the JS original matches the numpy model of its recurrent kernel's reduction race (and
     without the race that model is HF's forward), over positions 0..3. From the fifth position its exploding
@@ -377,7 +387,7 @@ def test_qwen3_5_wider_value_heads_are_the_diagnosed_doppler_behaviour(
     assert np.abs(doppler.logits - plain[prompt_len - 1 :]).max() > 100 * DEFAULT_ATOL
 
 
-def test_qwen3_5_race_overflows_doppler_state_on_a_long_prompt(doppler_ready, tiny_folder, monkeypatch, tmp_path):
+def test_qwen3_5_race_overflows_doppler_state_on_a_long_prompt(on_swiftshader, tiny_folder, monkeypatch, tmp_path):
     model = tiny_folder(QWEN3_5_WIDE_VALUES)
     _, raced_peak = doppler_qwen3_5_logits(monkeypatch, model, LONG_PROMPT, len(LONG_PROMPT), race=True)
     _, plain_peak = doppler_qwen3_5_logits(monkeypatch, model, LONG_PROMPT, len(LONG_PROMPT), race=False)
@@ -457,7 +467,7 @@ def test_doppler_rmsnorm_sum_of_squares(width, expected):
 
 
 @pytest.mark.parametrize("hidden", [128, 256])
-def test_llama_wider_than_124_is_the_diagnosed_rmsnorm_behaviour(doppler_ready, tiny_folder, monkeypatch, hidden):
+def test_llama_wider_than_124_is_the_diagnosed_rmsnorm_behaviour(on_swiftshader, tiny_folder, monkeypatch, hidden):
     """Hidden 128 and 256 (heads of 32 and 64): ours matches HF; the JS original matches HF with its RMSNorm's
     sum of squares (finding 6), and not HF itself. 128 loses its last 4 squares; 256 also counts its last
     subgroup's 33 times."""
@@ -468,9 +478,21 @@ def test_llama_wider_than_124_is_the_diagnosed_rmsnorm_behaviour(doppler_ready, 
     assert np.abs(doppler.logits - hf_logits(folder, path)[steps]).max() > 100 * DEFAULT_ATOL
 
 
+@pytest.mark.parametrize("hidden", [128, 256])
+def test_llama_wider_than_124_agrees_on_lavapipe_25(doppler_ready, tiny_folder, hidden):
+    """Finding 6 is SwiftShader's: lavapipe's subgroups are wide enough for the 256 invocations to fit the 32
+    slots, and the JS original agrees with HF."""
+    if doppler_model.dawn_driver().name != "lavapipe 25":
+        skip_unless_ci("Mesa 25's lavapipe is not unpacked (tools/mesa25.sh)")
+    folder = tiny_folder(dataclasses.replace(TINY_SPECS["llama-tied-gqa"], hidden_size=hidden, seed=11))
+    report = run_parity(folder, PROMPT, 3)
+    assert report.dawn_driver == "lavapipe 25"
+    assert report.agrees(DEFAULT_ATOL), [(p.pair, p.max_delta, p.first_divergence) for p in report.pairs]
+
+
 @pytest.mark.slow
 @pytest.mark.realmodel
-def test_smollm2_in_all_three_engines(doppler_ready, smollm2_gguf, monkeypatch, capsys):
+def test_smollm2_in_all_three_engines(on_swiftshader, smollm2_gguf, monkeypatch, capsys):
     """SmolLM2-135M (f32) through the CLI, one step (the prompt's prefill; ~40-90 s of doppler-gpu on two
     SwiftShader cores): ours agrees with HF, the JS original matches finding 6's RMSNorm (30 layers of float32
     put it within 1e-3 of that model, measured 1e-4) and differs from HF by tens. Opt-in: set
