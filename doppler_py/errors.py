@@ -56,8 +56,9 @@ class UnsupportedModelError(DopplerError):
     """The model uses an architecture, dtype or quantisation type this engine does not implement."""
 
     advice = (
-        "doppler-py runs LLaMA-family models (LLaMA, SmolLM, Mistral, Qwen2) with f32/f16/bf16 weights or "
-        "Q4_0/Q4_1/Q8_0 blocks: use such a model, or convert this one to a supported format"
+        "doppler-py runs LLaMA, SmolLM, Mistral, Qwen2, Qwen3, Qwen 3.5 (text), Gemma 2, Gemma 3 and Gemma 4 (text) "
+        "with f32/f16/bf16 weights or Q4_0/Q4_1/Q8_0 blocks: use such a model, or convert this one to a supported "
+        "format"
     )
 
 
