@@ -282,6 +282,15 @@ def test_chains_ended_by_confidence_keep_the_target_joint_distribution(models, h
     check_two_token_joint(models["target"], Gated(models["target"], head), new_tokens=4, k=3)
 
 
+@pytest.mark.slow
+def test_sampled_eagle_over_a_recurrent_state_keeps_the_target_joint_distribution(head_targets, heads):
+    """On Qwen 3.5 the head's GPU-sampled drafts are verified over a recurrent state that must forget the rows
+    verification rejected, and the head drafts on from the kept rows' features: the joint is still the target's."""
+    target = head_targets("qwen3_5")
+    _, head = heads("eagle-1", "qwen3_5")
+    check_two_token_joint(target, EagleDrafter(target, head), new_tokens=3, k=2)
+
+
 def test_sampled_drafts_follow_the_rows_they_report(models, head, monkeypatch):
     drafter = EagleDrafter(models["target"], head)
     assert check_drafts_follow_their_reported_rows(models["target"], drafter, monkeypatch)["sampled"] > 0
