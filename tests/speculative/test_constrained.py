@@ -128,7 +128,17 @@ def merging_tokenizer(tmp_path_factory):
 def test_the_rest_of_the_forced_bytes_is_drafted_as_its_likely_spelling(models, merging_tokenizer, monkeypatch):
     """Each word opens with a forced "a" that the model may write as "a" or inside "ab": the step drafts "a" (not
     forced, `Proposal.spelled`) with lookup's continuation behind it, and the output is still the masked reference's
-    whichever spelling the model takes."""
+    whichever spelling the model takes. Lookup proposes nothing of its own here, so every step it is told of was
+    the grammar's: it must hear of none as its drafts accepted (a drafter with state would run ahead)."""
+
+    class ContinueOnly(PromptLookupDrafter):
+        def propose(self, ctx: StepContext, k: int) -> Proposal:
+            return Proposal(0)
+
+        def commit(self, ctx: StepContext, accepted: int) -> None:
+            commits.append(accepted)
+
+    commits: list[int] = []
     pattern = r"(a[bcd] ){3,5}!"
     tokenizer, target = merging_tokenizer, models["target"]
     prompt = tokenizer.encode("ab ac ad ac ab !", add_special_tokens=False)
@@ -136,7 +146,7 @@ def test_the_rest_of_the_forced_bytes_is_drafted_as_its_likely_spelling(models, 
     spelled_a = grammar()
     assert spelled_a.forced_tokens() == [] and spelled_a.forced_spelling() == tokenizer.encode("a")
     expected = reference_decode(target, prompt, 16, GREEDY, stop_ids=[EOS], grammar=grammar())
-    engine = SpeculativeEngine(target, PromptLookupDrafter(min_ngram=1))
+    engine = SpeculativeEngine(target, ContinueOnly(min_ngram=1))
     proposals = []
     make = engine._forced_proposal
     monkeypatch.setattr(engine, "_forced_proposal", lambda *args: proposals.append(make(*args)) or proposals[-1])
@@ -145,6 +155,7 @@ def test_the_rest_of_the_forced_bytes_is_drafted_as_its_likely_spelling(models, 
     assert result.tokens == expected
     spellings = [p for p in proposals if p.forced == 0 and p.spelled >= 1]
     assert spellings and any(p.count > p.spelled for p in spellings)  # lookup continued a spelling in one step
+    assert commits and set(commits) == {0}
 
 
 def test_drafts_the_grammar_refuses_are_cut_before_verification(models, tokenizer):
