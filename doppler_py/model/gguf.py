@@ -304,7 +304,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """The Hugging Face config.json contents this GGUF's metadata describes."""
     arch = _architecture(gguf)
     meta = _Metadata(gguf)
-    if meta.arch in families.LAYER_NAMES:
+    if meta.arch in families.FAMILIES:
         return _family_config(meta, arch)
     if "rope_freqs.weight" in gguf.tensors:
         raise UnsupportedModelError(
@@ -378,9 +378,7 @@ def _family_config(meta: _Metadata, arch: _GGUFArchitecture) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"{gguf.path}: {meta.arch}.rope.scaling.type = {meta.model('rope.scaling.type')!r} is not supported"
         )
-    if meta.arch == "qwen35":
-        return families.qwen35_config(meta, base)
-    return families.gemma4_config(meta, base)
+    return families.FAMILIES[meta.arch].config(meta, base)
 
 
 def _mtp_layers(meta: _Metadata) -> int:
@@ -481,10 +479,11 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     counterpart."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
-    if architecture in families.LAYER_NAMES:
+    family = families.FAMILIES.get(architecture)
+    if family:
         match = _FAMILY_LAYER_TENSOR_NAME.fullmatch(gguf_name)
-        part = match and families.LAYER_NAMES[architecture].get(match[2])
-        return f"model.layers.{match[1]}.{part}" if part else families.GLOBAL_NAMES[architecture].get(gguf_name)
+        part = match and family.layer_names.get(match[2])
+        return f"model.layers.{match[1]}.{part}" if part else family.global_names.get(gguf_name)
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
     part = match and _layer_tensors(_ARCHITECTURES[architecture]).get(match[2])
     return f"model.layers.{match[1]}.{part}.{match[3]}" if part else None
@@ -496,12 +495,12 @@ def _expected_tensors(config: ModelConfig, arch: _GGUFArchitecture, architecture
     yield from ("token_embd.weight", "output_norm.weight")
     if not config.tie_word_embeddings:
         yield "output.weight"
-    if config.hidden_size_per_layer_input:
-        yield from families.GLOBAL_NAMES["gemma4"]
-    family = {"qwen35": families.qwen35_expected, "gemma4": families.gemma4_expected}.get(architecture)
+    family = families.FAMILIES.get(architecture)
+    if family:
+        yield from family.expected_global(config)
     for layer in range(config.num_hidden_layers):
         if family:
-            yield from (f"blk.{layer}.{part}" for part in family(config, layer))
+            yield from (f"blk.{layer}.{part}" for part in family.expected_layer(config, layer))
             continue
         yield from (f"blk.{layer}.{part}.weight" for part in _layer_tensors(arch))
         if arch.has_qkv_bias:
@@ -543,12 +542,12 @@ def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights:
         if name not in gguf.tensors:
             raise ModelFormatError(f"{gguf.path}: tensor {name!r} is missing")
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    family = architecture in families.LAYER_NAMES
+    family = families.FAMILIES.get(architecture)
     mtp_layers = _mtp_layers(_Metadata(gguf)) if family else 0
     plan = []
     for tensor in gguf.tensors.values():
-        if architecture == "gemma4" and tensor.name == families.GEMMA4_ROPE_FREQS:
-            continue  # read into the config's proportional RoPE
+        if family and tensor.name in family.config_tensors:
+            continue  # read into the config (Gemma 4's proportional RoPE)
         block = _BLOCK_INDEX.match(tensor.name)
         if block and 0 <= int(block[1]) - config.num_hidden_layers < mtp_layers:
             continue  # a multi-token-prediction layer (_mtp_layers), its nextn.* tensors included
@@ -566,14 +565,11 @@ def _plan(gguf: GGUFFile, config: ModelConfig, arch: _GGUFArchitecture, weights:
                 f"{gguf.path}: tensor {tensor.name!r} has {tensor.shape[0]} rows, expected "
                 f"{heads} heads x head_dim {config.head_dim}"
             )
-        if architecture == "qwen35" and match:
-            restore = families.qwen35_restore(match[2], tensor, config, gguf.path)
-        else:
-            restore = _NO_RESTORE
+        restore = family.restore(match[2], tensor, config, gguf.path) if family and match else _NO_RESTORE
         planned = _plan_tensor(name, tensor, weights, heads, restore)
-        # Gemma 2/3 and Qwen 3.5 scale by 1 + w, which llama.cpp stores; Qwen 3.5's gated norm scales by w.
-        shifted = arch.gemma or architecture == "qwen35"
-        if shifted and tensor.name.endswith("norm.weight") and not tensor.name.endswith("ssm_norm.weight"):
+        # Gemma 2/3 (and a family that says so) scale by 1 + w, which llama.cpp stores.
+        one_plus = family.one_plus(tensor.name) if family else arch.gemma and tensor.name.endswith("norm.weight")
+        if one_plus:
             planned = dataclasses.replace(planned, shift=-1.0)
         plan.append(planned)
     return plan
@@ -879,7 +875,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, weights: str = "f16
     config_data["torch_dtype"] = {"f32": "float32", "f16": "float16"}.get(weights)
     config = ModelConfig.from_dict(config_data, source=f"{gguf_path} (metadata)")
     rotary_dims = gguf.metadata.get(f"{gguf.metadata['general.architecture']}.rope.dimension_count", config.head_dim)
-    if rotary_dims != config.head_dim and gguf.metadata["general.architecture"] not in families.LAYER_NAMES:
+    if rotary_dims != config.head_dim and gguf.metadata["general.architecture"] not in families.FAMILIES:
         raise UnsupportedModelError(
             f"{gguf_path}: rotary embedding on {rotary_dims} of {config.head_dim} head dimensions is not supported"
         )

@@ -81,14 +81,10 @@ GEMMA4_LAYER = {
     **_FFN,
     **GEMMA4_PER_LAYER_INPUT,
 }
-LAYER_NAMES = {"qwen35": QWEN35_SHARED | _ATTENTION | QWEN35_LINEAR, "gemma4": GEMMA4_LAYER}
-GLOBAL_NAMES = {
-    "qwen35": {},
-    "gemma4": {
-        "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
-        "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
-        "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
-    },
+GEMMA4_GLOBAL = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 LLAMA_CPP_ROPE_BASE = 10_000.0  # llama.cpp's loader: rope.freq_base when missing (freq_base_swa: freq_base)
 GEMMA4_ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a tensor of the folder
@@ -220,6 +216,11 @@ def qwen35_restore(part: str, tensor: GGUFTensor, config: ModelConfig, path: Any
 def qwen35_expected(config: ModelConfig, layer: int) -> list[str]:
     linear = config.is_linear(layer)
     return [*QWEN35_SHARED, *(QWEN35_LINEAR if linear else _ATTENTION)]
+
+
+def qwen35_one_plus(name: str) -> bool:
+    """Every norm weight but the gated one is stored as 1 + w."""
+    return name.endswith("norm.weight") and not name.endswith("ssm_norm.weight")
 
 
 # --- Gemma 4 --------------------------------------------------------------------------------------------------
@@ -358,3 +359,43 @@ def gemma4_expected(config: ModelConfig, layer: int) -> list[str]:
     elif config.attention_k_eq_v and config.layer_types[layer] == "full_attention":
         names.remove("attn_v.weight")
     return names
+
+
+# --- the families, as gguf.py reads them ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """What gguf.py needs of a family whose layers are not all alike, beyond the reading every architecture shares."""
+
+    layer_names: dict[str, str]  # "blk.N." names -> names after "model.layers.N."
+    global_names: dict[str, str]  # its own names outside the layers -> HF names
+    config: Callable[[_Metadata, dict[str, Any]], dict[str, Any]]  # config.json from the metadata and shared fields
+    expected_layer: Callable[[ModelConfig, int], list[str]]  # the names layer N must have (after "blk.N.")
+    expected_global: Callable[[ModelConfig], list[str]]  # its own global tensors the config calls for
+    restore: Callable[[str, GGUFTensor, ModelConfig, Any], Restore]  # per layer tensor (name after "blk.N.")
+    one_plus: Callable[[str], bool]  # a tensor stored as 1 + w (gguf.py subtracts the 1)
+    config_tensors: tuple[str, ...] = ()  # tensors read into the config, not written to the folder
+
+
+FAMILIES = {
+    "qwen35": Family(
+        QWEN35_SHARED | _ATTENTION | QWEN35_LINEAR,
+        {},
+        qwen35_config,
+        qwen35_expected,
+        lambda config: [],
+        qwen35_restore,
+        qwen35_one_plus,
+    ),
+    "gemma4": Family(
+        GEMMA4_LAYER,
+        GEMMA4_GLOBAL,
+        gemma4_config,
+        gemma4_expected,
+        lambda config: list(GEMMA4_GLOBAL) if config.hidden_size_per_layer_input else [],
+        lambda part, tensor, config, path: Restore(),
+        lambda name: False,  # Gemma 4 scales by w
+        (GEMMA4_ROPE_FREQS,),
+    ),
+}
