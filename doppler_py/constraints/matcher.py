@@ -180,10 +180,14 @@ class GrammarMatcher:
         with free ones into a longer token (after `"name":` the forced ` "` may open ` "Dan`). They are drafts to
         verify, not forced tokens; `forced_tokens()` alone where the spelling does not start with them.
         """
+        return self.forced_run()[0]
+
+    def forced_run(self) -> tuple[list[int], int]:
+        """`forced_spelling()` and how many of its leading tokens are forced (`forced_tokens()`), in one pass."""
         forced = self.forced_tokens()
         spelled = list(self._tokenizer.tokenize_bytes(bytes(self._matcher.compute_ff_bytes())))
         self._raise_if_error()
-        return spelled if spelled[: len(forced)] == forced else forced
+        return (spelled if spelled[: len(forced)] == forced else forced), len(forced)
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next, whatever the model says (e.g. `{"name": "` after a schema's start).

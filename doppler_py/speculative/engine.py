@@ -293,8 +293,9 @@ class SpeculativeEngine:
                 if self.speculative:
                     speculate = self._ready(ctx, produced == 0) if self.batch is None else self.usable_rows >= 2
                     k_step = self.policy.next_k(remaining) if speculate else 0
-                    if speculate and grammar is not None and (spelled := grammar.forced_spelling()):
-                        proposal = self._forced_proposal(ctx, spelled, len(grammar.forced_tokens()), k_step, remaining)
+                    spelled, forced = grammar.forced_run() if speculate and grammar is not None else ([], 0)
+                    if spelled:
+                        proposal = self._forced_proposal(ctx, spelled, forced, k_step, remaining)
                         k_step = proposal.count
                     if not batching or k_step:
                         plain_steps = 1
