@@ -15,8 +15,8 @@
 // When a workgroup has fewer blocks than groups, `key_lanes` groups share a block and take turns of STEP
 // keys ("key lanes"); their states are merged in workgroup memory at the end. The last workgroup of a call
 // may hold fewer blocks than the others; it doubles its key lanes (from Params.key_lanes) while its blocks
-// still fit and each lane still gets a step of keys, so its spare groups share the work. Long contexts can also be
-// split across workgroups (grid z, split_len keys each): each split then writes unnormalised partials that
+// still fit and each lane still gets a step of keys, so its spare groups share the work. Long contexts can
+// also be split across workgroups (grid z, split_len keys each): each split then writes unnormalised partials that
 // attention_reduce.wgsl combines (flash-decoding); with n_splits == 1 the result goes straight to `out`.
 //
 // RoPE inside (FUSED_ROPE and rope == 1, decode and verification): q holds the model's [q | k | v]
@@ -58,7 +58,8 @@
 //           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope 1, 2, 3),
 //           8 tree (read) [rows] of (depth, ancestor mask) per row (ops/tree.py; read when tree == 1).
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
-//         64 / (HEAD_DIM / 16); the last workgroup may use more, as above); split_len (keys per split); n_splits; q_stride (row stride of q in vec4s);
+//         64 / (HEAD_DIM / 16); the last workgroup may use more, as above); split_len (keys per split);
+//         n_splits; q_stride (row stride of q in vec4s);
 //         window (keys a query sees, itself included; 0 = all); scale (1 / sqrt(HEAD_DIM) for LLaMA);
 //         rope (1: RoPE and the cache write inside, as above; 2: the same before the key loop, one workgroup
 //         per kv head; 3: q rotated as loaded, the caches only read (KV-shared layers); 0: q rotated and the
@@ -68,8 +69,8 @@
 //         row0 (the call's row r is row row0 + r of q and of out, so several sequences' rows, each with its own
 //         cache and call, share one q and one out buffer; positions, cache slots, the tree layout and the
 //         partials stay indexed by r).
-// Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE (compile the rope == 1 path; rope == 2
-//            is always compiled).
+// Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE
+//            (compile the rope == 1 path; rope == 2 is always compiled).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
 // Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
