@@ -48,15 +48,27 @@
 // slot start_pos + r, and a tree key's RoPE and window position is start_pos + its row's depth. Chains
 // (tree == 0) are the special case depth(r) = r, every earlier row an ancestor.
 //
+// Several sequences in one dispatch (PAGED, ops/attention.py BatchedAttention): grid (1, n_kv_heads, segments),
+// ONE workgroup per (kv head, segment) holding all of its segment's blocks (no key splits). Segment s is
+// described by words [8s, 8s + 8) of `words`: row0, rows, start_pos (as the Params fields of a solo call),
+// tree_at (CHAIN for a chain, else the word of its row 0's (depth, ancestor mask) pair), table_at (the word of
+// its block table), 0, 0, 0. k_cache / v_cache are pools shared by all sequences: the segment's cache slot j
+// lives at pool position words[table_at + j / block] * block + j % block, for every read and for the rope == 2
+// write. A header is read at an index from workgroup_id.z, so its values are uniform (barriers). rope is 2 (each
+// workgroup writes its segment's new keys and values to its blocks, then attends) or 3 (read only); window and
+// softcap hold for every segment; key_lanes is 1 and each workgroup grows its own from its segment's blocks.
+//
 // Bindings: 0 params (uniform Params), 1 q (read) [row0 + rows, q_stride * 4], query heads in the first
 //           n_heads * HEAD_DIM floats of each row (RoPE applied when rope == 0; the model's fused
 //           [q | k | v] rows, which rope 1 and 2 require; rope 3: only the query heads, not rotated),
-//           2 k_cache and 3 v_cache (read_write; written only when rope is 1 or 2) [max_seq, n_kv_heads, HEAD_DIM],
+//           2 k_cache and 3 v_cache (read_write; written only when rope is 1 or 2) [max_seq, n_kv_heads, HEAD_DIM]
+//           (PAGED: the pools [pool_positions, n_kv_heads, HEAD_DIM]),
 //           4 out (read_write) [row0 + rows, n_heads * HEAD_DIM],
 //           5 part_acc (read_write) [n_splits, rows, n_heads, HEAD_DIM] unnormalised sums of p * v,
 //           6 part_stats (read_write) [n_splits, rows, n_heads] (running max, sum of p) of each split,
 //           7 cos_sin (read) [positions, HEAD_DIM / 2] of (cos, sin) pairs (ops/rope.py's table; rope 1, 2, 3),
-//           8 tree (read) [rows] of (depth, ancestor mask) per row (ops/tree.py; read when tree == 1).
+//           8 words (read) u32: a tree's (depth, ancestor mask) per row, words 2r and 2r + 1 (ops/tree.py; read
+//           when tree == 1); PAGED: the segments' headers, tree layouts and block tables (as above).
 // Params: rows; start_pos (position of row 0); n_heads; n_kv_heads; key_lanes (a power of two, at most
 //         64 / (HEAD_DIM / 16); the last workgroup may use more, as above); split_len (keys per split);
 //         n_splits; q_stride (row stride of q in vec4s);
@@ -65,14 +77,18 @@
 //         per kv head; 3: q rotated as loaded, the caches only read (KV-shared layers); 0: q rotated and the
 //         caches written before);
 //         softcap (Gemma 2: scores become softcap * tanh(score / softcap); 0 = not capped);
-//         tree (1: the rows are a token tree laid out in `tree`, as above; 0: consecutive positions);
+//         tree (1: the rows are a token tree laid out in `words`, as above; 0: consecutive positions);
 //         row0 (the call's row r is row row0 + r of q and of out, so several sequences' rows, each with its own
 //         cache and call, share one q and one out buffer; positions, cache slots, the tree layout and the
-//         partials stay indexed by r).
+//         partials stay indexed by r);
+//         block (PAGED: positions per pool block, a power of two).
+//         PAGED reads rows, start_pos, tree and row0 from each segment's header instead, and needs n_splits 1
+//         and a split_len above every context.
 // Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE
-//            (compile the rope == 1 path; rope == 2 is always compiled).
+//            (compile the rope == 1 path; rope == 2 is always compiled); PAGED (several segments, as above).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
+//           PAGED: x = 1, y = n_kv_heads, z = segments, each segment's blocks at most 64 / (HEAD_DIM / 16).
 // Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
 // with rope == 1, those at or beyond start_pos.
 
@@ -91,6 +107,7 @@ struct Params {
   softcap: f32,
   tree: u32,
   row0: u32,
+  block: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -101,16 +118,19 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> part_acc: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> part_stats: array<vec2<f32>>;
 @group(0) @binding(7) var<storage, read> cos_sin: array<vec4<f32>>;
-@group(0) @binding(8) var<storage, read> tree: array<vec2<u32>>;
+@group(0) @binding(8) var<storage, read> words: array<u32>;
 
 override HEAD_DIM: u32 = 64u;
 override FUSED_ROPE: bool = false;
+override PAGED: bool = false;
 
 const LANES: u32 = 64u;
 const STEP: u32 = 8u;  // keys a group scores between two barriers
 const STATE: u32 = 18u;  // vec4s of one lane's softmax state: 4 accumulator matrices, m, l
 // Masks a score: real scores are far above it, and exp(NEG - m) is 0 without overflowing.
 const NEG: f32 = -3.0e38;
+const CHAIN: u32 = 0xFFFFFFFFu;  // Segment.tree_at of a chain
+const HEADER_WORDS: u32 = 8u;  // layout words of a PAGED segment's header
 
 // Partial scores [LANES][STEP] during the key loop; at the end, the states of half the lanes being merged.
 var<workgroup> exchange: array<vec4<f32>, 576>;
@@ -156,10 +176,49 @@ fn rotated(head: u32, c: u32, pos: u32) -> vec4<f32> {
   return x * cosines + q[head + pair] * sines;
 }
 
+// The rows a workgroup serves and where their keys live: the call's (Params) or, with PAGED, its segment's
+// (the layout header at word HEADER_WORDS * segment). tree_at: word of row 0's (depth, ancestor mask) in
+// `words`, CHAIN for consecutive positions; table_at: word of the block table (PAGED).
+struct Segment {
+  row0: u32,
+  rows: u32,
+  start_pos: u32,
+  tree_at: u32,
+  table_at: u32,
+}
+
+// Loaded from a read-only buffer at an index from workgroup_id, so uniform over the workgroup (barriers).
+fn segment(s: u32) -> Segment {
+  if (PAGED) {
+    let h = HEADER_WORDS * s;
+    return Segment(words[h], words[h + 1u], words[h + 2u], words[h + 3u], words[h + 4u]);
+  }
+  return Segment(params.row0, params.rows, params.start_pos, select(CHAIN, 0u, params.tree == 1u), 0u);
+}
+
+// Vec4 index of kv head `kv_head` of cache slot j in k_cache / v_cache: with PAGED, slot j lives at pool
+// position table[j / block] * block + j % block (block a power of two).
+fn cache_at(seg: Segment, j: u32, kv_head: u32) -> u32 {
+  var at = j;
+  if (PAGED) {
+    let shift = countTrailingZeros(params.block);
+    at = (words[seg.table_at + (j >> shift)] << shift) | (j & (params.block - 1u));
+  }
+  return (at * params.n_kv_heads + kv_head) * (HEAD_DIM / 4u);
+}
+
+// Depth of the segment's row r (a tree's, from its layout; a chain's is r).
+fn tree_depth(seg: Segment, r: u32) -> u32 {
+  if (seg.tree_at == CHAIN) {
+    return r;
+  }
+  return words[seg.tree_at + 2u * r];
+}
+
 // Position of key j (its slot in the cache): a tree row's is start_pos + its depth.
-fn key_position(j: u32) -> u32 {
-  if (params.tree == 1u && j >= params.start_pos) {
-    return params.start_pos + tree[j - params.start_pos].x;
+fn key_position(seg: Segment, j: u32) -> u32 {
+  if (seg.tree_at != CHAIN && j >= seg.start_pos) {
+    return seg.start_pos + words[seg.tree_at + 2u * (j - seg.start_pos)];
   }
   return j;
 }
@@ -187,24 +246,25 @@ fn query_slice(head: vec4<u32>, i: u32, pos: vec4<u32>, scale: f32) -> mat4x4<f3
 
 // Vec4 index of kv head `kv_head` of key j's k section in q (v section: + n_kv_heads * HEAD_DIM / 4), for
 // a key of this call's rows (rope 1 and 2).
-fn new_key_head(j: u32, kv_head: u32) -> u32 {
-  return (params.row0 + j - params.start_pos) * params.q_stride + (params.n_heads + kv_head) * (HEAD_DIM / 4u);
+fn new_key_head(seg: Segment, j: u32, kv_head: u32) -> u32 {
+  return (seg.row0 + j - seg.start_pos) * params.q_stride + (params.n_heads + kv_head) * (HEAD_DIM / 4u);
 }
 
-// Dims 4c..4c+3 of key j of kv head `kv_head`, RoPE applied; `new_key`: one of this call's rows (rope 1 and 2).
-// Callers pass a constant `new_key`, so the compiled loops hold no branch on it.
-fn key(j: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
+// Dims 4c..4c+3 of key j of kv head `kv_head`, RoPE applied; `new_key`: one of this call's rows (rope 1 and 2),
+// else read from the caches at `at` (cache_at of j). Callers pass a constant `new_key`, so the compiled loops
+// hold no branch on it.
+fn key(seg: Segment, j: u32, at: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
   if (new_key) {
-    return rotated(new_key_head(j, kv_head), c, key_position(j));
+    return rotated(new_key_head(seg, j, kv_head), c, key_position(seg, j));
   }
-  return k_cache[(j * params.n_kv_heads + kv_head) * (HEAD_DIM / 4u) + c];
+  return k_cache[at + c];
 }
 
-fn value(j: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
+fn value(seg: Segment, j: u32, at: u32, kv_head: u32, c: u32, new_key: bool) -> vec4<f32> {
   if (new_key) {
-    return q[new_key_head(j, kv_head) + params.n_kv_heads * (HEAD_DIM / 4u) + c];
+    return q[new_key_head(seg, j, kv_head) + params.n_kv_heads * (HEAD_DIM / 4u) + c];
   }
-  return v_cache[(j * params.n_kv_heads + kv_head) * (HEAD_DIM / 4u) + c];
+  return v_cache[at + c];
 }
 
 // What a lane scores keys with, fixed for the call (see main).
@@ -216,6 +276,7 @@ struct Lane {
   limit: vec4<u32>,
   lower: vec4<u32>,
   ancestors: vec4<u32>,
+  seg: Segment,
   kv_head: u32,
   slice: u32,
   t: u32,
@@ -240,8 +301,11 @@ fn attend(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_ke
       let j = first + u;
       var s = vec4<f32>(0.0);
       if (lane.has_block && j < end) {
-        s = lane.q0 * key(j, lane.kv_head, c, new_keys) + lane.q1 * key(j, lane.kv_head, c + 1u, new_keys)
-          + lane.q2 * key(j, lane.kv_head, c + 2u, new_keys) + lane.q3 * key(j, lane.kv_head, c + 3u, new_keys);
+        let at = cache_at(lane.seg, j, lane.kv_head);
+        s = lane.q0 * key(lane.seg, j, at, lane.kv_head, c, new_keys)
+          + lane.q1 * key(lane.seg, j, at, lane.kv_head, c + 1u, new_keys)
+          + lane.q2 * key(lane.seg, j, at, lane.kv_head, c + 2u, new_keys)
+          + lane.q3 * key(lane.seg, j, at, lane.kv_head, c + 3u, new_keys);
       }
       exchange[lane.t * STEP + u] = s;
     }
@@ -257,18 +321,19 @@ fn attend(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_ke
           s = soft_cap(s, params.softcap);
         }
         var visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(j) >= lane.lower);
-        if (params.tree == 1u && j >= params.start_pos) {
-          let row = j - params.start_pos;
+        if (lane.seg.tree_at != CHAIN && j >= lane.seg.start_pos) {
+          let row = j - lane.seg.start_pos;
           let ancestor = ((lane.ancestors >> vec4<u32>(row)) & vec4<u32>(1u)) != vec4<u32>(0u);
-          visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(key_position(j)) >= lane.lower) & ancestor;
+          visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(key_position(lane.seg, j)) >= lane.lower) & ancestor;
         }
         let m = max(st.m, select(vec4<f32>(NEG), s, visible));
         let rescale = exp(st.m - m);
         let p = select(vec4<f32>(0.0), exp(s - m), visible);
-        st.a0 = scale_queries(st.a0, rescale) + outer(p, value(j, lane.kv_head, c, new_keys));
-        st.a1 = scale_queries(st.a1, rescale) + outer(p, value(j, lane.kv_head, c + 1u, new_keys));
-        st.a2 = scale_queries(st.a2, rescale) + outer(p, value(j, lane.kv_head, c + 2u, new_keys));
-        st.a3 = scale_queries(st.a3, rescale) + outer(p, value(j, lane.kv_head, c + 3u, new_keys));
+        let at = cache_at(lane.seg, j, lane.kv_head);
+        st.a0 = scale_queries(st.a0, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c, new_keys));
+        st.a1 = scale_queries(st.a1, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 1u, new_keys));
+        st.a2 = scale_queries(st.a2, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 2u, new_keys));
+        st.a3 = scale_queries(st.a3, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 3u, new_keys));
         st.m = m;
         st.l = st.l * rescale + p;
       }
@@ -331,18 +396,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let groups = LANES / slices;
   let blocks_per_wg = groups / params.key_lanes;
   let group = params.n_heads / params.n_kv_heads;
-  let n_pairs = params.rows * group;
+  // With PAGED, grid z is the segment (no key splits); otherwise the split, all of the call's rows one segment.
+  let seg = segment(select(0u, wid.z, PAGED));
+  let split = select(wid.z, 0u, PAGED);
+  let n_pairs = seg.rows * group;
   let n_blocks = (n_pairs + 3u) / 4u;
   let kv_head = wid.y;
-  let split = wid.z;
 
   if (rope_inside() && wid.x == 0u && split == 0u) {
-    for (var e = t; e < params.rows * hd4; e += LANES) {
-      let pos = params.start_pos + e / hd4;
+    for (var e = t; e < seg.rows * hd4; e += LANES) {
+      let j = seg.start_pos + e / hd4;
       let c = e % hd4;
-      let at = (pos * params.n_kv_heads + kv_head) * hd4 + c;
-      k_cache[at] = key(pos, kv_head, c, true);
-      v_cache[at] = value(pos, kv_head, c, true);
+      let at = cache_at(seg, j, kv_head) + c;
+      k_cache[at] = key(seg, j, 0u, kv_head, c, true);
+      v_cache[at] = value(seg, j, 0u, kv_head, c, true);
     }
   }
   if (params.rope == 2u) {
@@ -353,16 +420,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let last_pair = min(n_pairs, 4u * (wid.x + 1u) * blocks_per_wg) - 1u;
   // Its first pair sits on its earliest row: keys before that row's window are masked for every lane (a
   // tree row may sit as early as start_pos + 1, whatever its index).
-  var first_pos = params.start_pos + (4u * wid.x * blocks_per_wg) / group;
-  if (params.tree == 1u) {
-    first_pos = params.start_pos;
+  var first_pos = seg.start_pos + (4u * wid.x * blocks_per_wg) / group;
+  if (seg.tree_at != CHAIN) {
+    first_pos = seg.start_pos;
   }
   var window_begin = 0u;
   if (params.window > 0u && first_pos + 1u > params.window) {
     window_begin = first_pos + 1u - params.window;
   }
   let key_begin = max(split * params.split_len, window_begin);
-  let key_end = min((split + 1u) * params.split_len, params.start_pos + last_pair / group + 1u);
+  let key_end = min((split + 1u) * params.split_len, seg.start_pos + last_pair / group + 1u);
   // The last workgroup may hold fewer blocks than the others: its spare groups become more key lanes while
   // each lane still gets a step of keys (prefills of a few dozen rows have one such workgroup per kv head,
   // which would otherwise take as long as a full one). The count is uniform over the workgroup.
@@ -382,8 +449,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   var cached_end = key_end;
   var new_begin = key_end;
   if (FUSED_ROPE && params.rope == 1u) {
-    cached_end = min(key_end, params.start_pos);
-    new_begin = max(key_begin, params.start_pos);
+    cached_end = min(key_end, seg.start_pos);
+    new_begin = max(key_begin, seg.start_pos);
   }
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
@@ -400,21 +467,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (has_block && pair < n_pairs) {
       let head = kv_head * group + pair % group;
       let row = pair / group;
-      q_pos[c] = params.start_pos + row;
-      if (params.tree == 1u) {
-        q_pos[c] = params.start_pos + tree[row].x;
-        ancestors[c] = tree[row].y;
+      q_pos[c] = seg.start_pos + tree_depth(seg, row);
+      if (seg.tree_at != CHAIN) {
+        ancestors[c] = words[seg.tree_at + 2u * row + 1u];
       }
-      limit[c] = params.start_pos + row + 1u;  // slots up to the row's own (a tree's ancestors come before it)
+      limit[c] = seg.start_pos + row + 1u;  // slots up to the row's own (a tree's ancestors come before it)
       if (params.window > 0u && q_pos[c] + 1u > params.window) {
         lower[c] = q_pos[c] + 1u - params.window;
       }
       row_head[c] = (pair / group) * params.n_heads + head;
-      q_head[c] = (params.row0 + row) * params.q_stride + head * hd4;
+      q_head[c] = (seg.row0 + row) * params.q_stride + head * hd4;
     }
   }
-  var lane = Lane(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), limit, lower, ancestors, kv_head,
-                  slice, t, lane_group, key_lane, has_block);
+  var lane = Lane(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), limit, lower, ancestors, seg,
+                  kv_head, slice, t, lane_group, key_lane, has_block);
   if (has_block) {
     lane.q0 = query_slice(q_head, 4u * slice, q_pos, params.scale);
     lane.q1 = query_slice(q_head, 4u * slice + 1u, q_pos, params.scale);
@@ -450,14 +516,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var c = 0u; c < 4u; c++) {
       if (limit[c] > 0u) {
         if (params.n_splits == 1u) {
-          let at = (params.row0 * params.n_heads + row_head[c]) * hd4 + 4u * slice;
+          let at = (seg.row0 * params.n_heads + row_head[c]) * hd4 + 4u * slice;
           let inv = 1.0 / st.l[c];
           out[at] = r0[c] * inv;
           out[at + 1u] = r1[c] * inv;
           out[at + 2u] = r2[c] * inv;
           out[at + 3u] = r3[c] * inv;
         } else {
-          let part = split * params.rows * params.n_heads + row_head[c];
+          let part = split * seg.rows * params.n_heads + row_head[c];
           let at = part * hd4 + 4u * slice;
           part_acc[at] = r0[c];
           part_acc[at + 1u] = r1[c];

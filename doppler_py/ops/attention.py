@@ -29,17 +29,25 @@ turns the local path off (tests of the other two).
 With `kv_shared=True` (and `rope=`) the op serves a layer that attends over another layer's caches and writes
 none (Gemma 4's KV-shared layers): q holds only that layer's query rows, rotated as they are loaded, in every
 call ("shared", rope == 3).
+
+`BatchedAttention` runs one layer's attention for the rows of several sequences (segments) in ONE dispatch, each
+segment's keys and values read (and its new ones written) through its block table in pools shared by all
+sequences (the shader's PAGED variant); `paged_layout_words` builds the u32 words that describe the segments.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from doppler_py.errors import DeviceLimitError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.rope import RoPE
-from doppler_py.ops.tree import MAX_TREE_ROWS
+from doppler_py.ops.tree import MAX_TREE_ROWS, ancestor_masks
 
 LANES = 64  # invocations per workgroup in attention.wgsl
 STEP = 8  # keys a lane group scores per step
@@ -53,6 +61,9 @@ GPU_TARGET_WORKGROUPS = 256  # enough to fill the multiprocessors of a large GPU
 FUSED_ROPE_MAX_ROWS = 16  # longer calls rotate and write the cache by a rope.wgsl dispatch first
 # The shader's Params.rope per mode (module docstring; None: no `rope=`, q arrives rotated).
 ROPE_PARAM = {None: 0, "dispatch": 0, "fused": 1, "local": 2, "shared": 3}
+HEADER_WORDS = 8  # layout words of a segment's header in attention.wgsl (PAGED)
+CHAIN = 0xFFFFFFFF  # a header's tree_at for a chain segment
+NO_SPLIT = 0xFFFFFFFF  # Params.split_len of a PAGED dispatch: one split holds every key
 
 
 def target_workgroups(adapter_type: str) -> int:
@@ -207,7 +218,7 @@ class Attention:
             part_acc=self.part_acc,
             part_stats=self.part_stats,
             cos_sin=rope if rope is not None else registry.placeholder(4),
-            tree=tree if tree is not None else registry.placeholder(2 * MAX_TREE_ROWS),
+            words=tree if tree is not None else registry.placeholder(2 * MAX_TREE_ROWS),
         )
         self.has_tree = tree is not None
         self.params = self.bound.params
@@ -333,3 +344,243 @@ class Attention:
             reduce = rec.dispatch(self.reduce, workgroups(rows * self.n_heads * self.head_dim // 4, LANES))
             used.append(("attention", reduce.params))
         return used
+
+
+# -- several sequences in one dispatch, K/V through block tables (PAGED) --------------------------------------
+@dataclass(frozen=True)
+class PagedSegment:
+    """One sequence's rows in a batched forward: rows row0..row0+rows-1 of q and out, at positions (cache slots)
+    start_pos.. of the sequence; cache slot j lives at pool position table[j // block] * block + j % block.
+    `tree`: `ops.tree.layout_words(parents)` when the rows are a token tree (slot start_pos + r, position
+    start_pos + depth(r)), None for a chain."""
+
+    row0: int
+    rows: int
+    start_pos: int
+    table: tuple[int, ...]
+    tree: np.ndarray | None = None
+
+
+def paged_max_rows(n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """The most rows a segment may have so all its 4-query blocks fit one workgroup (the PAGED grid has one per
+    kv head and segment); the caller runs larger segments through `Attention`."""
+    lane_groups = LANES // (head_dim // 16)
+    return lane_groups * QUERIES_PER_BLOCK // (n_heads // n_kv_heads)
+
+
+def paged_layout_capacity(max_segments: int, max_rows: int, max_blocks_per_segment: int) -> int:
+    """Words a layout tensor needs for up to `max_segments` segments of up to `max_rows` rows (trees among them)
+    and `max_blocks_per_segment` table entries each."""
+    tree_words = 2 * min(max_rows, MAX_TREE_ROWS)
+    return max_segments * (HEADER_WORDS + tree_words + max_blocks_per_segment)
+
+
+def _check_block(block: int) -> None:
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block={block}: positions per block must be a positive power of two")
+
+
+def paged_layout_words(segments: Sequence[PagedSegment], block: int) -> np.ndarray:
+    """The u32 words attention.wgsl (PAGED) reads for `segments`: a header per segment (row0, rows, start_pos,
+    tree_at, table_at, 0, 0, 0), then each segment's tree layout (if any) and block table.
+
+    Refuses segments whose rows overlap in q/out, tables too short for start_pos + rows slots or naming a block
+    twice, malformed trees, and pool positions one segment writes (its rows' slots) that another segment reads
+    or writes: the workgroups of one dispatch run in no defined order.
+    """
+    _check_block(block)
+    if not segments:
+        raise ValueError("paged_layout_words: no segments")
+    words = np.zeros(HEADER_WORDS * len(segments), np.uint32)
+    tails: list[np.ndarray] = []
+    at = len(words)
+    rows_taken: list[tuple[int, int, int]] = []
+    reads, writes = [], []
+    for s, seg in enumerate(segments):
+        if seg.rows < 1 or seg.row0 < 0 or seg.start_pos < 0:
+            raise ValueError(f"segment {s}: row0={seg.row0}, rows={seg.rows}, start_pos={seg.start_pos}")
+        context = seg.start_pos + seg.rows
+        needed = -(-context // block)
+        if len(seg.table) < needed:
+            raise ValueError(
+                f"segment {s}: its table has {len(seg.table)} blocks, slots 0..{context - 1} need {needed} of {block}"
+            )
+        table = np.asarray(seg.table[:needed], np.int64)
+        if (table < 0).any() or len(set(table.tolist())) < needed:
+            raise ValueError(f"segment {s}: table {list(seg.table[:needed])} has a negative or repeated block id")
+        for row0, end, t in rows_taken:
+            if seg.row0 < end and row0 < seg.row0 + seg.rows:
+                raise ValueError(f"segments {t} and {s} overlap: rows {row0}..{end - 1} and {seg.row0}..")
+        rows_taken.append((seg.row0, seg.row0 + seg.rows, s))
+        tree_at = CHAIN
+        if seg.tree is not None:
+            tree = np.asarray(seg.tree, np.uint32).reshape(-1, 2)
+            _check_tree(s, tree, seg.rows)
+            tree_at = at
+            tails.append(tree.reshape(-1))
+            at += tree.size
+        words[HEADER_WORDS * s : HEADER_WORDS * s + 5] = (seg.row0, seg.rows, seg.start_pos, tree_at, at)
+        tails.append(table.astype(np.uint32))
+        at += needed
+        slots = np.arange(context)
+        positions = table[slots // block] * block + slots % block
+        reads.append(positions)
+        writes.append(positions[seg.start_pos :])
+    for s, written in enumerate(writes):
+        for t, read in enumerate(reads):
+            if s != t and np.intersect1d(written, read).size:
+                raise ValueError(
+                    f"segment {s} writes pool positions that segment {t} reads: "
+                    f"{np.intersect1d(written, read)[:4].tolist()}.. (give each sequence its own blocks for new rows)"
+                )
+    return np.concatenate([words, *tails])
+
+
+def _check_tree(s: int, tree: np.ndarray, rows: int) -> None:
+    """A tree layout must describe the segment's rows: (depth, ancestor mask) as ops.tree.layout_words writes."""
+    if len(tree) != rows or rows > MAX_TREE_ROWS:
+        raise ValueError(f"segment {s}: a tree layout of {len(tree)} rows for {rows} rows (at most {MAX_TREE_ROWS})")
+    parents = []
+    for r in range(1, rows):
+        mask = int(tree[r, 1]) & ~(1 << r)
+        parent = mask.bit_length() - 1
+        if not 0 <= parent < r:
+            raise ValueError(f"segment {s}: tree row {r} has no parent row in its ancestor mask")
+        parents.append(parent - 1)
+    expected = np.array(ancestor_masks(parents), np.uint32)
+    if (
+        tree[0, 0] != 0
+        or (tree[:, 1] != expected).any()
+        or (tree[1:, 0] != tree[[p + 1 for p in parents], 0] + 1).any()
+    ):
+        raise ValueError(f"segment {s}: the tree layout is not ops.tree.layout_words of any parents")
+
+
+class BatchedAttention:
+    """One layer's attention for several sequences' rows in one dispatch (shaders/attention.wgsl, PAGED).
+
+    `q` holds the rows of every segment: [q | k | v] projection rows before RoPE (row stride (n_heads + 2 *
+    n_kv_heads) * head_dim; rope "local": the dispatch rotates the queries and new keys and writes the new keys
+    and values to the pools through each segment's table), or with `kv_shared` the query rows only (n_heads *
+    head_dim; rope "shared": every key is already in the pools, nothing is written). `out` [max_rows, n_heads *
+    head_dim]. `k_pool`, `v_pool` [pool_positions, n_kv_heads, head_dim]: every sequence's cache slots in blocks
+    of `block` positions (a power of two). `layout`: a u32 tensor of `paged_layout_words` (the caller writes it
+    before the submit; every layer's op may share it). `rope`: the cos/sin table (`ops.rope.rope_table`).
+
+    Each segment's rows must fit one workgroup (`paged_max_rows`); windows and the softcap hold for every segment.
+    """
+
+    def __init__(
+        self,
+        registry: KernelRegistry,
+        q: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        out: Tensor,
+        layout: Tensor,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        pool_positions: int,
+        block: int,
+        max_rows: int,
+        rope: Tensor,
+        window: int = 0,
+        scale: float | None = None,
+        softcap: float = 0.0,
+        kv_shared: bool = False,
+    ):
+        if n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={n_kv_heads}")
+        if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 16 in 16..{MAX_HEAD_DIM}")
+        if window < 0:
+            raise ValueError(f"window={window} must be >= 0 (0 = no sliding window)")
+        _check_block(block)
+        if pool_positions < block or pool_positions % block:
+            raise ValueError(f"pool_positions={pool_positions} must be a positive multiple of block={block}")
+        width = n_heads * head_dim
+        q_stride = width if kv_shared else width + 2 * n_kv_heads * head_dim
+        for name, tensor, need in [
+            ("q", q, max_rows * q_stride),
+            ("out", out, max_rows * width),
+            ("k_pool", k_pool, pool_positions * n_kv_heads * head_dim),
+            ("v_pool", v_pool, pool_positions * n_kv_heads * head_dim),
+        ]:
+            if tensor.dtype != "f32" or tensor.numel < need:
+                raise ValueError(f"{name}: need at least {need} f32 elements, got {tensor.numel} {tensor.dtype}")
+        if layout.dtype != "u32" or layout.numel < HEADER_WORDS:
+            raise ValueError(
+                f"layout: need a u32 tensor of at least {HEADER_WORDS} words, got {layout.numel} {layout.dtype}"
+            )
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.pool_positions, self.block, self.max_rows = pool_positions, block, max_rows
+        self.max_segment_rows = paged_max_rows(n_heads, n_kv_heads, head_dim)
+        self.rope_positions = rope.numel // head_dim
+        self.layout = layout
+        self.bound = registry.bind(
+            registry.kernel("attention", HEAD_DIM=head_dim, PAGED=True),
+            params={
+                "n_heads": n_heads,
+                "n_kv_heads": n_kv_heads,
+                "key_lanes": 1,  # each workgroup grows its own from its segment's blocks
+                "split_len": NO_SPLIT,
+                "n_splits": 1,
+                "q_stride": q_stride // 4,
+                "window": window,
+                "scale": head_dim**-0.5 if scale is None else scale,
+                "rope": ROPE_PARAM["shared" if kv_shared else "local"],
+                "softcap": softcap,
+                "block": block,
+            },
+            q=q,
+            k_cache=k_pool,
+            v_cache=v_pool,
+            out=out,
+            part_acc=registry.placeholder(4),
+            part_stats=registry.placeholder(4),
+            cos_sin=rope,
+            words=layout,
+        )
+        self.params = self.bound.params
+
+    def layout_words(self, segments: Sequence[PagedSegment]) -> np.ndarray:
+        """`paged_layout_words` after the checks that need this op's shapes: rows per segment, rows within q/out,
+        blocks within the pools, positions within the rope table, words within the layout tensor."""
+        for s, seg in enumerate(segments):
+            if seg.rows > self.max_segment_rows:
+                raise ValueError(
+                    f"segment {s}: {seg.rows} rows, above paged_max_rows={self.max_segment_rows} "
+                    "(run it through Attention)"
+                )
+            if seg.row0 + seg.rows > self.max_rows:
+                raise ValueError(
+                    f"segment {s}: rows {seg.row0}..{seg.row0 + seg.rows - 1} past max_rows={self.max_rows}"
+                )
+            if seg.start_pos + seg.rows > self.rope_positions:
+                raise ValueError(
+                    f"segment {s}: positions up to {seg.start_pos + seg.rows - 1}, "
+                    f"the rope table covers {self.rope_positions}"
+                )
+            used = seg.table[: -(-(seg.start_pos + seg.rows) // self.block)]
+            if any(b >= self.pool_positions // self.block for b in used):
+                raise ValueError(
+                    f"segment {s}: table names block {max(used)}, the pools hold {self.pool_positions // self.block}"
+                )
+        words = paged_layout_words(segments, self.block)
+        if words.size > self.layout.numel:
+            raise ValueError(f"layout: {words.size} words needed, the tensor holds {self.layout.numel}")
+        return words
+
+    def record(self, rec: Recorder, segments: int) -> None:
+        """Record the dispatch over the first `segments` segments of the layout tensor (written by the caller)."""
+        if not 1 <= segments <= self.layout.numel // HEADER_WORDS:
+            raise ValueError(
+                f"segments={segments}: the layout tensor holds headers for 1..{self.layout.numel // HEADER_WORDS}"
+            )
+        rec.dispatch(self.bound, 1, self.n_kv_heads, segments)
+
+    def release(self, registry: KernelRegistry) -> None:
+        """Free the op's uniform slot; the pools, q, out, layout and rope table stay."""
+        registry.release_slot(self.params)

@@ -57,7 +57,10 @@ _MATMUL_SUBGROUPS = [
 
 # shader → entry point → override combinations used by the ops (beyond the defaults, always validated).
 VARIANTS: dict[str, dict[str, list[Constants]]] = {
-    "attention": {"main": _product(HEAD_DIM=_HEAD_DIMS, FUSED_ROPE=[False, True])},
+    # BatchedAttention compiles PAGED without FUSED_ROPE (its rope modes are 2 and 3).
+    "attention": {
+        "main": _product(HEAD_DIM=_HEAD_DIMS, FUSED_ROPE=[False, True]) + _product(HEAD_DIM=_HEAD_DIMS, PAGED=[True])
+    },
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
     "linear_attention": {"conv": [], "delta": [], "commit_state": [], "commit_conv": []},
