@@ -538,8 +538,9 @@ class BatchedAttention:
             k_cache=k_pool,
             v_cache=v_pool,
             out=out,
+            # Never written with n_splits 1, but writable: two buffers, since WebGPU refuses writable aliases.
             part_acc=registry.placeholder(4),
-            part_stats=registry.placeholder(4),
+            part_stats=registry.placeholder(2),
             cos_sin=rope,
             words=layout,
         )
