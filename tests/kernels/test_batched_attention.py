@@ -289,6 +289,48 @@ def test_kv_shared_layers_only_read_the_pools(batch, shape):
     b.check(b.run())
 
 
+def test_a_kv_shared_layer_reads_what_an_earlier_layer_wrote_in_the_same_submit(batch, gpu, registry, rng):
+    """Gemma 4: a layer writes its rows' keys and values to the pools, a later KV-shared layer of the same forward
+    attends over them; both layers' ops read the one layout the caller wrote for the forward."""
+    b = batch([Seq(1, 12), Seq(4, 100, (-1, 0, 1)), Seq(2, 250)], **SMOLLM2)
+    queries = rng.standard_normal((b.n_rows, b.q_size)).astype(np.float32)
+    tq, out = Tensor.from_numpy(gpu, queries), Tensor.empty(gpu, (b.n_rows, b.q_size))
+    shared = BatchedAttention(
+        registry,
+        tq,
+        b.tk_pool,
+        b.tv_pool,
+        out,
+        b.layout,
+        **SMOLLM2,
+        pool_positions=b.pool_positions,
+        block=b.block,
+        max_rows=b.n_rows,
+        rope=b.rope,
+        kv_shared=True,
+    )
+    words = b.op.layout_words(b.segments)
+    b.layout.view((len(words),)).write(words)
+    rec = registry.recorder()
+    b.op.record(rec, len(b.seqs))
+    shared.record(rec, len(b.seqs))
+    rec.submit()
+    got = out.numpy()
+    for i, (seq, row0) in enumerate(zip(b.seqs, b.row0s, strict=True)):
+        _, k, v = b.expected(i)
+        depths = np.arange(seq.rows) if seq.parents is None else np.array(row_depths(seq.parents))
+        q = b.rotate(queries[row0 : row0 + seq.rows], seq.start_pos + depths)
+        if seq.parents is None:
+            expected = attention(q, k, v, seq.start_pos)
+        else:
+            expected = tree_attention(q, k, v, seq.start_pos, list(seq.parents))
+        atol = TOLERANCE * np.abs(v[: seq.start_pos + seq.rows]).max()
+        np.testing.assert_allclose(got[row0 : row0 + seq.rows], expected, rtol=0, atol=atol, err_msg=f"sequence {i}")
+    b.check(b.out.numpy())
+    shared.release(registry)
+    registry.release_tensors(tq, out)
+
+
 @pytest.mark.parametrize("shape", [SMOLLM2, HEAD128, {"n_heads": 4, "n_kv_heads": 4, "head_dim": 16}])
 def test_a_segment_of_paged_max_rows_fills_its_workgroup(batch, shape):
     """The largest segment a workgroup holds (SmolLM2: 21 rows = 16 blocks of 4 queries), beside a decode row."""
