@@ -47,7 +47,7 @@ from doppler_py.errors import DeviceLimitError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.rope import RoPE
-from doppler_py.ops.tree import MAX_TREE_ROWS, ancestor_masks
+from doppler_py.ops.tree import MAX_TREE_ROWS
 
 LANES = 64  # invocations per workgroup in attention.wgsl
 STEP = 8  # keys a lane group scores per step
@@ -385,8 +385,8 @@ def paged_layout_words(segments: Sequence[PagedSegment], block: int) -> np.ndarr
     tree_at, table_at, 0, 0, 0), then each segment's tree layout (if any) and block table.
 
     Refuses segments whose rows overlap in q/out, tables too short for start_pos + rows slots or naming a block
-    twice, malformed trees, and pool positions one segment writes (its rows' slots) that another segment reads
-    or writes: the workgroups of one dispatch run in no defined order.
+    twice, tree layouts of another row count, and pool positions one segment writes (its rows' slots) that
+    another segment reads or writes: the workgroups of one dispatch run in no defined order.
     """
     _check_block(block)
     if not segments:
@@ -395,7 +395,7 @@ def paged_layout_words(segments: Sequence[PagedSegment], block: int) -> np.ndarr
     tails: list[np.ndarray] = []
     at = len(words)
     rows_taken: list[tuple[int, int, int]] = []
-    reads, writes = [], []
+    reads, written, writer = [], [], []
     for s, seg in enumerate(segments):
         if seg.rows < 1 or seg.row0 < 0 or seg.start_pos < 0:
             raise ValueError(f"segment {s}: row0={seg.row0}, rows={seg.rows}, start_pos={seg.start_pos}")
@@ -403,7 +403,8 @@ def paged_layout_words(segments: Sequence[PagedSegment], block: int) -> np.ndarr
         needed = -(-context // block)
         if len(seg.table) < needed:
             raise ValueError(
-                f"segment {s}: its table has {len(seg.table)} blocks, slots 0..{context - 1} need {needed} of {block}"
+                f"segment {s}: its table has {len(seg.table)} blocks, "
+                f"slots 0..{context - 1} need {needed} blocks of {block}"
             )
         table = np.asarray(seg.table[:needed], np.int64)
         if (table < 0).any() or len(set(table.tolist())) < needed:
@@ -415,7 +416,10 @@ def paged_layout_words(segments: Sequence[PagedSegment], block: int) -> np.ndarr
         tree_at = CHAIN
         if seg.tree is not None:
             tree = np.asarray(seg.tree, np.uint32).reshape(-1, 2)
-            _check_tree(s, tree, seg.rows)
+            if len(tree) != seg.rows or seg.rows > MAX_TREE_ROWS:
+                raise ValueError(
+                    f"segment {s}: a tree layout of {len(tree)} rows for {seg.rows} rows (at most {MAX_TREE_ROWS})"
+                )
             tree_at = at
             tails.append(tree.reshape(-1))
             at += tree.size
@@ -425,35 +429,18 @@ def paged_layout_words(segments: Sequence[PagedSegment], block: int) -> np.ndarr
         slots = np.arange(context)
         positions = table[slots // block] * block + slots % block
         reads.append(positions)
-        writes.append(positions[seg.start_pos :])
-    for s, written in enumerate(writes):
-        for t, read in enumerate(reads):
-            if s != t and np.intersect1d(written, read).size:
-                raise ValueError(
-                    f"segment {s} writes pool positions that segment {t} reads: "
-                    f"{np.intersect1d(written, read)[:4].tolist()}.. (give each sequence its own blocks for new rows)"
-                )
+        written.append(positions[seg.start_pos :])
+        writer.append(np.full(seg.rows, s))
+    # A segment reads its own slots (new rows included), so this also catches two segments writing one position.
+    written_all, writer_all = np.concatenate(written), np.concatenate(writer)
+    for t, read in enumerate(reads):
+        clash = np.isin(written_all, read) & (writer_all != t)
+        if clash.any():
+            raise ValueError(
+                f"segment {writer_all[clash][0]} writes pool positions that segment {t} reads: "
+                f"{written_all[clash][:4].tolist()} (give each sequence its own blocks for its new rows)"
+            )
     return np.concatenate([words, *tails])
-
-
-def _check_tree(s: int, tree: np.ndarray, rows: int) -> None:
-    """A tree layout must describe the segment's rows: (depth, ancestor mask) as ops.tree.layout_words writes."""
-    if len(tree) != rows or rows > MAX_TREE_ROWS:
-        raise ValueError(f"segment {s}: a tree layout of {len(tree)} rows for {rows} rows (at most {MAX_TREE_ROWS})")
-    parents = []
-    for r in range(1, rows):
-        mask = int(tree[r, 1]) & ~(1 << r)
-        parent = mask.bit_length() - 1
-        if not 0 <= parent < r:
-            raise ValueError(f"segment {s}: tree row {r} has no parent row in its ancestor mask")
-        parents.append(parent - 1)
-    expected = np.array(ancestor_masks(parents), np.uint32)
-    if (
-        tree[0, 0] != 0
-        or (tree[:, 1] != expected).any()
-        or (tree[1:, 0] != tree[[p + 1 for p in parents], 0] + 1).any()
-    ):
-        raise ValueError(f"segment {s}: the tree layout is not ops.tree.layout_words of any parents")
 
 
 class BatchedAttention:
