@@ -138,7 +138,8 @@ class Engine:
         self.plain_costs = PlainStepCosts()
         # Concurrent streams' steps share forwards (`speculative.batch`); each stream leases an engine of its mode.
         self.parallel = parallel
-        self.batch = StepBatch(model) if parallel > 1 else None
+        kv_limit = self.kv_budget.limit if self.kv_budget is not None else None
+        self.batch = StepBatch(model, kv_limit_bytes=kv_limit) if parallel > 1 else None
         if self.batch is not None:
             self.batch.warm_up(background=warmup != "now")
         self._idle: dict[str, list[SpeculativeEngine]] = {}  # leased engines back from their streams

@@ -75,6 +75,7 @@ from doppler_py.errors import (
     VocabularyMismatchError,
 )
 from doppler_py.model.catalog import KNOWN_MODELS
+from doppler_py.model.kv_arena import BLOCK
 from doppler_py.ops.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.sampling import SamplingParams
@@ -525,6 +526,31 @@ def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
         lines.extend(f"doppler_batch_steps_bucket{labels} {value:g}" for labels, value in samples)
         lines.append(f"doppler_batch_steps_sum {sum(size * n for size, n in sizes.items()):g}")
         lines.append(f"doppler_batch_steps_count {sum(sizes.values()):g}")
+        metric(
+            "batch_shared_attention_total",
+            "counter",
+            "Batched forwards whose attention ran once per layer for all their generations.",
+            [("", engine.batch.paged_forwards)],
+        )
+        metric(
+            "batch_prefill_rows_total",
+            "counter",
+            "Prompt rows prefilled in the forwards of running generations' steps.",
+            [("", engine.batch.prefill_rows_beside_steps)],
+        )
+        arena = engine.batch.arena
+        metric(
+            "kv_arena_bytes",
+            "gauge",
+            "GPU memory of the slabs the batched generations' KV caches sit in.",
+            [("", arena.nbytes)],
+        )
+        metric(
+            "kv_arena_blocks",
+            "gauge",
+            f"KV blocks of {BLOCK} positions the running generations hold.",
+            [("", arena.used_blocks)],
+        )
     metric("waiting", "gauge", "Generations waiting in the queue.", [("", status["waiting"])])
     budget = engine.kv_budget
     if budget is not None:

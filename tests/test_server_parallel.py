@@ -103,6 +103,7 @@ def test_concurrent_answers_equal_the_solo_ones_and_share_forwards(server, solo)
     assert re.search(r'^doppler_batch_steps_bucket\{le="\+Inf"\} [1-9]', metrics, re.M), metrics
     assert re.search(r"^doppler_parallel 4$", metrics, re.M)
     assert re.search(r"^doppler_kv_budget_bytes [1-9]", metrics, re.M) and "doppler_kv_waited_total" in metrics
+    assert re.search(r"^doppler_batch_shared_attention_total [1-9]", metrics, re.M), metrics
 
 
 def test_a_drafter_that_cannot_share_forwards_is_refused_by_name(server):
@@ -135,3 +136,6 @@ def test_a_soak_of_mixed_requests_with_cancellations(server, solo):
     assert buffer_use() == baseline
     assert engine.kv_budget.waited > 0, "no generation ever waited for KV memory"
     assert status["kv_reserved_mb"] == 0 and status["kv_waiting"] == 0
+    assert engine.batch.arena.used_blocks == 0 and not engine.batch.arena.slabs  # every block given back
+    metrics = httpx.get(f"{url}/metrics").text
+    assert re.search(r"^doppler_kv_arena_blocks 0$", metrics, re.M) and engine.batch.paged_forwards > 0

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from doppler_py.errors import CapacityError, UnsupportedModelError
 from doppler_py.gpu.device import Gpu
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.kv_arena import BLOCK, KVArena, KVSlab
 
 if TYPE_CHECKING:
     from doppler_py.ops.linear_attention import RecurrentState
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 class KVCache:
     """`layer_shapes`: (n_kv_heads, head_dim) of each layer when they differ; n_kv_heads and head_dim then
-    describe layer 0."""
+    describe layer 0. With `arena` the cache is a run of blocks of one of the arena's slabs (model/kv_arena.py),
+    each layer's tensor a view of the slab's, which closing gives back."""
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class KVCache:
         label: str = "kv",
         *,
         layer_shapes: Sequence[tuple[int, int]] | None = None,
+        arena: KVArena | None = None,
     ):
         if max_seq < 1:
             raise CapacityError(f"KV cache needs at least one position, got max_seq={max_seq}")
@@ -46,15 +49,32 @@ class KVCache:
         self.layer_shapes = tuple(layer_shapes or [(n_kv_heads, head_dim)] * num_layers)
         if len(self.layer_shapes) != num_layers:
             raise ValueError(f"KVCache: {len(self.layer_shapes)} layer shapes for {num_layers} layers")
-        widest = max(self.layer_shapes, key=lambda shape: shape[0] * shape[1])
-        gpu.check_buffer_size(
-            4 * max_seq * widest[0] * widest[1],
-            f"a KV cache of {max_seq} positions ({label}.k{self.layer_shapes.index(widest)})",
-            advice="load the model with a smaller max_seq",
-        )
         shapes = [(max_seq, *shape) for shape in self.layer_shapes]
-        self.keys = [Tensor.empty(gpu, shape, "f32", f"{label}.k{i}") for i, shape in enumerate(shapes)]
-        self.values = [Tensor.empty(gpu, shape, "f32", f"{label}.v{i}") for i, shape in enumerate(shapes)]
+        self.arena = arena
+        self.slab: KVSlab | None = None
+        self.first_block = self.block_count = 0
+        if arena is not None:
+            if arena.layer_shapes != self.layer_shapes:
+                raise ValueError(f"KVCache: the arena's layer shapes {arena.layer_shapes} are not {self.layer_shapes}")
+            self.slab, self.first_block, self.block_count = arena.take(max_seq)
+            first = self.first_block * BLOCK  # the run's first position in the slab
+
+            def run(slab_tensors: list[Tensor]) -> list[Tensor]:
+                return [
+                    t.view(shape, offset_bytes=first * (t.nbytes // t.shape[0]))
+                    for t, shape in zip(slab_tensors, shapes, strict=True)
+                ]
+
+            self.keys, self.values = run(self.slab.keys), run(self.slab.values)
+        else:
+            widest = max(self.layer_shapes, key=lambda shape: shape[0] * shape[1])
+            gpu.check_buffer_size(
+                4 * max_seq * widest[0] * widest[1],
+                f"a KV cache of {max_seq} positions ({label}.k{self.layer_shapes.index(widest)})",
+                advice="load the model with a smaller max_seq",
+            )
+            self.keys = [Tensor.empty(gpu, shape, "f32", f"{label}.k{i}") for i, shape in enumerate(shapes)]
+            self.values = [Tensor.empty(gpu, shape, "f32", f"{label}.v{i}") for i, shape in enumerate(shapes)]
         self.length = 0
         self.recurrent: RecurrentState | None = None
         self.closed = False
@@ -70,6 +90,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.bytes_per_token * self.max_seq + (self.recurrent.nbytes if self.recurrent is not None else 0)
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The slab blocks that hold positions 0, BLOCK, 2 * BLOCK, ... (an arena's cache only)."""
+        if self.slab is None:
+            raise ValueError("KVCache: only a cache made in an arena has a block table")
+        return tuple(range(self.first_block, self.first_block + self.block_count))
 
     @property
     def free(self) -> int:
@@ -128,16 +155,25 @@ class KVCache:
             encoder = self.gpu.device.create_command_encoder()
             for src, dst in zip(self.keys + self.values, other.keys + other.values, strict=True):
                 used = length * src.shape[1] * src.shape[2] * 4
-                encoder.copy_buffer_to_buffer(src.buffer, 0, dst.buffer, 0, used)
+                encoder.copy_buffer_to_buffer(src.buffer, src.offset, dst.buffer, dst.offset, used)
             if self.recurrent is not None and other.recurrent is not None:
                 self.recurrent.copy_into(other.recurrent, encoder)
             self.gpu.queue.submit([encoder.finish()])
         other.length = length
 
-    def close(self) -> None:
+    def close(self) -> KVSlab | None:
+        """Free the cache; an arena's cache gives its blocks back, frees its slab when that emptied it, and returns
+        that slab for the caller to forget what it built on it (`Transformer.release_cache`)."""
+        emptied = None
         if not self.closed:
-            for t in self.keys + self.values:
-                t.destroy()
+            if self.slab is not None and self.arena is not None:
+                if self.arena.give_back(self.slab, self.first_block, self.block_count):
+                    emptied = self.slab
+                    emptied.close()
+            else:
+                for t in self.keys + self.values:
+                    t.destroy()
             if self.recurrent is not None:
                 self.recurrent.close()
             self.closed = True
+        return emptied

@@ -51,9 +51,16 @@ import numpy as np
 from doppler_py.errors import CapacityError, GenerationOptionError
 from doppler_py.gpu.kernels import KernelRegistry, Recorder, Tape, UniformSlot
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.kv_arena import BLOCK, KVArena, KVSlab
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
-from doppler_py.ops.attention import Attention
+from doppler_py.ops.attention import (
+    Attention,
+    BatchedAttention,
+    PagedSegment,
+    paged_layout_capacity,
+    paged_max_rows,
+)
 from doppler_py.ops.elementwise import LogitSoftCap, PerLayerGate, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
@@ -97,6 +104,16 @@ class Segment:
     rows: int
     start_pos: int
     row0: int = 0
+
+
+@dataclass(frozen=True)
+class Paged:
+    """The segments of a batched forward whose attention runs once per layer (`Transformer._pageable`): each
+    attention layer's batched op over their slab, how many segments its layout lists, and their indices."""
+
+    ops: list[BatchedAttention | None]
+    count: int
+    segments: frozenset[int]
 
 
 @dataclass
@@ -200,6 +217,9 @@ class Transformer:
             )
         self._cache_ops: dict[int, tuple[KVCache, list[Attention]]] = {}
         self._compactors: dict[int, tuple[KVCache, list[KVCompact]]] = {}
+        # Per arena slab: its layout words' tensor and each attention layer's batched op over it (None: a linear
+        # layer), for batched forwards whose sequences all sit in that slab.
+        self._paged: dict[int, tuple[KVSlab, Tensor, list[BatchedAttention | None]]] = {}
         # The first layer of each attention group: all layers of one window (0: full attention), head dim and
         # KV sharing share their attention uniforms' values in a call (Qwen 3.5's linear layers are in none).
         self._layer_group = [
@@ -404,11 +424,19 @@ class Transformer:
         return self.config.linear_attention is not None
 
     # -- KV caches -------------------------------------------------------------------------------------
-    def new_cache(self, max_seq: int | None = None) -> KVCache:
-        """A cache for the layers that write their own K/V (all but Gemma 4's KV-shared ones), each its shape."""
+    def new_arena(self, limit_bytes: int | None = None) -> KVArena:
+        """An arena for the caches of generations that batch (`new_cache(arena=)`), its slabs within `limit_bytes`
+        of K/V when a KV budget applies."""
+        per_position = 2 * 4 * sum(heads * dim for heads, dim in self._cache_shapes)
+        limit = None if limit_bytes is None else limit_bytes // per_position
+        return KVArena(self.gpu, self._cache_shapes, limit_positions=limit)
+
+    def new_cache(self, max_seq: int | None = None, arena: KVArena | None = None) -> KVCache:
+        """A cache for the layers that write their own K/V (all but Gemma 4's KV-shared ones), each its shape; with
+        `arena`, a run of one of its slabs, so that batched forwards attend over it with the other sequences'."""
         max_seq = min(max_seq or self.max_positions, self.max_positions)
         shapes = self._cache_shapes
-        cache = KVCache(self.gpu, len(shapes), max_seq, *shapes[0], layer_shapes=shapes)
+        cache = KVCache(self.gpu, len(shapes), max_seq, *shapes[0], layer_shapes=shapes, arena=arena)
         if self.config.linear_attention is not None:
             cache.recurrent = RecurrentState(
                 self.gpu, self.config.linear_attention, len(self._state_layer), self.max_rows
@@ -533,9 +561,88 @@ class Transformer:
             for op in compactor[1]:
                 op.release(self.registry)
         recurrent = cache.recurrent.tensors if cache.recurrent is not None else []
-        for t in cache.keys + cache.values + recurrent:
+        own = cache.keys + cache.values if cache.slab is None else []  # a slab's buffers outlive its runs
+        for t in own + recurrent:
             self.registry.forget_buffer(t.buffer)
-        cache.close()
+        emptied = cache.close()
+        if emptied is not None:
+            self._release_slab(emptied)
+
+    def release_arena(self, arena: KVArena) -> None:
+        """Free an arena's slabs (its caches' runs with them) and what was built on them."""
+        for slab in arena.slabs:
+            self._release_slab(slab)
+        arena.close()
+
+    def _release_slab(self, slab: KVSlab) -> None:
+        entry = self._paged.pop(id(slab), None)
+        if entry is not None and entry[0] is slab:
+            for op in entry[2]:
+                if op is not None:
+                    op.release(self.registry)
+            self.registry.release_tensors(entry[1])
+        for t in slab.keys + slab.values:
+            self.registry.forget_buffer(t.buffer)
+
+    def _paged_ops(self, slab: KVSlab) -> tuple[Tensor, list[BatchedAttention | None]]:
+        """The layout tensor and per-layer batched attention over `slab` (made on its first batched forward)."""
+        entry = self._paged.get(id(slab))
+        if entry is None or entry[0] is not slab:
+            cfg = self.config
+            words = paged_layout_capacity(self.max_rows, self.max_rows, slab.blocks)  # at most a segment a row
+            layout = Tensor.empty(self.gpu, words, "u32", "paged layout")
+            ops: list[BatchedAttention | None] = []
+            for i, layer in enumerate(self.layers):
+                if layer.linear:
+                    ops.append(None)
+                    continue
+                cache_layer = self._cache_layer[i]
+                ops.append(
+                    BatchedAttention(
+                        self.registry,
+                        self.qkv,
+                        slab.keys[cache_layer],
+                        slab.values[cache_layer],
+                        self.attn,
+                        layout,
+                        n_heads=cfg.num_attention_heads,
+                        n_kv_heads=cfg.layer_num_kv_heads(i),
+                        head_dim=cfg.layer_head_dim(i),
+                        pool_positions=slab.positions,
+                        block=BLOCK,
+                        max_rows=self.max_rows,
+                        rope=self.rope_tables[_rope_key(*self.layer_rope[i])],
+                        window=cfg.layer_window(i),
+                        scale=cfg.attention_scale,
+                        softcap=cfg.attn_logit_softcapping or 0.0,
+                        kv_shared=cfg.kv_source(i) != i,
+                    )
+                )
+            entry = self._paged[id(slab)] = (slab, layout, ops)
+        return entry[1], entry[2]
+
+    def _pageable(self, segments: Sequence[tuple[KVCache, int, int]]) -> tuple[KVSlab | None, list[int]]:
+        """The slab and the segments (indices) of a batched forward whose attention one dispatch per layer serves:
+        those in the slab holding most of them whose own call would run as one workgroup per kv head writing its
+        own keys (the "local" plan), which the batched kernel runs the same way, so each row's result is the one
+        its own call gives. (None, []) when fewer than two qualify: the others attend one call each."""
+        fit: dict[int, list[int]] = {}
+        for n, (cache, start_pos, rows) in enumerate(segments):
+            if cache.slab is None:
+                continue
+            ops = self.attention_ops(cache)
+            for i in self._group_layers.values():
+                op = ops[i]
+                if not isinstance(op, Attention) or rows > paged_max_rows(op.n_heads, op.n_kv_heads, op.head_dim):
+                    break
+                if op.rope_mode(rows, op.call(rows, start_pos)[1]) not in ("local", "shared"):
+                    break
+            else:
+                fit.setdefault(id(cache.slab), []).append(n)
+        chosen = max(fit.values(), key=len, default=[])
+        if len(chosen) < 2:
+            return None, []
+        return segments[chosen[0]][0].slab, chosen
 
     # -- forward -----------------------------------------------------------------------------------------
     def check_ids(self, ids: Sequence[int]) -> np.ndarray:
@@ -613,24 +720,44 @@ class Transformer:
                 del self._tapes[next(iter(self._tapes))]
             self._tapes[key] = _ForwardTape(tape, positioned)
 
-    def record_batch(self, rec: Recorder, segments: Sequence[tuple[KVCache, int, int]]) -> None:
+    def record_batch(
+        self, rec: Recorder, segments: Sequence[tuple[KVCache, int, int]], logit_rows: int | None = None
+    ) -> bool:
         """Record one forward over the rows of several sequences, stacked in `self.ids` in the order given: each
         (cache, start_pos, rows) segment's rows attend over its own cache (and write their K/V there), every
-        matmul runs once over all rows. Writes the logits of every row (rows ≤ max_logit_rows in all)."""
+        matmul runs once over all rows (≤ max_rows). Writes the logits of the first `logit_rows` rows (default all;
+        ≤ max_logit_rows): steps first, then prefills, which need none. True when attention ran once per layer for
+        some of them (`_pageable`)."""
         total = sum(rows for _, _, rows in segments)
-        if not 1 <= total <= self.max_logit_rows:
-            raise CapacityError(f"a batched forward takes 1..{self.max_logit_rows} rows in all, got {total}")
+        logit_rows = total if logit_rows is None else logit_rows
+        if not 1 <= total <= self.max_rows or not 0 <= logit_rows <= min(total, self.max_logit_rows):
+            raise CapacityError(
+                f"a batched forward takes 1..{self.max_rows} rows in all and logits for at most "
+                f"{self.max_logit_rows} of them, got {total} rows and {logit_rows} logit rows"
+            )
         stacked, row0 = [], 0
         for cache, start_pos, rows in segments:
             cache.check_room(start_pos, rows)
             stacked.append(Segment(self.attention_ops(cache), rows, start_pos, row0))
             self._settle(rec, cache, start_pos)
             row0 += rows
-        self._record_layers(rec, total, stacked, "all", None, False)
+        paged = None
+        slab, shared = self._pageable(segments)
+        if slab is not None:
+            layout, ops = self._paged_ops(slab)
+            words = [
+                PagedSegment(stacked[n].row0, stacked[n].rows, stacked[n].start_pos, segments[n][0].block_table)
+                for n in shared
+            ]
+            filled = next(op for op in ops if op is not None).layout_words(words)
+            layout.view((filled.size,)).write(filled)
+            paged = Paged(ops, len(shared), frozenset(shared))
+        self._record_layers(rec, total, stacked, "all", None, False, paged=paged, logit_rows=logit_rows)
         for cache, start_pos, rows in segments:
             cache.advance_to(max(cache.length, start_pos + rows))
             if cache.recurrent is not None:
                 cache.recurrent.ran(start_pos, rows)
+        return paged is not None
 
     def _record_layers(
         self,
@@ -641,10 +768,14 @@ class Transformer:
         num_layers: int | None,
         embedded: bool,
         tree: bool = False,
+        *,
+        paged: Paged | None = None,
+        logit_rows: int | None = None,
     ) -> dict[tuple[tuple, str], list[UniformSlot]]:
-        """Record the forward's dispatches over `rows` rows, each segment's attending over its own cache; returns
-        the uniform slots whose values depend on the positions (those of the attention and rope dispatches), per
-        attention group and kind of slot (`Attention.call`)."""
+        """Record the forward's dispatches over `rows` rows, each segment's attending over its own cache (those of
+        `paged` in one dispatch per attention layer, its layout written); returns the uniform slots whose values
+        depend on the positions (those of the attention and rope dispatches), per attention group and kind of slot
+        (`Attention.call`). With logits "all", `logit_rows` limits the LM head to the first rows (default all)."""
         positioned: dict[tuple[tuple, str], list[UniformSlot]] = {}
         if not embedded:
             self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
@@ -667,7 +798,13 @@ class Transformer:
             if layer.qk_norm:
                 layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
             # attention: q, k rotated (RoPE); k, v → cache; attn = softmax(q·K)·V
-            for seg in segments:
+            alone = segments
+            if paged is not None:
+                batched = paged.ops[i]
+                assert batched is not None
+                batched.record(rec, paged.count)  # those segments' rows, each over its own blocks: one dispatch
+                alone = [seg for n, seg in enumerate(segments) if n not in paged.segments]
+            for seg in alone:
                 op = seg.attention[i]
                 for kind, slot in op.record(rec, rows=seg.rows, start_pos=seg.start_pos, tree=tree, row0=seg.row0):
                     positioned.setdefault((self._layer_group[i], kind), []).append(slot)
@@ -678,8 +815,11 @@ class Transformer:
             if layer.post_attn:
                 layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
             self._record_mlp(rec, layer, rows, i)
+        head_rows = rows if logit_rows is None else logit_rows
+        if logits == "all" and head_rows == 0:
+            logits = "none"
         if logits == "all" or (logits == "last" and rows == 1):
-            self.lm_head.record(rec, rows=rows)  # matmul: logits = rmsnorm(x)·Wlm
+            self.lm_head.record(rec, rows=head_rows if logits == "all" else 1)  # matmul: logits = rmsnorm(x)·Wlm
         elif logits == "last":
             row_bytes = self.config.hidden_size * 4
             rec.copy(  # copy: x_last = x[rows - 1]
@@ -690,7 +830,7 @@ class Transformer:
             )
             self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[last])·Wlm
         if self.logit_softcap is not None and logits != "none":
-            self.logit_softcap.record(rec, rows=rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
+            self.logit_softcap.record(rec, rows=head_rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
         return positioned
 
     def _record_mlp(self, rec: Recorder, layer: _LayerOps, rows: int, i: int) -> None:
@@ -752,6 +892,8 @@ class Transformer:
         self._tapes.clear()
         for cache, _ in list(self._cache_ops.values()):
             self.release_cache(cache)
+        for slab, _, _ in list(self._paged.values()):
+            self._release_slab(slab)
         if self.closed:
             return
         self.registry.release_tensors(

@@ -1,4 +1,4 @@
-"""Concurrent generations batched on the GPU: their steps meet here and share one target forward.
+"""Concurrent generations batched on the GPU: their steps, and the prefills of those joining, share target forwards.
 
 Each generation runs on its own thread with its own `SpeculativeEngine` (its stepper, drafter, policy and KV
 cache). When a batch is attached (`SpeculativeEngine.batch`), a step does not run alone: it waits here until
@@ -8,21 +8,27 @@ batch before ended), and the last to arrive runs them all; steps that arrive mea
     for each step:  begin (proposal, masks, uploads to its own stepper's buffers)
     ONE forward over every step's rows, stacked: step b's k_b + 1 rows at row0_b, each attending over its
                     own KV cache (`Transformer.record_batch`; Σ(k_b + 1) ≤ the model's logit rows, else more
-                    forwards in turn)
+                    forwards in turn), then the rows of prefill chunks waiting to go (no logits)
     for each step:  its logits rows moved to rows 0.. of target.logits, then its masks, verification and
                     log-probs, as when it runs alone (`Stepper.record_checks`)
     ONE submit; each step's readback and commit (`Stepper.finish`)
 
-A step's tokens are those of its solo run: its rows see only its own cache, each matmul row is computed alone
-whatever the other rows hold, and its random numbers come from its own seeded stream. Generations join after
-their prefill and leave before their KV cache is freed, so a batch changes between any two steps (continuous
-batching).
+A generation that starts while others step prefills its prompt here too (`prefill`), a chunk per forward, its rows
+after the steps' rows: the others keep stepping while it prefills instead of waiting for its whole prompt, and
+the forward's matmuls serve both. With no step waiting, a chunk runs at once.
+
+The generations' KV caches are runs of the batch's arena (`model/kv_arena.py`): the steps whose caches sit in one
+slab attend in one dispatch per layer, each through its own cache's blocks (`ops.attention.BatchedAttention`);
+other rows (prefill chunks, caches in another slab) one call each. A step's tokens are those of its solo run: its
+rows see only its own cache, attention computes each row as its own call would and each matmul row alone, whatever
+the other rows hold, and its random numbers come from its own seeded stream. Generations join after their prefill
+and leave before their KV cache is freed, so a batch changes between any two steps (continuous batching).
 
 Only drafters that propose from the host without touching the target's buffers (`Drafter.batches`) take part:
 another's GPU drafting or feature reads would use activation rows that other sequences' rows now fill.
 
-Everything else that records GPU work on the shared model (prefills, prefix-cache copies, calibration, new
-engines) holds `gpu_lock`, which the running batch holds too.
+Everything else that records GPU work on the shared model (prefix-cache copies, calibration, new engines) holds
+`gpu_lock`, which the running batch holds too.
 """
 
 from __future__ import annotations
@@ -30,10 +36,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from doppler_py.errors import InternalError
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.linear import compile_rows
 from doppler_py.speculative.contract import Proposal, StepContext
@@ -44,32 +54,50 @@ from doppler_py.speculative.step import PendingStep, StepOutcome, Stepper
 GATHER_S = 0.05
 
 
-@dataclass(eq=False)
-class _Request:
+@dataclass(eq=False, kw_only=True)
+class _Turn:
+    """A piece of work waiting for a batch's forward."""
+
+    taken: bool = False  # a leader took it into a batch
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass(eq=False, kw_only=True)
+class _Step(_Turn):
     stepper: Stepper
     ctx: StepContext
     k: int
     proposal: Proposal | None
-    taken: bool = False  # a leader took it into a batch
-    done: bool = False
     outcome: StepOutcome | None = None
-    error: BaseException | None = None
     pending: PendingStep | None = field(default=None, repr=False)
+
+
+@dataclass(eq=False, kw_only=True)
+class _Prefill(_Turn):
+    """A chunk of a joining generation's prompt: its K/V written at positions start_pos.., no logits."""
+
+    cache: KVCache
+    start_pos: int
+    ids: np.ndarray
 
 
 class StepBatch:
     """The meeting point of the concurrent generations of one target model."""
 
-    def __init__(self, target: Transformer, *, gather_s: float = GATHER_S):
+    def __init__(self, target: Transformer, *, gather_s: float = GATHER_S, kv_limit_bytes: int | None = None):
         self.target = target
         self.gather_s = gather_s
+        self.arena = target.new_arena(kv_limit_bytes)  # the members' KV caches (`new_cache(arena=)`)
         self.gpu_lock = threading.RLock()
         self._cond = threading.Condition()
         self._members = 0  # generations between `join` and `leave`
-        self._arrived: list[_Request] = []
-        self._running = False  # a batch's steps are running
+        self._arrived: list[_Turn] = []
+        self._running = False  # a batch's forwards are running
         self._run_ended = 0.0  # when the last one ended (time.monotonic)
         self.sizes: Counter[int] = Counter()  # steps per batch run, over the batch's life (`/metrics`)
+        self.paged_forwards = 0  # forwards whose attention ran once per layer for several steps (`record_batch`)
+        self.prefill_rows_beside_steps = 0  # prompt rows prefilled in the forwards of running generations' steps
         self._logits_scratch: Tensor | None = None  # the batch's logits while each step's rows move into place
         self._warmup: threading.Thread | None = None
         self._stop = threading.Event()
@@ -77,6 +105,12 @@ class StepBatch:
     @property
     def members(self) -> int:
         return self._members
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of a prefill chunk: what a forward has room for beside a full set of steps' rows, when it has."""
+        target = self.target
+        return target.max_rows - target.max_logit_rows if target.max_rows > target.max_logit_rows else target.max_rows
 
     def join(self) -> None:
         """A generation's first step is next (its prefill is done)."""
@@ -91,7 +125,22 @@ class StepBatch:
 
     def step(self, stepper: Stepper, ctx: StepContext, k: int, proposal: Proposal | None = None) -> StepOutcome:
         """`stepper.step(ctx, k, proposal=proposal)`, run together with the other members' next steps."""
-        request = _Request(stepper, ctx, k, proposal)
+        request = _Step(stepper=stepper, ctx=ctx, k=k, proposal=proposal)
+        self._take_turn(request)
+        if request.outcome is None:
+            raise InternalError("a batched step ended without an outcome")
+        return request.outcome
+
+    def prefill(self, cache: KVCache, start_pos: int, ids: Sequence[int]) -> None:
+        """Write the K/V of `ids` (at most `chunk_rows`) at positions start_pos.. of `cache`, in the next forward
+        of the members' steps (or at once when none waits); returns once the forward is submitted."""
+        chunk = self.target.check_ids(ids)
+        if not 1 <= chunk.size <= self.chunk_rows:
+            raise InternalError(f"a batched prefill chunk takes 1..{self.chunk_rows} tokens, got {chunk.size}")
+        self._take_turn(_Prefill(cache=cache, start_pos=start_pos, ids=chunk))
+
+    def _take_turn(self, request: _Turn) -> None:
+        """Queue `request` for the next batch; the arrival that completes a batch runs it (module docstring)."""
         with self._cond:
             self._arrived.append(request)
             self._cond.notify_all()
@@ -104,7 +153,8 @@ class StepBatch:
                     self._cond.wait()
                     continue
                 left = max(arrived_at, self._run_ended) + self.gather_s - time.monotonic()
-                if len(self._arrived) >= self._members or left <= 0:
+                steps = sum(isinstance(turn, _Step) for turn in self._arrived)
+                if steps >= self._members or left <= 0:
                     batch, self._arrived = self._arrived, []
                     for member in batch:
                         member.taken = True
@@ -128,47 +178,62 @@ class StepBatch:
                     self._cond.wait()
         if request.error is not None:
             raise request.error
-        if request.outcome is None:
-            raise InternalError("a batched step ended without an outcome")
-        return request.outcome
 
-    def _run(self, batch: list[_Request]) -> None:
-        """Begin every step, run them in forwards of at most the model's logit rows, finish each."""
+    def _run(self, batch: list[_Turn]) -> None:
+        """Begin every step, run them in forwards of at most the model's logit rows with the prefill chunks where
+        rows are left (else forwards of their own), finish each step."""
         ready = []
         for request in batch:
+            if not isinstance(request, _Step):
+                continue
             try:
                 request.pending = request.stepper.begin(request.ctx, request.k, proposal=request.proposal)
                 ready.append(request)
             except Exception as exc:  # this generation's error (a drafter's, a grammar's), not the others'
                 request.error = exc
-        self.sizes[len(ready)] += 1
-        limit = self.target.max_logit_rows
-        group: list[_Request] = []
+        if ready:
+            self.sizes[len(ready)] += 1
+        target = self.target
+        forwards: list[tuple[list[_Step], list[_Prefill]]] = []
         for request in ready:
-            if group and sum(r.pending.rows for r in group) + request.pending.rows > limit:
-                self._forward(group)
-                group = []
-            group.append(request)
-        if group:
-            self._forward(group)
+            rows = request.pending.rows
+            if not forwards or sum(r.pending.rows for r in forwards[-1][0]) + rows > target.max_logit_rows:
+                forwards.append(([], []))
+            forwards[-1][0].append(request)
+        for chunk in (turn for turn in batch if isinstance(turn, _Prefill)):
+            for steps, prefills in forwards:
+                used = sum(r.pending.rows for r in steps) + sum(p.ids.size for p in prefills)
+                if used + chunk.ids.size <= target.max_rows:
+                    prefills.append(chunk)
+                    break
+            else:
+                forwards.append(([], [chunk]))
+        for steps, prefills in forwards:
+            self._forward(steps, prefills)
 
-    def _forward(self, group: list[_Request]) -> None:
+    def _forward(self, steps: list[_Step], prefills: list[_Prefill]) -> None:
         target = self.target
         rec = target.registry.recorder()
         segments, row0 = [], 0
-        for request in group:
+        for request in steps:
             pending = request.pending
             request.stepper.record_inputs(rec, pending, row0)
             segments.append((pending.ctx.target_cache, pending.pos, pending.rows))
             row0 += pending.rows
+        logit_rows = row0
         try:
-            target.record_batch(rec, segments)
-            copy = self._logits_copy() if len(group) > 1 else None
+            for chunk in prefills:
+                target.ids.view((chunk.ids.size,), offset_bytes=4 * row0).write(chunk.ids)
+                segments.append((chunk.cache, chunk.start_pos, chunk.ids.size))
+                row0 += chunk.ids.size
+            if target.record_batch(rec, segments, logit_rows):
+                self.paged_forwards += 1
+            copy = self._logits_copy() if len(steps) > 1 else None
             row_bytes = 4 * target.config.vocab_size
             if copy is not None:
-                rec.copy(target.logits, copy, row0 * row_bytes)
+                rec.copy(target.logits, copy, logit_rows * row_bytes)
             row0 = 0
-            for request in group:
+            for request in steps:
                 rows = request.pending.rows
                 if row0:
                     rec.copy(copy, target.logits, rows * row_bytes, src_offset=row0 * row_bytes)
@@ -176,10 +241,12 @@ class StepBatch:
                 row0 += rows
             rec.submit()
         except Exception as exc:
-            for request in group:
+            for request in [*steps, *prefills]:
                 request.error = exc
             return
-        for request in group:
+        if steps:
+            self.prefill_rows_beside_steps += sum(chunk.ids.size for chunk in prefills)
+        for request in steps:
             try:
                 request.outcome = request.stepper.finish(request.pending)
             except Exception as exc:
@@ -211,3 +278,4 @@ class StepBatch:
         if self._logits_scratch is not None:
             self.target.registry.release_tensors(self._logits_scratch)
             self._logits_scratch = None
+        self.target.release_arena(self.arena)

@@ -372,8 +372,7 @@ class SpeculativeEngine:
             reserved = self.target.cache_bytes(self._capacity(len(tokens), max_new_tokens))
             self.kv_budget.reserve(reserved)
         try:
-            with self._gpu_lock():
-                return self._open_context(tokens, max_new_tokens, params, k, grammar)
+            return self._open_context(tokens, max_new_tokens, params, k, grammar)
         except BaseException:
             if self.kv_budget is not None:
                 self.kv_budget.release(reserved)
@@ -391,34 +390,44 @@ class SpeculativeEngine:
         k: int | None,
         grammar: GrammarMatcher | None,
     ) -> StepContext:
-        target = self.target
+        target, batch = self.target, self.batch
         self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
         capacity = self._capacity(len(tokens), max_new_tokens)
-        cache = target.new_cache(capacity)
+        with self._gpu_lock():
+            cache = target.new_cache(capacity, arena=batch.arena if batch is not None else None)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity, grammar=grammar)
         if self.policy.adaptive and self.policy.cost_aware:
             ctx.worth_drafting = lambda values: worth_drafting(values, self.policy.costs)
         try:
-            # A seeded sampled generation's tokens follow its drafts' draws: the same with a hit or without.
-            seeded = not self.policy.cost_aware
-            if self.prefix_cache is not None and not (seeded and self.drafter.reads_prompt_features):
-                entry, ctx.cached = self.prefix_cache.lookup(tokens)
-                if entry is not None:
-                    self.prefix_cache.restore(entry, ctx.cached, cache)
-            self.drafter.start(ctx)
-            # Without a drafter reading the prompt's features, only the layers that write K/V need to run.
+            with self._gpu_lock():
+                # A seeded sampled generation's tokens follow its drafts' draws: the same with a hit or without.
+                seeded = not self.policy.cost_aware
+                if self.prefix_cache is not None and not (seeded and self.drafter.reads_prompt_features):
+                    entry, ctx.cached = self.prefix_cache.lookup(tokens)
+                    if entry is not None:
+                        self.prefix_cache.restore(entry, ctx.cached, cache)
+                self.drafter.start(ctx)
+            # Without a drafter reading the prompt's features, only the layers that write K/V need to run. Beside
+            # running generations the chunks ride along with their steps (`StepBatch.prefill`; such drafters
+            # read no features).
             layers = None if self.drafter.reads_prompt_features else target.prefill_layers
-            for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):  # the last token is fed by step 1
-                chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
-                target.forward(chunk, cache, begin, logits="none", num_layers=layers)
+            size = batch.chunk_rows if batch is not None else target.max_rows
+            for begin in range(ctx.cached, len(tokens) - 1, size):  # the last token is fed by step 1
+                chunk = tokens[begin : min(begin + size, len(tokens) - 1)]
+                if batch is not None:
+                    batch.prefill(cache, begin, chunk)
+                else:
+                    target.forward(chunk, cache, begin, logits="none", num_layers=layers)
                 ctx.hidden_rows = len(chunk)
                 self.drafter.prefilled(ctx, begin)
         except BaseException:
             self.close_context(ctx)
             raise
         # Submits return before the GPU is done: wait, so the prefill is not billed to the first step
-        # (which would also skew the measured plain-step cost the policy relies on).
-        target.gpu.wait_idle()
+        # (which would also skew the measured plain-step cost the policy relies on). Not beside other generations:
+        # their steps keep the GPU busy, and batched steps are not priced one by one.
+        if batch is None:
+            target.gpu.wait_idle()
         return ctx
 
     def close_context(self, ctx: StepContext) -> None:

@@ -96,19 +96,26 @@ def test_each_batched_generation_equals_its_solo_run(models, drafter, params, st
     assert outputs == solo_runs(target, drafter, params)
     shared = sum(count for size, count in batch.sizes.items() if size > 1)
     assert shared > 0, batch.sizes  # the steps did share forwards
+    assert batch.paged_forwards > 0  # ... and attention dispatches, their caches in one arena slab
+    if staggered:  # later prompts were prefilled in the running generations' forwards
+        assert batch.prefill_rows_beside_steps > 0
     assert batch.members == 0
+    assert not batch.arena.slabs  # every cache gave its blocks back
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
-def test_hybrid_generations_batch_with_their_own_recurrent_states(tiny_model, params):
+@pytest.mark.parametrize("family", ["qwen3_5-hybrid", "gemma4"])
+def test_other_families_batch_each_generation_as_its_solo_run(tiny_model, family, params):
     """Qwen 3.5: each segment's Gated DeltaNet rows read its own state and the rows kept are committed per
-    sequence before the next batched forward."""
+    sequence before the next batched forward, while its attention layers run once for all. Gemma 4: sliding and
+    full layers of different head shapes, and KV-shared layers reading an earlier layer's blocks."""
     from doppler_py.testing.tiny import TINY_SPECS
 
-    hybrid = tiny_model(TINY_SPECS["qwen3_5-hybrid"], max_rows=32)
-    outputs, batch = batched_runs(hybrid, "prompt-lookup", params, staggered=True)
-    assert outputs == solo_runs(hybrid, "prompt-lookup", params)
+    model = tiny_model(TINY_SPECS[family], max_rows=32)
+    outputs, batch = batched_runs(model, "prompt-lookup", params, staggered=True)
+    assert outputs == solo_runs(model, "prompt-lookup", params)
     assert sum(count for size, count in batch.sizes.items() if size > 1) > 0, batch.sizes
+    assert batch.paged_forwards > 0
 
 
 def test_a_failing_generation_leaves_the_others_unharmed(models):
