@@ -10,12 +10,16 @@ ids), which the kernel takes in any order (`ops.attention.BatchedAttention`).
 
 Runs are first fit within a slab. A slab that has no run of the size asked for leaves it to a new slab, twice the
 largest slab's size (at least the request), so that the running generations soon share one slab again as the old
-ones drain; a slab is freed as soon as its last run is given back. Under a KV budget (`speculative.kv_budget`) a
-slab never holds more positions than the budget allows, unless one request alone needs more.
+ones drain; a slab is freed as soon as its last run is given back. Under a KV budget (`speculative.kv_budget`) the
+slabs together never hold more positions than the budget (`limit_positions`), so the budget bounds the GPU memory
+itself: a request that finds no run and no room for a new slab waits (`wait_for_room`) until runs are given back
+(the budget's own reservation, which comes first, makes that wait short: what the running generations hold leaves
+room for the request, only not in one run). A request alone in an empty arena always gets its slab.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from doppler_py.errors import CapacityError
@@ -53,6 +57,10 @@ class KVSlab:
     @property
     def used_blocks(self) -> int:
         return self.blocks - sum(count for _, count in self._free)
+
+    @property
+    def longest_run(self) -> int:
+        return max((count for _, count in self._free), default=0)
 
     def take(self, count: int) -> int | None:
         """The first block of a run of `count` free blocks, now taken (first fit); None when no run is that long."""
@@ -101,10 +109,10 @@ class KVArena:
         self.layer_shapes = tuple(layer_shapes)
         self.label = label
         row_bytes = 4 * max(heads * dim for heads, dim in self.layer_shapes)
-        self._max_blocks = gpu.max_binding_bytes // (row_bytes * BLOCK)
-        if limit_positions is not None:
-            self._max_blocks = min(self._max_blocks, max(1, limit_positions // BLOCK))
+        self._max_blocks = gpu.max_binding_bytes // (row_bytes * BLOCK)  # one slab's
+        self.limit_blocks = None if limit_positions is None else max(1, limit_positions // BLOCK)  # all slabs'
         self.slabs: list[KVSlab] = []
+        self._room = threading.Condition()  # notified when runs are given back
 
     @property
     def nbytes(self) -> int:
@@ -117,15 +125,40 @@ class KVArena:
         """Blocks the caches hold."""
         return sum(slab.used_blocks for slab in list(self.slabs))
 
+    def _new_slab_blocks(self, count: int) -> int | None:
+        """Blocks of the slab a request of `count` blocks would get next, None when the limit leaves no room."""
+        largest = max((slab.blocks for slab in self.slabs), default=MIN_SLAB_BLOCKS // 2)
+        held = sum(slab.blocks for slab in self.slabs)
+        blocks = min(2 * largest, self._max_blocks)
+        if self.limit_blocks is not None:
+            blocks = min(blocks, self.limit_blocks - held)
+        blocks = max(blocks, count)
+        if self.limit_blocks is not None and self.slabs and held + blocks > self.limit_blocks:
+            return None
+        return blocks
+
+    def has_room(self, positions: int) -> bool:
+        """Whether `take(positions)` would succeed now."""
+        count = blocks_for(positions)
+        return any(slab.longest_run >= count for slab in self.slabs) or self._new_slab_blocks(count) is not None
+
+    def wait_for_room(self, positions: int) -> None:
+        """Wait until `has_room(positions)` (runs given back); callers then take under the lock that serialises
+        taking (the model's `gpu_lock`), checking again."""
+        with self._room:
+            self._room.wait_for(lambda: self.has_room(positions))
+
     def take(self, positions: int) -> tuple[KVSlab, int, int]:
-        """(slab, first block, block count) of a new run holding `positions` positions."""
+        """(slab, first block, block count) of a new run holding `positions` positions; `CapacityError` when the
+        limit leaves no room now (check `has_room` first)."""
         count = blocks_for(positions)
         for slab in sorted(self.slabs, key=lambda s: -s.blocks):  # the largest first: generations gather there
             first = slab.take(count)
             if first is not None:
                 return slab, first, count
-        largest = max((slab.blocks for slab in self.slabs), default=MIN_SLAB_BLOCKS // 2)
-        blocks = max(count, min(2 * largest, self._max_blocks))
+        blocks = self._new_slab_blocks(count)
+        if blocks is None:
+            raise CapacityError(f"the KV arena has no run of {count} blocks free within its limit; wait_for_room")
         self.gpu.check_buffer_size(
             4 * blocks * BLOCK * max(heads * dim for heads, dim in self.layer_shapes),
             f"a KV slab of {blocks * BLOCK} positions ({self.label})",
@@ -139,11 +172,13 @@ class KVArena:
 
     def give_back(self, slab: KVSlab, first: int, count: int) -> bool:
         """Return a run; True when that emptied its slab, which is then removed (the caller frees it)."""
-        slab.give_back(first, count)
-        if slab.used_blocks:
-            return False
-        self.slabs.remove(slab)
-        return True
+        with self._room:
+            slab.give_back(first, count)
+            emptied = not slab.used_blocks
+            if emptied:
+                self.slabs.remove(slab)
+            self._room.notify_all()
+        return emptied
 
     def close(self) -> None:
         for slab in self.slabs:

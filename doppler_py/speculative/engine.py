@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError, InternalError
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
@@ -393,8 +394,7 @@ class SpeculativeEngine:
         target, batch = self.target, self.batch
         self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
         capacity = self._capacity(len(tokens), max_new_tokens)
-        with self._gpu_lock():
-            cache = target.new_cache(capacity, arena=batch.arena if batch is not None else None)
+        cache = self._new_cache(capacity)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity, grammar=grammar)
         if self.policy.adaptive and self.policy.cost_aware:
             ctx.worth_drafting = lambda values: worth_drafting(values, self.policy.costs)
@@ -429,6 +429,18 @@ class SpeculativeEngine:
         if batch is None:
             target.gpu.wait_idle()
         return ctx
+
+    def _new_cache(self, capacity: int) -> KVCache:
+        """The generation's target cache: its own, or beside other generations a run of their arena, waiting (not
+        holding the GPU) while the arena's limit leaves no run that long (`KVArena.wait_for_room`)."""
+        if self.batch is None:
+            return self.target.new_cache(capacity)
+        arena = self.batch.arena
+        while True:
+            with self._gpu_lock():  # every take holds it, so room seen here is room taken
+                if arena.has_room(capacity):
+                    return self.target.new_cache(capacity, arena=arena)
+            arena.wait_for_room(capacity)
 
     def close_context(self, ctx: StepContext) -> None:
         """A generation's end (completed, failed or cancelled): its committed tokens' K/V kept in the prefix

@@ -4,6 +4,8 @@ the logits of a forward over a cache of its own; copies between the two kinds la
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -53,15 +55,34 @@ def test_a_slab_without_room_leaves_the_request_to_a_doubled_one_and_empty_slabs
         arena.close()
 
 
-def test_a_budget_caps_a_slab_unless_one_request_alone_needs_more(gpu):
-    arena = KVArena(gpu, SHAPES, limit_positions=3 * BLOCK)
+def test_a_limit_bounds_all_slabs_together_and_a_request_waits_for_runs_given_back(gpu):
+    arena = KVArena(gpu, SHAPES, limit_positions=5 * BLOCK)
     try:
-        slab, _, _ = arena.take(1)
-        assert slab.blocks == 3
-        big, _, _ = arena.take(5 * BLOCK)
-        assert big.blocks == 5
+        slab = arena.take(1)[0]
+        assert slab.blocks == 5  # the limit, not the doubling
+        _, b, count = arena.take(4 * BLOCK)
+        assert not arena.has_room(1)
+        with pytest.raises(CapacityError, match="wait_for_room"):
+            arena.take(1)
+        waited = threading.Event()
+
+        def wait() -> None:
+            arena.wait_for_room(2 * BLOCK)
+            waited.set()
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert not waited.wait(0.2)
+        arena.give_back(slab, b, count)
+        waiter.join(5)
+        assert waited.is_set() and arena.take(2 * BLOCK)[0] is slab
     finally:
         arena.close()
+    lone = KVArena(gpu, SHAPES, limit_positions=3 * BLOCK)
+    try:
+        assert lone.take(5 * BLOCK)[0].blocks == 5  # alone in an empty arena, a request always gets its slab
+    finally:
+        lone.close()
 
 
 def test_an_arena_cache_is_a_view_of_its_run_and_copies_use_the_offsets(model):

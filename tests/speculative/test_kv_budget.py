@@ -11,6 +11,7 @@ import pytest
 
 from doppler_py.errors import CapacityError
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.kv_budget import KVBudget
@@ -52,13 +53,18 @@ def test_a_caches_bytes_are_known_before_it_is_made(tiny_model, name):
         model.release_cache(cache)
 
 
-def test_a_generation_that_does_not_fit_beside_another_waits_for_it_and_is_unchanged(models):
+@pytest.mark.parametrize("bound", ["budget", "arena"])
+def test_a_generation_that_does_not_fit_beside_another_waits_for_it_and_is_unchanged(models, bound):
+    """`budget`: the bytes the generations reserve; `arena`: the slabs of batched generations (their KV memory
+    itself, `model/kv_arena.py`), which a budget limits too."""
     target = models["target"]
     solo = SpeculativeEngine(target, PromptLookupDrafter())
     expected = [solo.generate(prompt, NEW, GREEDY).tokens for prompt in PROMPTS]
     one = target.cache_bytes(solo._capacity(len(PROMPTS[0]), NEW))
     solo.close()
-    budget = KVBudget(one + one // 2)  # room for one generation's cache, not two
+    limit = one + one // 2  # room for one generation's cache, not two
+    budget = KVBudget(limit) if bound == "budget" else None
+    batch = StepBatch(target, kv_limit_bytes=limit) if bound == "arena" else None
     engines = [SpeculativeEngine(target, PromptLookupDrafter()) for _ in PROMPTS]
     outputs: list[list[int]] = [[], []]
     spans: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
@@ -66,6 +72,7 @@ def test_a_generation_that_does_not_fit_beside_another_waits_for_it_and_is_uncha
 
     def run(i: int) -> None:
         engines[i].kv_budget = budget
+        engines[i].batch = batch
         steps = engines[i].iter_generate(PROMPTS[i], NEW, GREEDY, stats=SpecStats())
         for new in steps:
             if not outputs[i]:
@@ -85,7 +92,11 @@ def test_a_generation_that_does_not_fit_beside_another_waits_for_it_and_is_uncha
     for engine in engines:
         engine.close()
     assert outputs == expected
-    assert budget.waited == 1 and budget.reserved == 0
+    if budget is not None:
+        assert budget.waited == 1 and budget.reserved == 0
+    else:
+        assert batch is not None and not batch.arena.slabs
+        batch.close()
     assert spans[1][0] >= spans[0][1]  # the second produced nothing before the first had ended
 
 
