@@ -64,7 +64,7 @@ from doppler_py.ops.attention import (
 from doppler_py.ops.elementwise import LogitSoftCap, PerLayerGate, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
-from doppler_py.ops.linear import GatedInput, InputNorm, Linear
+from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, GatedInput, InputNorm, Linear
 from doppler_py.ops.linear_attention import (
     GatedDeltaNet,
     LayerState,
@@ -424,6 +424,15 @@ class Transformer:
         return self.config.linear_attention is not None
 
     # -- KV caches -------------------------------------------------------------------------------------
+    @property
+    def rows_alone(self) -> int:
+        """The most rows a forward may take with each row's result the one it gets in a forward of its own: every
+        row count runs the register matmul kernels on CPU adapters, which compute each row alone; GPUs switch to
+        the tiled GEMM past REGISTER_TILED_MAX_ROWS, whose sums round differently."""
+        if any(linear.tiled_gemm for linear in self.linears()):
+            return min(self.max_rows, REGISTER_TILED_MAX_ROWS)
+        return self.max_rows
+
     def new_arena(self, limit_bytes: int | None = None) -> KVArena:
         """An arena for the caches of generations that batch (`new_cache(arena=)`), its slabs within `limit_bytes`
         of K/V when a KV budget applies."""

@@ -7,8 +7,9 @@ batch before ended), and the last to arrive runs them all; steps that arrive mea
 
     for each step:  begin (proposal, masks, uploads to its own stepper's buffers)
     ONE forward over every step's rows, stacked: step b's k_b + 1 rows at row0_b, each attending over its
-                    own KV cache (`Transformer.record_batch`; Σ(k_b + 1) ≤ the model's logit rows, else more
-                    forwards in turn), then the rows of prefill chunks waiting to go (no logits)
+                    own KV cache (`Transformer.record_batch`; Σ(k_b + 1) ≤ the model's logit rows and
+                    `rows_alone`, else more forwards in turn), then the rows of prefill chunks waiting to go
+                    (no logits)
     for each step:  its logits rows moved to rows 0.. of target.logits, then its masks, verification and
                     log-probs, as when it runs alone (`Stepper.record_checks`)
     ONE submit; each step's readback and commit (`Stepper.finish`)
@@ -193,17 +194,20 @@ class StepBatch:
                 request.error = exc
         if ready:
             self.sizes[len(ready)] += 1
-        target = self.target
+        # A step's rows share a forward only as far as each row's result stays its solo one (`rows_alone`).
+        alone = self.target.rows_alone
         forwards: list[tuple[list[_Step], list[_Prefill]]] = []
         for request in ready:
             rows = request.pending.rows
-            if not forwards or sum(r.pending.rows for r in forwards[-1][0]) + rows > target.max_logit_rows:
+            if not forwards or sum(r.pending.rows for r in forwards[-1][0]) + rows > min(
+                self.target.max_logit_rows, alone
+            ):
                 forwards.append(([], []))
             forwards[-1][0].append(request)
         for chunk in (turn for turn in batch if isinstance(turn, _Prefill)):
             for steps, prefills in forwards:
                 used = sum(r.pending.rows for r in steps) + sum(p.ids.size for p in prefills)
-                if used + chunk.ids.size <= target.max_rows:
+                if used + chunk.ids.size <= (alone if steps else self.target.max_rows):
                     prefills.append(chunk)
                     break
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from support.tiny_specs import TARGET
 
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.batch import StepBatch
@@ -24,8 +25,9 @@ PROMPTS = [
     [30, 31, 32, 33, 30, 31, 32],
 ]
 MAX_TOKENS = [14, 9, 20, 12]
+GREEDY_PARAMS = SamplingParams()
 PARAMS = {
-    "greedy": SamplingParams(),
+    "greedy": GREEDY_PARAMS,
     "sampled": SamplingParams(temperature=1.1, top_k=12, seed=5),
 }
 
@@ -164,3 +166,33 @@ def test_only_host_drafters_declare_they_batch(models):
     assert not draft.batches  # drafts on the GPU, into buffers every sequence would share
     assert not BestOfDrafter(PromptLookupDrafter(), draft).batches
     draft.close()
+
+
+def test_where_matmuls_change_kernel_past_16_rows_steps_share_forwards_only_within_them(tiny_model, monkeypatch):
+    """GPUs run the tiled GEMM for calls over REGISTER_TILED_MAX_ROWS rows, whose sums round unlike the register
+    kernel's; five k=4 prompt-lookup steps (up to 25 rows) must then go in forwards of at most 16 rows for each
+    to equal its solo run. Lavapipe runs the same tiled GEMM when told to."""
+    target = tiny_model(TARGET, max_rows=32, max_positions=200)  # its own instance: its matmuls are switched
+    for linear in target.linears():
+        monkeypatch.setattr(linear, "tiled_gemm", True)
+    prompts = [*PROMPTS, [12, 13, 14, 12, 13, 14, 12]]
+    solo = SpeculativeEngine(target, PromptLookupDrafter())
+    expected = [solo.generate(prompt, 24, GREEDY_PARAMS, k=4).tokens for prompt in prompts]
+    solo.close()
+    batch = StepBatch(target, gather_s=1.0)
+    outputs: list[list[int] | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        engine = engine_for(target, "prompt-lookup", batch)
+        outputs[i] = engine.generate(prompts[i], 24, GREEDY_PARAMS, k=4).tokens
+        engine.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    batch.close()
+    assert target.rows_alone == 16
+    assert outputs == expected
+    assert batch.sizes[len(prompts)] > 0, batch.sizes
