@@ -17,9 +17,11 @@ Prompts: `bench_speculative.PROMPTS`' open-ended group (`--groups`), client i's 
 n, so the clients start on different prompts. Per cell: aggregate completion tokens/s (all tokens over the cell's
 wall time, which ends when its last request does), time to first token (request sent → first content delta),
 inter-token latency (gaps between content deltas) and time per output token after the first (a request's last delta
-minus its first, over its tokens − 1) at p50/p95, and the batched server's mean steps per forward. The one-at-a-time
-engine decodes several plain tokens per GPU submit (about 0.2 s of them, `speculative.engine.BATCH_TARGET_S`) and
-streams them as one delta, the batched one a delta per step: compare their per-token latency by TPOT, not ITL. Each
+minus its first, over its tokens − 1) at p50/p95, and the batched server's mean steps per forward (the JSON also
+has its forwards whose attention ran once for several generations and its prompt rows prefilled beside their
+steps). The one-at-a-time engine decodes several plain tokens per GPU submit (about 0.2 s of them,
+`speculative.engine.BATCH_TARGET_S`) and streams them as one delta, the batched one a delta per step: compare their
+per-token latency by TPOT, not ITL. Each
 C runs both servers in turn, in an order that alternates from C to C and from repeat to repeat (`--repeats`, default
 1); the table has medians over repeats, the ratios (batched / one-at-a-time) are medians of each repeat's paired
 ratio. Before the timings, each server answers one request per client for every C (each batch row count compiles its
@@ -256,6 +258,17 @@ def cell_figures(done: list[dict], wall: float) -> dict:
     }
 
 
+def batch_counts(batch) -> dict[str, int]:
+    """The batched server's running counts: forwards whose attention ran once for several generations, prompt rows
+    prefilled beside generations' steps (`speculative.batch.StepBatch`)."""
+    if batch is None:
+        return {"shared_attention_forwards": 0, "prefill_rows_beside_steps": 0}
+    return {
+        "shared_attention_forwards": batch.paged_forwards,
+        "prefill_rows_beside_steps": batch.prefill_rows_beside_steps,
+    }
+
+
 def mean_rows(sizes: Counter) -> float | None:
     """Mean steps per batched forward of a Counter of steps per forward (None: no forward)."""
     forwards = sum(sizes.values())
@@ -327,9 +340,12 @@ def concurrency_part(args) -> dict | None:
                 for server in order:
                     batch = engines[server].batch
                     before = Counter(batch.sizes) if batch is not None else Counter()
+                    counts = batch_counts(batch)
                     done, wall = run_cell(pool, urls[server], models[server], prompts, clients=c, **cell)
                     sizes = (batch.sizes - before) if batch is not None else Counter()
+                    counted = {key: value - counts[key] for key, value in batch_counts(batch).items()}
                     figures = cell_figures(done, wall) | {"mean_rows": mean_rows(sizes), "batch_sizes": dict(sizes)}
+                    figures |= counted
                     runs[server][c].append(figures | {"done": done})
                     print(
                         f"repeat {repeat} clients {c} {server}: {figures['tok_s']:.1f} tok/s, "
