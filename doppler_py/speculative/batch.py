@@ -9,14 +9,15 @@ batch before ended), and the last to arrive runs them all; steps that arrive mea
     ONE forward over every step's rows, stacked: step b's k_b + 1 rows at row0_b, each attending over its
                     own KV cache (`Transformer.record_batch`; Σ(k_b + 1) ≤ the model's logit rows and
                     `rows_alone`, else more forwards in turn), then the rows of prefill chunks waiting to go
-                    (no logits)
+                    (no logits) as far as rows are left
     for each step:  its logits rows moved to rows 0.. of target.logits, then its masks, verification and
                     log-probs, as when it runs alone (`Stepper.record_checks`)
     ONE submit; each step's readback and commit (`Stepper.finish`)
 
-A generation that starts while others step prefills its prompt here too (`prefill`), a chunk per forward, its rows
-after the steps' rows: the others keep stepping while it prefills instead of waiting for its whole prompt, and
-the forward's matmuls serve both. With no step waiting, a chunk runs at once.
+A generation that starts while others step prefills its prompt here too (`prefill`): each forward of their steps
+takes as many of its rows as it has room for after theirs, so the others keep stepping while it prefills instead
+of waiting for its whole prompt, and the forward's matmuls serve both. With no step waiting, its rows run at once
+in forwards of their own.
 
 The generations' KV caches are runs of the batch's arena (`model/kv_arena.py`): the steps whose caches sit in one
 slab attend in one dispatch per layer, each through its own cache's blocks (`ops.attention.BatchedAttention`);
@@ -76,11 +77,16 @@ class _Step(_Turn):
 
 @dataclass(eq=False, kw_only=True)
 class _Prefill(_Turn):
-    """A chunk of a joining generation's prompt: its K/V written at positions start_pos.., no logits."""
+    """A joining generation's prompt (but its last token): its K/V written at positions start_pos.., no logits."""
 
     cache: KVCache
     start_pos: int
     ids: np.ndarray
+    rows_done: int = 0  # rows whose forward was submitted
+
+    @property
+    def rows_left(self) -> int:
+        return self.ids.size - self.rows_done
 
 
 class StepBatch:
@@ -107,12 +113,6 @@ class StepBatch:
     def members(self) -> int:
         return self._members
 
-    @property
-    def chunk_rows(self) -> int:
-        """Rows of a prefill chunk: what a forward has room for beside a full set of steps' rows, when it has."""
-        target = self.target
-        return target.max_rows - target.max_logit_rows if target.max_rows > target.max_logit_rows else target.max_rows
-
     def join(self) -> None:
         """A generation's first step is next (its prefill is done)."""
         with self._cond:
@@ -133,56 +133,61 @@ class StepBatch:
         return request.outcome
 
     def prefill(self, cache: KVCache, start_pos: int, ids: Sequence[int]) -> None:
-        """Write the K/V of `ids` (at most `chunk_rows`) at positions start_pos.. of `cache`, in the next forward
-        of the members' steps (or at once when none waits); returns once the forward is submitted."""
-        chunk = self.target.check_ids(ids)
-        if not 1 <= chunk.size <= self.chunk_rows:
-            raise InternalError(f"a batched prefill chunk takes 1..{self.chunk_rows} tokens, got {chunk.size}")
-        self._take_turn(_Prefill(cache=cache, start_pos=start_pos, ids=chunk))
+        """Write the K/V of `ids` at positions start_pos.. of `cache`: as many rows as fit beside the members' next
+        steps in each of their forwards (in forwards of its own when no step waits, or when none has room);
+        returns once the last rows' forward is submitted."""
+        prompt = self.target.check_ids(ids)
+        if prompt.size:
+            self._take_turn(_Prefill(cache=cache, start_pos=start_pos, ids=prompt))
 
     def _take_turn(self, request: _Turn) -> None:
-        """Queue `request` for the next batch; the arrival that completes a batch runs it (module docstring)."""
+        """Queue `request` for the next batch; the arrival that completes a batch runs it (module docstring). A
+        prefill whose rows did not all fit goes back into the queue for the next batch."""
         with self._cond:
             self._arrived.append(request)
             self._cond.notify_all()
             arrived_at = time.monotonic()
+        while True:
             batch = None
-            while not request.taken:
-                # One batch at a time: steps that arrive while one runs wait for it, and for its members, which
-                # come back together, so the generations keep stepping in one batch rather than in turns.
-                if self._running:
-                    self._cond.wait()
-                    continue
-                left = max(arrived_at, self._run_ended) + self.gather_s - time.monotonic()
-                steps = sum(isinstance(turn, _Step) for turn in self._arrived)
-                if steps >= self._members or left <= 0:
-                    batch, self._arrived = self._arrived, []
-                    for member in batch:
-                        member.taken = True
-                    self._running = True
-                    break
-                self._cond.wait(left)
-        if batch is not None:
+            with self._cond:
+                while not request.done:
+                    # One batch at a time: steps that arrive while one runs wait for it, and for its members, which
+                    # come back together, so the generations keep stepping in one batch rather than in turns.
+                    if self._running or request.taken:
+                        self._cond.wait()
+                        continue
+                    left = max(arrived_at, self._run_ended) + self.gather_s - time.monotonic()
+                    steps = sum(isinstance(turn, _Step) for turn in self._arrived)
+                    if steps >= self._members or left <= 0:
+                        batch, self._arrived = self._arrived, []
+                        for member in batch:
+                            member.taken = True
+                        self._running = True
+                        break
+                    self._cond.wait(left)
+            if batch is None:
+                break
             try:
                 with self.gpu_lock:
                     self._run(batch)
             finally:
                 with self._cond:
                     for member in batch:
-                        member.done = True
+                        if isinstance(member, _Prefill) and member.rows_left and member.error is None:
+                            member.taken = False
+                            self._arrived.append(member)
+                        else:
+                            member.done = True
                     self._running = False
                     self._run_ended = time.monotonic()
                     self._cond.notify_all()
-        else:
-            with self._cond:
-                while not request.done:
-                    self._cond.wait()
         if request.error is not None:
             raise request.error
 
     def _run(self, batch: list[_Turn]) -> None:
-        """Begin every step, run them in forwards of at most the model's logit rows with the prefill chunks where
-        rows are left (else forwards of their own), finish each step."""
+        """Begin every step, run them in forwards of at most the model's logit rows with prefill rows where rows
+        are left, finish each step. Without steps, prefills run whole in forwards of their own; with steps, a prefill
+        that found no room gets one forward of its own, and one that did waits for the next batch with its rest."""
         ready = []
         for request in batch:
             if not isinstance(request, _Step):
@@ -194,28 +199,32 @@ class StepBatch:
                 request.error = exc
         if ready:
             self.sizes[len(ready)] += 1
+        target = self.target
         # A step's rows share a forward only as far as each row's result stays its solo one (`rows_alone`).
-        alone = self.target.rows_alone
-        forwards: list[tuple[list[_Step], list[_Prefill]]] = []
+        alone = target.rows_alone
+        forwards: list[tuple[list[_Step], list[tuple[_Prefill, int]]]] = []
         for request in ready:
             rows = request.pending.rows
-            if not forwards or sum(r.pending.rows for r in forwards[-1][0]) + rows > min(
-                self.target.max_logit_rows, alone
-            ):
+            if not forwards or sum(r.pending.rows for r in forwards[-1][0]) + rows > min(target.max_logit_rows, alone):
                 forwards.append(([], []))
             forwards[-1][0].append(request)
-        for chunk in (turn for turn in batch if isinstance(turn, _Prefill)):
-            for steps, prefills in forwards:
-                used = sum(r.pending.rows for r in steps) + sum(p.ids.size for p in prefills)
-                if used + chunk.ids.size <= (alone if steps else self.target.max_rows):
-                    prefills.append(chunk)
-                    break
-            else:
-                forwards.append(([], [chunk]))
-        for steps, prefills in forwards:
-            self._forward(steps, prefills)
+        for prefill in (turn for turn in batch if isinstance(turn, _Prefill)):
+            taken = 0
+            for steps, pieces in forwards:
+                room = alone - sum(r.pending.rows for r in steps) - sum(n for _, n in pieces)
+                n = min(room, prefill.rows_left - taken)
+                if n > 0:
+                    pieces.append((prefill, n))
+                    taken += n
+            while taken < prefill.rows_left and (not ready or not taken):
+                n = min(target.max_rows, prefill.rows_left - taken)
+                forwards.append(([], [(prefill, n)]))
+                taken += n
+        for steps, pieces in forwards:
+            self._forward(steps, pieces)
 
-    def _forward(self, steps: list[_Step], prefills: list[_Prefill]) -> None:
+    def _forward(self, steps: list[_Step], pieces: list[tuple[_Prefill, int]]) -> None:
+        """One forward: the steps' rows, then each prefill piece's next n rows (no logits)."""
         target = self.target
         rec = target.registry.recorder()
         segments, row0 = [], 0
@@ -226,10 +235,13 @@ class StepBatch:
             row0 += pending.rows
         logit_rows = row0
         try:
-            for chunk in prefills:
-                target.ids.view((chunk.ids.size,), offset_bytes=4 * row0).write(chunk.ids)
-                segments.append((chunk.cache, chunk.start_pos, chunk.ids.size))
-                row0 += chunk.ids.size
+            for prefill, n in pieces:
+                target.ids.view((n,), offset_bytes=4 * row0).write(
+                    prefill.ids[prefill.rows_done : prefill.rows_done + n]
+                )
+                segments.append((prefill.cache, prefill.start_pos + prefill.rows_done, n))
+                prefill.rows_done += n
+                row0 += n
             if target.record_batch(rec, segments, logit_rows):
                 self.paged_forwards += 1
             copy = self._logits_copy() if len(steps) > 1 else None
@@ -245,11 +257,11 @@ class StepBatch:
                 row0 += rows
             rec.submit()
         except Exception as exc:
-            for request in [*steps, *prefills]:
+            for request in [*steps, *(prefill for prefill, _ in pieces)]:
                 request.error = exc
             return
         if steps:
-            self.prefill_rows_beside_steps += sum(chunk.ids.size for chunk in prefills)
+            self.prefill_rows_beside_steps += sum(n for _, n in pieces)
         for request in steps:
             try:
                 request.outcome = request.stepper.finish(request.pending)

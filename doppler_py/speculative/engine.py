@@ -407,19 +407,21 @@ class SpeculativeEngine:
                     if entry is not None:
                         self.prefix_cache.restore(entry, ctx.cached, cache)
                 self.drafter.start(ctx)
-            # Without a drafter reading the prompt's features, only the layers that write K/V need to run. Beside
-            # running generations the chunks ride along with their steps (`StepBatch.prefill`; such drafters
-            # read no features).
-            layers = None if self.drafter.reads_prompt_features else target.prefill_layers
-            size = batch.chunk_rows if batch is not None else target.max_rows
-            for begin in range(ctx.cached, len(tokens) - 1, size):  # the last token is fed by step 1
-                chunk = tokens[begin : min(begin + size, len(tokens) - 1)]
-                if batch is not None:
-                    batch.prefill(cache, begin, chunk)
-                else:
+            # The prompt but its last token, which step 1 feeds.
+            if batch is not None:
+                # Its rows ride along with the running generations' steps (the drafters that batch read no features).
+                if ctx.cached < len(tokens) - 1:
+                    batch.prefill(cache, ctx.cached, tokens[ctx.cached : -1])
+                    ctx.hidden_rows = len(tokens) - 1 - ctx.cached
+                    self.drafter.prefilled(ctx, ctx.cached)
+            else:
+                # Without a drafter reading the prompt's features, only the layers that write K/V need to run.
+                layers = None if self.drafter.reads_prompt_features else target.prefill_layers
+                for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):
+                    chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
                     target.forward(chunk, cache, begin, logits="none", num_layers=layers)
-                ctx.hidden_rows = len(chunk)
-                self.drafter.prefilled(ctx, begin)
+                    ctx.hidden_rows = len(chunk)
+                    self.drafter.prefilled(ctx, begin)
         except BaseException:
             self.close_context(ctx)
             raise
