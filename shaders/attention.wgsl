@@ -443,23 +443,17 @@ fn load_state(at: u32) -> State {
   );
 }
 
-// What a lane attends with and over, set up before the key loop (`prepare`), used after it (`finish`).
-struct Work {
-  lane: Lane,
-  key_begin: u32,
-  cached_end: u32,  // keys [key_begin, cached_end) come from the caches,
-  new_begin: u32,  // [new_begin, key_end) from q (rope == 1)
-  key_end: u32,
-  key_lanes: u32,
-  local_block: u32,
-  split: u32,
-  row_head: vec4<u32>,
+// The keys a workgroup attends over and its key lanes: uniform over the workgroup (they bound the loops that
+// hold barriers; kept apart from the lanes' own values so that uniformity analysis sees it).
+struct Keys {
+  begin: u32,
+  cached_end: u32,  // keys [begin, cached_end) come from the caches,
+  new_begin: u32,  // [new_begin, end) from q (rope == 1)
+  end: u32,
+  lanes: u32,
 }
 
-// The part of both entry points before the key loop: RoPE and the cache writes (rope 1, 2), the workgroup's
-// key range and key lanes, the lane's queries.
-fn prepare(wid: vec3<u32>, t: u32) -> Work {
-  let hd4 = HEAD_DIM / 4u;
+fn key_range(wid: vec3<u32>) -> Keys {
   let slices = HEAD_DIM / 16u;
   let groups = LANES / slices;
   let blocks_per_wg = groups / params.key_lanes;
@@ -469,21 +463,6 @@ fn prepare(wid: vec3<u32>, t: u32) -> Work {
   let split = select(wid.z, 0u, PAGED);
   let n_pairs = seg.rows * group;
   let n_blocks = (n_pairs + 3u) / 4u;
-  let kv_head = wid.y;
-
-  if (rope_inside() && wid.x == 0u && split == 0u) {
-    for (var e = t; e < seg.rows * hd4; e += LANES) {
-      let j = seg.start_pos + e / hd4;
-      let c = e % hd4;
-      let at = cache_at(seg, j, kv_head) + c;
-      k_cache[at] = key(seg, j, 0u, kv_head, c, true);
-      v_cache[at] = value(seg, j, 0u, kv_head, c, true);
-    }
-  }
-  if (params.rope == 2u) {
-    storageBarrier();  // params is uniform: the barrier stays in uniform control flow
-  }
-
   // The workgroup's last pair sits on its latest row, which bounds the keys any of its lanes needs.
   let last_pair = min(n_pairs, 4u * (wid.x + 1u) * blocks_per_wg) - 1u;
   // Its first pair sits on its earliest row: keys before that row's window are masked for every lane (a
@@ -506,13 +485,6 @@ fn prepare(wid: vec3<u32>, t: u32) -> Work {
   while (2u * key_lanes * wg_blocks <= groups && key_begin + 2u * key_lanes * STEP <= key_end) {
     key_lanes *= 2u;
   }
-  let slice = t % slices;
-  let lane_group = t / slices;
-  let key_lane = lane_group % key_lanes;
-  let local_block = lane_group / key_lanes;
-  let block = wid.x * blocks_per_wg + local_block;
-  let has_block = local_block < wg_blocks;
-
   // With rope == 1, keys from start_pos on come from q (this call's rows), after those in the caches.
   var cached_end = key_end;
   var new_begin = key_end;
@@ -520,6 +492,59 @@ fn prepare(wid: vec3<u32>, t: u32) -> Work {
     cached_end = min(key_end, seg.start_pos);
     new_begin = max(key_begin, seg.start_pos);
   }
+  return Keys(key_begin, cached_end, new_begin, key_end, key_lanes);
+}
+
+// With rope 1 or 2, workgroup (0, kv head, split 0) writes its kv head's rotated new keys and values to the
+// caches; with rope 2 its lanes then attend over them.
+fn write_new_keys(wid: vec3<u32>, t: u32) {
+  let hd4 = HEAD_DIM / 4u;
+  let seg = segment(select(0u, wid.z, PAGED));
+  let split = select(wid.z, 0u, PAGED);
+  let kv_head = wid.y;
+  if (rope_inside() && wid.x == 0u && split == 0u) {
+    for (var e = t; e < seg.rows * hd4; e += LANES) {
+      let j = seg.start_pos + e / hd4;
+      let c = e % hd4;
+      let at = cache_at(seg, j, kv_head) + c;
+      k_cache[at] = key(seg, j, 0u, kv_head, c, true);
+      v_cache[at] = value(seg, j, 0u, kv_head, c, true);
+    }
+  }
+  if (params.rope == 2u) {
+    storageBarrier();  // params is uniform: the barrier stays in uniform control flow
+  }
+}
+
+// A lane's own part of the work (its queries, block, key lane), set up before the key loop, used after it.
+struct Work {
+  lane: Lane,
+  local_block: u32,
+  split: u32,
+  row_head: vec4<u32>,
+}
+
+fn prepare(wid: vec3<u32>, t: u32, keys: Keys) -> Work {
+  let hd4 = HEAD_DIM / 4u;
+  let slices = HEAD_DIM / 16u;
+  let groups = LANES / slices;
+  let blocks_per_wg = groups / params.key_lanes;
+  let group = params.n_heads / params.n_kv_heads;
+  // With PAGED, grid z is the segment (no key splits); otherwise the split, all of the call's rows one segment.
+  let seg = segment(select(0u, wid.z, PAGED));
+  let split = select(wid.z, 0u, PAGED);
+  let n_pairs = seg.rows * group;
+  let n_blocks = (n_pairs + 3u) / 4u;
+  let kv_head = wid.y;
+
+  let blocks_in_wg = min(blocks_per_wg, n_blocks - wid.x * blocks_per_wg);
+  let key_lanes = keys.lanes;
+  let slice = t % slices;
+  let lane_group = t / slices;
+  let key_lane = lane_group % key_lanes;
+  let local_block = lane_group / key_lanes;
+  let block = wid.x * blocks_per_wg + local_block;
+  let has_block = local_block < blocks_in_wg;
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
   // lower[c] <= j < limit[c] (for a tree key: its position >= lower[c] and its row among ancestors[c]). An
@@ -555,7 +580,7 @@ fn prepare(wid: vec3<u32>, t: u32) -> Work {
     lane.q2 = query_slice(q_head, 4u * slice + 2u, q_pos, params.scale);
     lane.q3 = query_slice(q_head, 4u * slice + 3u, q_pos, params.scale);
   }
-  return Work(lane, key_begin, cached_end, new_begin, key_end, key_lanes, local_block, split, row_head);
+  return Work(lane, local_block, split, row_head);
 }
 
 fn initial_state() -> State {
@@ -563,7 +588,7 @@ fn initial_state() -> State {
 }
 
 // The part of both entry points after the key loop: merge the key lanes' states, write the results.
-fn finish(w: Work, state: State) {
+fn finish(w: Work, keys: Keys, state: State) {
   var st = state;
   let hd4 = HEAD_DIM / 4u;
   let slices = HEAD_DIM / 16u;
@@ -574,7 +599,7 @@ fn finish(w: Work, state: State) {
   let has_block = lane.has_block;
   let local_block = w.local_block;
   let split = w.split;
-  let key_lanes = w.key_lanes;
+  let key_lanes = keys.lanes;
   let limit = lane.limit;
 
   // Merge the key lanes of each block pairwise: the upper half hands its states to the lower half.
@@ -592,7 +617,7 @@ fn finish(w: Work, state: State) {
 
   // A split whose keys all lie before the workgroup's windows has no steps; it still writes its (empty)
   // partials, which attention_reduce reads for every split up to the row's position.
-  if (has_block && key_lane == 0u && (w.key_end > w.key_begin || params.n_splits > 1u)) {
+  if (has_block && key_lane == 0u && (keys.end > keys.begin || params.n_splits > 1u)) {
     let r0 = transpose(st.a0);
     let r1 = transpose(st.a1);
     let r2 = transpose(st.a2);
@@ -624,22 +649,26 @@ fn finish(w: Work, state: State) {
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-  let w = prepare(wid, t);
-  var st = attend(initial_state(), w.lane, w.key_begin, w.cached_end, w.key_lanes, false);
+  write_new_keys(wid, t);
+  let keys = key_range(wid);
+  let w = prepare(wid, t, keys);
+  var st = attend(initial_state(), w.lane, keys.begin, keys.cached_end, keys.lanes, false);
   if (FUSED_ROPE) {
-    st = attend(st, w.lane, w.new_begin, w.key_end, w.key_lanes, true);
+    st = attend(st, w.lane, keys.new_begin, keys.end, keys.lanes, true);
   }
-  finish(w, st);
+  finish(w, keys, st);
 }
 
 // main with the key loop's score sums in subgroups (attend_subgroups); the host picks it on CPU adapters whose
 // subgroups hold a group (HEAD_DIM / 16 lanes), where a subgroup is a run of consecutive invocations.
 @compute @workgroup_size(64)
 fn main_subgroups(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-  let w = prepare(wid, t);
-  var st = attend_subgroups(initial_state(), w.lane, w.key_begin, w.cached_end, w.key_lanes, false);
+  write_new_keys(wid, t);
+  let keys = key_range(wid);
+  let w = prepare(wid, t, keys);
+  var st = attend_subgroups(initial_state(), w.lane, keys.begin, keys.cached_end, keys.lanes, false);
   if (FUSED_ROPE) {
-    st = attend_subgroups(st, w.lane, w.new_begin, w.key_end, w.key_lanes, true);
+    st = attend_subgroups(st, w.lane, keys.new_begin, keys.end, keys.lanes, true);
   }
-  finish(w, st);
+  finish(w, keys, st);
 }
