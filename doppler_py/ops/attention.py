@@ -84,9 +84,9 @@ def attention_entry(registry: KernelRegistry, head_dim: int) -> str:
     subgroup shuffles, no barriers in the key loop) on CPU adapters whose subgroups hold a group of head_dim / 16
     lanes, a power of two; "main" (through workgroup memory) elsewhere.
 
-    Measured on lavapipe (2 cores, SmolLM2 decode, rope "local"): 1893 -> 1223 us per call at context 2000, 484
-    -> 372 us at 300. GPUs keep "main": WebGPU does not promise there that a subgroup is a run of consecutive
-    invocations, and it was not measured there.
+    Measured on lavapipe (2 cores, SmolLM2 shapes, rope "local", per call): decode 1922 -> 1205 us at context
+    2000, 489 -> 374 us at 300; 5-row verification 1224 -> 778 us at 300. GPUs keep "main": WebGPU does not
+    promise there that a subgroup is a run of consecutive invocations, and it was not measured there.
     """
     slices = head_dim // 16
     if not registry.gpu.on_cpu or slices & (slices - 1):
