@@ -11,7 +11,9 @@
 // compilers, e.g. Mesa's, which made an earlier version of this kernel several times slower).
 // HEAD_DIM / 16 lanes ("a group") cover one block. Per step, every group scores STEP keys: lanes write
 // their slice's partial dot products to workgroup memory, then each lane sums its group's partials and
-// runs the online softmax update (running max m, sum l, accumulators) on its slice.
+// runs the online softmax update (running max m, sum l, accumulators) on its slice. Entry point
+// main_subgroups sums the partials by subgroup shuffles instead, with no barrier in the key loop (CPU
+// adapters, see attend_subgroups); both share everything else (prepare, finish).
 // When a workgroup has fewer blocks than groups, `key_lanes` groups share a block and take turns of STEP
 // keys ("key lanes"); their states are merged in workgroup memory at the end. The last workgroup of a call
 // may hold fewer blocks than the others; it doubles its key lanes (from Params.key_lanes) while its blocks
@@ -86,11 +88,15 @@
 //         and a split_len above every context.
 // Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE
 //            (compile the rope == 1 path; rope == 2 is always compiled); PAGED (several segments, as above).
+// Entry points: main; main_subgroups (the same, needs subgroups of at least HEAD_DIM / 16 consecutive
+//               invocations, HEAD_DIM / 16 a power of two; ops/attention.py attention_entry).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
 //           PAGED: x = 1, y = n_kv_heads, z = segments, each segment's blocks at most 64 / (HEAD_DIM / 16).
-// Workgroup memory: 9 KiB. Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
+// Workgroup memory: 9 KiB (main_subgroups uses it only to merge key lanes). Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
 // with rope == 1, those at or beyond start_pos.
+
+enable subgroups;
 
 struct Params {
   rows: u32,
@@ -285,27 +291,65 @@ struct Lane {
   has_block: bool,
 }
 
+// Key j's partial score for the lane's slice: the four queries' dot products over its 16 dims.
+fn partial_score(lane: Lane, j: u32, new_keys: bool) -> vec4<f32> {
+  let c = 4u * lane.slice;
+  let at = cache_at(lane.seg, j, lane.kv_head);
+  return lane.q0 * key(lane.seg, j, at, lane.kv_head, c, new_keys)
+    + lane.q1 * key(lane.seg, j, at, lane.kv_head, c + 1u, new_keys)
+    + lane.q2 * key(lane.seg, j, at, lane.kv_head, c + 2u, new_keys)
+    + lane.q3 * key(lane.seg, j, at, lane.kv_head, c + 3u, new_keys);
+}
+
+// The online softmax update of the lane's state with key j, `s` its whole score (summed over the group).
+fn add_key(state: State, lane: Lane, j: u32, score: vec4<f32>, new_keys: bool) -> State {
+  var st = state;
+  var s = score;
+  if (params.softcap > 0.0) {
+    s = soft_cap(s, params.softcap);
+  }
+  var visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(j) >= lane.lower);
+  if (lane.seg.tree_at != CHAIN && j >= lane.seg.start_pos) {
+    let row = j - lane.seg.start_pos;
+    let ancestor = ((lane.ancestors >> vec4<u32>(row)) & vec4<u32>(1u)) != vec4<u32>(0u);
+    visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(key_position(lane.seg, j)) >= lane.lower) & ancestor;
+  }
+  let m = max(st.m, select(vec4<f32>(NEG), s, visible));
+  let rescale = exp(st.m - m);
+  let p = select(vec4<f32>(0.0), exp(s - m), visible);
+  let c = 4u * lane.slice;
+  let at = cache_at(lane.seg, j, lane.kv_head);
+  st.a0 = scale_queries(st.a0, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c, new_keys));
+  st.a1 = scale_queries(st.a1, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 1u, new_keys));
+  st.a2 = scale_queries(st.a2, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 2u, new_keys));
+  st.a3 = scale_queries(st.a3, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 3u, new_keys));
+  st.m = m;
+  st.l = st.l * rescale + p;
+  return st;
+}
+
+// Steps of key_lanes * STEP keys over [begin, end): key lane k of a block takes keys first(k) .. + STEP.
+fn key_steps(begin: u32, end: u32, key_lanes: u32) -> u32 {
+  if (end <= begin) {
+    return 0u;
+  }
+  return (end - begin + key_lanes * STEP - 1u) / (key_lanes * STEP);
+}
+
 // The online softmax over keys [begin, end): each step, the key lanes of a block score STEP keys each, in
-// turn. begin, end and key_lanes must be uniform over the workgroup (the barriers); `new_keys` as in `key`.
+// turn; a group's lanes add up their slices' partial scores through workgroup memory. begin, end and
+// key_lanes must be uniform over the workgroup (the barriers); `new_keys` as in `key`.
 fn attend(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_keys: bool) -> State {
   var st = state;
-  var n_steps = 0u;
-  if (end > begin) {
-    n_steps = (end - begin + key_lanes * STEP - 1u) / (key_lanes * STEP);
-  }
   let slices = HEAD_DIM / 16u;
-  let c = 4u * lane.slice;
+  let n_steps = key_steps(begin, end, key_lanes);
   for (var it = 0u; it < n_steps; it++) {
     let first = begin + (it * key_lanes + lane.key_lane) * STEP;
     for (var u = 0u; u < STEP; u++) {
       let j = first + u;
       var s = vec4<f32>(0.0);
       if (lane.has_block && j < end) {
-        let at = cache_at(lane.seg, j, lane.kv_head);
-        s = lane.q0 * key(lane.seg, j, at, lane.kv_head, c, new_keys)
-          + lane.q1 * key(lane.seg, j, at, lane.kv_head, c + 1u, new_keys)
-          + lane.q2 * key(lane.seg, j, at, lane.kv_head, c + 2u, new_keys)
-          + lane.q3 * key(lane.seg, j, at, lane.kv_head, c + 3u, new_keys);
+        s = partial_score(lane, j, new_keys);
       }
       exchange[lane.t * STEP + u] = s;
     }
@@ -317,28 +361,38 @@ fn attend(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_ke
         for (var d = 0u; d < slices; d++) {
           s += exchange[(lane.lane_group * slices + d) * STEP + u];
         }
-        if (params.softcap > 0.0) {
-          s = soft_cap(s, params.softcap);
-        }
-        var visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(j) >= lane.lower);
-        if (lane.seg.tree_at != CHAIN && j >= lane.seg.start_pos) {
-          let row = j - lane.seg.start_pos;
-          let ancestor = ((lane.ancestors >> vec4<u32>(row)) & vec4<u32>(1u)) != vec4<u32>(0u);
-          visible = (vec4<u32>(j) < lane.limit) & (vec4<u32>(key_position(lane.seg, j)) >= lane.lower) & ancestor;
-        }
-        let m = max(st.m, select(vec4<f32>(NEG), s, visible));
-        let rescale = exp(st.m - m);
-        let p = select(vec4<f32>(0.0), exp(s - m), visible);
-        let at = cache_at(lane.seg, j, lane.kv_head);
-        st.a0 = scale_queries(st.a0, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c, new_keys));
-        st.a1 = scale_queries(st.a1, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 1u, new_keys));
-        st.a2 = scale_queries(st.a2, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 2u, new_keys));
-        st.a3 = scale_queries(st.a3, rescale) + outer(p, value(lane.seg, j, at, lane.kv_head, c + 3u, new_keys));
-        st.m = m;
-        st.l = st.l * rescale + p;
+        st = add_key(st, lane, j, s, new_keys);
       }
     }
     workgroupBarrier();
+  }
+  return st;
+}
+
+// `attend` with the group's partial scores added up by subgroup shuffles (main_subgroups): no workgroup memory
+// and no barriers in the key loop, whose barrier pair per step dominated decode calls on lavapipe (there a
+// barrier switches the compiled workgroup through all its invocations and spills their state). Needs each
+// group's HEAD_DIM / 16 lanes (consecutive invocations, aligned) inside one subgroup. The sums pair lanes
+// (s0 + s1) + (s2 + s3), so every lane of a group gets the same bits.
+fn attend_subgroups(state: State, lane: Lane, begin: u32, end: u32, key_lanes: u32, new_keys: bool) -> State {
+  var st = state;
+  let slices = HEAD_DIM / 16u;
+  let n_steps = key_steps(begin, end, key_lanes);
+  for (var it = 0u; it < n_steps; it++) {
+    let first = begin + (it * key_lanes + lane.key_lane) * STEP;
+    for (var u = 0u; u < STEP; u++) {
+      let j = first + u;
+      var s = vec4<f32>(0.0);
+      if (lane.has_block && j < end) {
+        s = partial_score(lane, j, new_keys);
+      }
+      for (var d = 1u; d < slices; d *= 2u) {
+        s += subgroupShuffleXor(s, d);  // in uniform control flow: n_steps, STEP and slices are uniform
+      }
+      if (lane.has_block && j < end) {
+        st = add_key(st, lane, j, s, new_keys);
+      }
+    }
   }
   return st;
 }
@@ -389,9 +443,17 @@ fn load_state(at: u32) -> State {
   );
 }
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-  let hd4 = HEAD_DIM / 4u;
+// The keys a workgroup attends over and its key lanes: uniform over the workgroup (they bound the loops that
+// hold barriers; kept apart from the lanes' own values so that uniformity analysis sees it).
+struct Keys {
+  begin: u32,
+  cached_end: u32,  // keys [begin, cached_end) come from the caches,
+  new_begin: u32,  // [new_begin, end) from q (rope == 1)
+  end: u32,
+  lanes: u32,
+}
+
+fn key_range(wid: vec3<u32>) -> Keys {
   let slices = HEAD_DIM / 16u;
   let groups = LANES / slices;
   let blocks_per_wg = groups / params.key_lanes;
@@ -401,21 +463,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let split = select(wid.z, 0u, PAGED);
   let n_pairs = seg.rows * group;
   let n_blocks = (n_pairs + 3u) / 4u;
-  let kv_head = wid.y;
-
-  if (rope_inside() && wid.x == 0u && split == 0u) {
-    for (var e = t; e < seg.rows * hd4; e += LANES) {
-      let j = seg.start_pos + e / hd4;
-      let c = e % hd4;
-      let at = cache_at(seg, j, kv_head) + c;
-      k_cache[at] = key(seg, j, 0u, kv_head, c, true);
-      v_cache[at] = value(seg, j, 0u, kv_head, c, true);
-    }
-  }
-  if (params.rope == 2u) {
-    storageBarrier();  // params is uniform: the barrier stays in uniform control flow
-  }
-
   // The workgroup's last pair sits on its latest row, which bounds the keys any of its lanes needs.
   let last_pair = min(n_pairs, 4u * (wid.x + 1u) * blocks_per_wg) - 1u;
   // Its first pair sits on its earliest row: keys before that row's window are masked for every lane (a
@@ -438,13 +485,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   while (2u * key_lanes * wg_blocks <= groups && key_begin + 2u * key_lanes * STEP <= key_end) {
     key_lanes *= 2u;
   }
-  let slice = t % slices;
-  let lane_group = t / slices;
-  let key_lane = lane_group % key_lanes;
-  let local_block = lane_group / key_lanes;
-  let block = wid.x * blocks_per_wg + local_block;
-  let has_block = local_block < wg_blocks;
-
   // With rope == 1, keys from start_pos on come from q (this call's rows), after those in the caches.
   var cached_end = key_end;
   var new_begin = key_end;
@@ -452,6 +492,59 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     cached_end = min(key_end, seg.start_pos);
     new_begin = max(key_begin, seg.start_pos);
   }
+  return Keys(key_begin, cached_end, new_begin, key_end, key_lanes);
+}
+
+// With rope 1 or 2, workgroup (0, kv head, split 0) writes its kv head's rotated new keys and values to the
+// caches; with rope 2 its lanes then attend over them.
+fn write_new_keys(wid: vec3<u32>, t: u32) {
+  let hd4 = HEAD_DIM / 4u;
+  let seg = segment(select(0u, wid.z, PAGED));
+  let split = select(wid.z, 0u, PAGED);
+  let kv_head = wid.y;
+  if (rope_inside() && wid.x == 0u && split == 0u) {
+    for (var e = t; e < seg.rows * hd4; e += LANES) {
+      let j = seg.start_pos + e / hd4;
+      let c = e % hd4;
+      let at = cache_at(seg, j, kv_head) + c;
+      k_cache[at] = key(seg, j, 0u, kv_head, c, true);
+      v_cache[at] = value(seg, j, 0u, kv_head, c, true);
+    }
+  }
+  if (params.rope == 2u) {
+    storageBarrier();  // params is uniform: the barrier stays in uniform control flow
+  }
+}
+
+// A lane's own part of the work (its queries, block, key lane), set up before the key loop, used after it.
+struct Work {
+  lane: Lane,
+  local_block: u32,
+  split: u32,
+  row_head: vec4<u32>,
+}
+
+fn prepare(wid: vec3<u32>, t: u32, keys: Keys) -> Work {
+  let hd4 = HEAD_DIM / 4u;
+  let slices = HEAD_DIM / 16u;
+  let groups = LANES / slices;
+  let blocks_per_wg = groups / params.key_lanes;
+  let group = params.n_heads / params.n_kv_heads;
+  // With PAGED, grid z is the segment (no key splits); otherwise the split, all of the call's rows one segment.
+  let seg = segment(select(0u, wid.z, PAGED));
+  let split = select(wid.z, 0u, PAGED);
+  let n_pairs = seg.rows * group;
+  let n_blocks = (n_pairs + 3u) / 4u;
+  let kv_head = wid.y;
+
+  let blocks_in_wg = min(blocks_per_wg, n_blocks - wid.x * blocks_per_wg);
+  let key_lanes = keys.lanes;
+  let slice = t % slices;
+  let lane_group = t / slices;
+  let key_lane = lane_group % key_lanes;
+  let local_block = lane_group / key_lanes;
+  let block = wid.x * blocks_per_wg + local_block;
+  let has_block = local_block < blocks_in_wg;
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
   // lower[c] <= j < limit[c] (for a tree key: its position >= lower[c] and its row among ancestors[c]). An
@@ -487,11 +580,27 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     lane.q2 = query_slice(q_head, 4u * slice + 2u, q_pos, params.scale);
     lane.q3 = query_slice(q_head, 4u * slice + 3u, q_pos, params.scale);
   }
-  var st = State(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), vec4<f32>(NEG), vec4<f32>(0.0));
-  st = attend(st, lane, key_begin, cached_end, key_lanes, false);
-  if (FUSED_ROPE) {
-    st = attend(st, lane, new_begin, key_end, key_lanes, true);
-  }
+  return Work(lane, local_block, split, row_head);
+}
+
+fn initial_state() -> State {
+  return State(mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), mat4x4<f32>(), vec4<f32>(NEG), vec4<f32>(0.0));
+}
+
+// The part of both entry points after the key loop: merge the key lanes' states, write the results.
+fn finish(w: Work, keys: Keys, state: State) {
+  var st = state;
+  let hd4 = HEAD_DIM / 4u;
+  let slices = HEAD_DIM / 16u;
+  let lane = w.lane;
+  let seg = lane.seg;
+  let slice = lane.slice;
+  let key_lane = lane.key_lane;
+  let has_block = lane.has_block;
+  let local_block = w.local_block;
+  let split = w.split;
+  let key_lanes = keys.lanes;
+  let limit = lane.limit;
 
   // Merge the key lanes of each block pairwise: the upper half hands its states to the lower half.
   for (var half = key_lanes / 2u; half > 0u; half /= 2u) {
@@ -508,7 +617,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
   // A split whose keys all lie before the workgroup's windows has no steps; it still writes its (empty)
   // partials, which attention_reduce reads for every split up to the row's position.
-  if (has_block && key_lane == 0u && (key_end > key_begin || params.n_splits > 1u)) {
+  if (has_block && key_lane == 0u && (keys.end > keys.begin || params.n_splits > 1u)) {
     let r0 = transpose(st.a0);
     let r1 = transpose(st.a1);
     let r2 = transpose(st.a2);
@@ -516,14 +625,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var c = 0u; c < 4u; c++) {
       if (limit[c] > 0u) {
         if (params.n_splits == 1u) {
-          let at = (seg.row0 * params.n_heads + row_head[c]) * hd4 + 4u * slice;
+          let at = (seg.row0 * params.n_heads + w.row_head[c]) * hd4 + 4u * slice;
           let inv = 1.0 / st.l[c];
           out[at] = r0[c] * inv;
           out[at + 1u] = r1[c] * inv;
           out[at + 2u] = r2[c] * inv;
           out[at + 3u] = r3[c] * inv;
         } else {
-          let part = split * seg.rows * params.n_heads + row_head[c];
+          let part = split * seg.rows * params.n_heads + w.row_head[c];
           let at = part * hd4 + 4u * slice;
           part_acc[at] = r0[c];
           part_acc[at + 1u] = r1[c];
@@ -536,4 +645,30 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       }
     }
   }
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+  write_new_keys(wid, t);
+  let keys = key_range(wid);
+  let w = prepare(wid, t, keys);
+  var st = attend(initial_state(), w.lane, keys.begin, keys.cached_end, keys.lanes, false);
+  if (FUSED_ROPE) {
+    st = attend(st, w.lane, keys.new_begin, keys.end, keys.lanes, true);
+  }
+  finish(w, keys, st);
+}
+
+// main with the key loop's score sums in subgroups (attend_subgroups); the host picks it on CPU adapters whose
+// subgroups hold a group (HEAD_DIM / 16 lanes), where a subgroup is a run of consecutive invocations.
+@compute @workgroup_size(64)
+fn main_subgroups(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+  write_new_keys(wid, t);
+  let keys = key_range(wid);
+  let w = prepare(wid, t, keys);
+  var st = attend_subgroups(initial_state(), w.lane, keys.begin, keys.cached_end, keys.lanes, false);
+  if (FUSED_ROPE) {
+    st = attend_subgroups(st, w.lane, keys.new_begin, keys.end, keys.lanes, true);
+  }
+  finish(w, keys, st);
 }

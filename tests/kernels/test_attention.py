@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from doppler_py.errors import DeviceLimitError
+from doppler_py.gpu.subgroups import smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.ops.attention import STEP, Attention
+from doppler_py.ops import attention as attention_module
+from doppler_py.ops.attention import STEP, Attention, attention_entry
 from doppler_py.ops.rope import rope_table
 from doppler_py.ops.tree import MAX_TREE_ROWS, layout_words, row_depths
 from doppler_py.testing import references
@@ -424,6 +426,38 @@ def test_rope_inside_matches_rope_then_attention(gpu, registry, rng, shape, rows
         assert local, "a decode call without splits has one workgroup per kv head"
     assert rec.dispatches == (2 if splits else 1) + (mode == "rope-dispatch" or (mode == "local" and not local))
     case.run_and_check(registry, rows, start_pos, splits)
+
+
+@pytest.mark.parametrize("entry", ["main", "main_subgroups"])
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=["gqa3-64", "gqa4-128", "mqa6-16"])
+@pytest.mark.parametrize(
+    ("rows", "start_pos", "splits", "mode"),
+    [(1, 300, None, "local"), (5, 200, 2, "fused"), (16, 90, None, "local"), (40, 150, None, "rope-dispatch")],
+    ids=["decode", "verify5-split-fused", "16-rows", "prefill"],
+)
+def test_both_entry_points_match_the_reference(
+    gpu, registry, rng, monkeypatch, entry, shape, rows, start_pos, splits, mode
+):
+    """main (a group's partial scores summed in workgroup memory: GPUs) and main_subgroups (summed by subgroup
+    shuffles: CPU adapters with subgroups) attend alike, whichever one this adapter would pick."""
+    if entry == "main_subgroups" and not gpu.has_subgroups:
+        pytest.skip("the adapter has no subgroups")
+    monkeypatch.setattr(attention_module, "attention_entry", lambda registry, head_dim: entry)
+    case = RopeCase(gpu, registry, rng, **shape, max_seq=320, max_rows=40, mode=mode)
+    assert case.op.bound.kernel.entry == entry
+    case.run_and_check(registry, rows, start_pos, splits)
+
+
+def test_cpu_adapters_with_subgroups_sum_scores_in_subgroups(gpu, registry):
+    """The subgroup entry needs a group's HEAD_DIM / 16 lanes, a power of two, inside one subgroup."""
+    if not (gpu.on_cpu and gpu.has_subgroups):
+        assert attention_entry(registry, 64) == "main"
+        return
+    assert attention_entry(registry, 64) == "main_subgroups"
+    widest = 16 * smallest_subgroup_size(registry)  # a group as wide as a subgroup
+    assert attention_entry(registry, widest) == "main_subgroups"
+    assert attention_entry(registry, 2 * widest) == "main"
+    assert attention_entry(registry, 48) == "main", "3 lanes per group: the xor shuffles need a power of two"
 
 
 def test_the_fused_path_stays_off_cpu_adapters_unless_forced(gpu, registry, rng):

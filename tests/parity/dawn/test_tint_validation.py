@@ -58,8 +58,10 @@ _MATMUL_SUBGROUPS = [
 # shader → entry point → override combinations used by the ops (beyond the defaults, always validated).
 VARIANTS: dict[str, dict[str, list[Constants]]] = {
     # BatchedAttention compiles PAGED without FUSED_ROPE (its rope modes are 2 and 3).
+    # main_subgroups (CPU adapters) takes the same overrides.
     "attention": {
-        "main": _product(HEAD_DIM=_HEAD_DIMS, FUSED_ROPE=[False, True]) + _product(HEAD_DIM=_HEAD_DIMS, PAGED=[True])
+        entry: _product(HEAD_DIM=_HEAD_DIMS, FUSED_ROPE=[False, True]) + _product(HEAD_DIM=_HEAD_DIMS, PAGED=[True])
+        for entry in ("main", "main_subgroups")
     },
     "attention_reduce": {"main": _product(HEAD_DIM=_HEAD_DIMS)},
     "embedding": {"main": _product(FORMAT=_FORMATS)},
