@@ -51,6 +51,7 @@ from doppler_py.ops.rope import RoPE
 from doppler_py.ops.tree import MAX_TREE_ROWS
 
 LANES = 64  # invocations per workgroup in attention.wgsl
+WEBGPU_MIN_SUBGROUP = 4  # the smallest subgroup size WebGPU allows a device
 STEP = 8  # keys a lane group scores per step
 QUERIES_PER_BLOCK = 4
 MAX_HEAD_DIM = 512
@@ -81,15 +82,18 @@ def target_workgroups(adapter_type: str) -> int:
 
 def attention_entry(registry: KernelRegistry, head_dim: int) -> str:
     """The attention.wgsl entry point for this device: "main_subgroups" (a group's partial scores added up by
-    subgroup shuffles, no barriers in the key loop) on CPU adapters whose subgroups hold a group of head_dim / 16
-    lanes, a power of two; "main" (through workgroup memory) elsewhere.
+    subgroup shuffles, no barriers in the key loop) on CPU adapters with subgroups when a group's head_dim / 16
+    lanes are a power of two within WebGPU's smallest subgroup (head_dim 16, 32, 64); "main" (through workgroup
+    memory) elsewhere. Wider groups would fit this device's subgroups but not every device's: the same pipeline
+    replayed under Dawn on SwiftShader, whose subgroups hold 4 lanes, summed partial scores across groups at
+    head_dim 128 and 256, and a browser may pick a narrower subgroup size than the one measured here.
 
     Measured on lavapipe (2 cores, SmolLM2 shapes, rope "local", per call): decode 1922 -> 1205 us at context
     2000, 489 -> 374 us at 300; 5-row verification 1224 -> 778 us at 300. GPUs keep "main": WebGPU does not
     promise there that a subgroup is a run of consecutive invocations, and it was not measured there.
     """
     slices = head_dim // 16
-    if not registry.gpu.on_cpu or slices & (slices - 1):
+    if not registry.gpu.on_cpu or slices & (slices - 1) or slices > WEBGPU_MIN_SUBGROUP:
         return "main"
     return "main_subgroups" if smallest_subgroup_size(registry) >= slices else "main"
 
