@@ -14,10 +14,11 @@ batch before ended), and the last to arrive runs them all; steps that arrive mea
                     log-probs, as when it runs alone (`Stepper.record_checks`)
     ONE submit; each step's readback and commit (`Stepper.finish`)
 
-A generation that starts while others step prefills its prompt here too (`prefill`): each forward of their steps
-takes as many of its rows as it has room for after theirs, so the others keep stepping while it prefills instead
-of waiting for its whole prompt, and the forward's matmuls serve both. With no step waiting, its rows run at once
-in forwards of their own.
+A generation that starts while others step prefills its prompt here too (`prefill`), in the chunks of its solo
+prefill (so each row meets the same kernels and attention plan): each forward of their steps takes the chunks it
+has room for after their rows, so the others keep stepping while it prefills instead of waiting for its whole
+prompt, and the forward's matmuls serve both; a chunk that fits no such forward gets one of its own. With no step
+waiting, its chunks run at once in forwards of their own.
 
 The generations' KV caches are runs of the batch's arena (`model/kv_arena.py`): the steps whose caches sit in one
 slab attend in one dispatch per layer, each through its own cache's blocks (`ops.attention.BatchedAttention`);
@@ -87,6 +88,10 @@ class _Prefill(_Turn):
     @property
     def rows_left(self) -> int:
         return self.ids.size - self.rows_done
+
+
+def _rows(steps: list[_Step], pieces: list[tuple[_Prefill, int]]) -> int:
+    return sum(request.pending.rows for request in steps) + sum(n for _, n in pieces)
 
 
 class StepBatch:
@@ -170,6 +175,11 @@ class StepBatch:
             try:
                 with self.gpu_lock:
                     self._run(batch)
+            except Exception as exc:  # outside any one request's work: every unfinished one fails with it
+                for member in batch:
+                    unfinished = member.outcome is None if isinstance(member, _Step) else member.rows_left > 0
+                    if member.error is None and unfinished:
+                        member.error = exc
             finally:
                 with self._cond:
                     for member in batch:
@@ -208,17 +218,24 @@ class StepBatch:
             if not forwards or sum(r.pending.rows for r in forwards[-1][0]) + rows > min(target.max_logit_rows, alone):
                 forwards.append(([], []))
             forwards[-1][0].append(request)
+        # A prompt goes in the chunks its solo prefill takes (max_rows rows from its start), so each chunk's rows
+        # meet the same kernels and attention plan as alone: whole chunks beside the steps where they fit.
         for prefill in (turn for turn in batch if isinstance(turn, _Prefill)):
             taken = 0
-            for steps, pieces in forwards:
-                room = alone - sum(r.pending.rows for r in steps) - sum(n for _, n in pieces)
-                n = min(room, prefill.rows_left - taken)
-                if n > 0:
-                    pieces.append((prefill, n))
-                    taken += n
-            while taken < prefill.rows_left and (not ready or not taken):
+            while taken < prefill.rows_left:
                 n = min(target.max_rows, prefill.rows_left - taken)
-                forwards.append(([], [(prefill, n)]))
+                # Only a prompt's last chunk can be short enough to go beside steps, and with steps a chunk of
+                # its own ends the prompt's turn: its chunks still run in order.
+                room = next((pieces for steps, pieces in forwards if steps and _rows(steps, pieces) + n <= alone), None)
+                if room is not None:
+                    room.append((prefill, n))
+                elif ready and taken:
+                    break  # the rest rides with the next steps
+                else:  # no steps, or none with room: a forward of its own, then (with steps) the rest waits
+                    forwards.append(([], [(prefill, n)]))
+                    if ready:
+                        taken += n
+                        break
                 taken += n
         for steps, pieces in forwards:
             self._forward(steps, pieces)

@@ -196,3 +196,31 @@ def test_where_matmuls_change_kernel_past_16_rows_steps_share_forwards_only_with
     assert target.rows_alone == 16
     assert outputs == expected
     assert batch.sizes[len(prompts)] > 0, batch.sizes
+
+
+def test_a_batch_run_that_fails_outside_any_step_fails_its_members_rather_than_retrying(models, monkeypatch):
+    """An error in the batch's own work (here, planning the forwards) reaches the prefill and the steps waiting on
+    it: a prefill is not put back into the queue to fail again forever."""
+    target = models["target"]
+
+    def broken(self):
+        raise RuntimeError("planning broke")
+
+    monkeypatch.setattr(type(target), "rows_alone", property(broken))
+    batch = StepBatch(target, gather_s=0.01)
+    engine = engine_for(target, "none", batch)
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            engine.generate(PROMPTS[1], 4, GREEDY_PARAMS)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and [str(exc) for exc in outcome] == ["planning broke"]
+    engine.close()
+    batch.close()
+    assert not batch.arena.slabs
