@@ -198,29 +198,41 @@ def test_where_matmuls_change_kernel_past_16_rows_steps_share_forwards_only_with
     assert batch.sizes[len(prompts)] > 0, batch.sizes
 
 
-def test_a_batch_run_that_fails_outside_any_step_fails_its_members_rather_than_retrying(models, monkeypatch):
-    """An error in the batch's own work (here, planning the forwards) reaches the prefill and the steps waiting on
-    it: a prefill is not put back into the queue to fail again forever."""
+def test_an_error_in_the_batchs_own_work_reaches_every_member_as_itself(models, monkeypatch):
+    """Planning a batch's forwards fails (not any one step's work): each generation in that batch, the one that led
+    it and the one that waited, fails with that error, not an "ended without an outcome" of its own."""
     target = models["target"]
+    broken = threading.Event()
+    rows_alone = type(target).rows_alone
 
-    def broken(self):
-        raise RuntimeError("planning broke")
+    def planning(self):
+        if broken.is_set():
+            raise RuntimeError("planning broke")
+        return rows_alone.fget(self)
 
-    monkeypatch.setattr(type(target), "rows_alone", property(broken))
-    batch = StepBatch(target, gather_s=0.01)
-    engine = engine_for(target, "none", batch)
-    outcome: list[BaseException] = []
+    monkeypatch.setattr(type(target), "rows_alone", property(planning))
+    batch = StepBatch(target, gather_s=1.0)
+    engines = [engine_for(target, "none", batch) for _ in range(2)]
+    errors: list[str] = []
+    stepping = threading.Barrier(3)
 
-    def run() -> None:
+    def run(i: int) -> None:
         try:
-            engine.generate(PROMPTS[1], 4, GREEDY_PARAMS)
-        except RuntimeError as exc:
-            outcome.append(exc)
+            for n, _ in enumerate(engines[i].iter_generate(PROMPTS[i], 40, GREEDY_PARAMS, stats=SpecStats())):
+                if n == 1:
+                    stepping.wait(30)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive() and [str(exc) for exc in outcome] == ["planning broke"]
-    engine.close()
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    stepping.wait(60)  # both generations are stepping in one batch
+    broken.set()
+    for thread in threads:
+        thread.join(60)
+    for engine in engines:
+        engine.close()
     batch.close()
+    assert errors == ["RuntimeError: planning broke"] * 2
     assert not batch.arena.slabs
