@@ -108,8 +108,9 @@ class KVArena:
         self.gpu = gpu
         self.layer_shapes = tuple(layer_shapes)
         self.label = label
-        row_bytes = 4 * max(heads * dim for heads, dim in self.layer_shapes)
-        self._max_blocks = gpu.max_binding_bytes // (row_bytes * BLOCK)  # one slab's
+        self._widest_block_bytes = 4 * BLOCK * max(heads * dim for heads, dim in self.layer_shapes)  # one tensor's
+        self._block_bytes = 2 * 4 * BLOCK * sum(heads * dim for heads, dim in self.layer_shapes)  # all of them
+        self._max_blocks = gpu.max_binding_bytes // self._widest_block_bytes  # one slab's
         self.limit_blocks = None if limit_positions is None else max(1, limit_positions // BLOCK)  # all slabs'
         self.slabs: list[KVSlab] = []
         self._room = threading.Condition()  # notified when runs are given back
@@ -117,8 +118,7 @@ class KVArena:
     @property
     def nbytes(self) -> int:
         """GPU memory of the slabs."""
-        per_block = 2 * 4 * BLOCK * sum(heads * dim for heads, dim in self.layer_shapes)
-        return per_block * sum(slab.blocks for slab in list(self.slabs))
+        return self._block_bytes * sum(slab.blocks for slab in list(self.slabs))
 
     @property
     def used_blocks(self) -> int:
@@ -160,7 +160,7 @@ class KVArena:
         if blocks is None:
             raise CapacityError(f"the KV arena has no run of {count} blocks free within its limit; wait_for_room")
         self.gpu.check_buffer_size(
-            4 * blocks * BLOCK * max(heads * dim for heads, dim in self.layer_shapes),
+            blocks * self._widest_block_bytes,
             f"a KV slab of {blocks * BLOCK} positions ({self.label})",
             advice="ask for fewer tokens",
         )

@@ -227,16 +227,15 @@ class StepBatch:
                 # Only a prompt's last chunk can be short enough to go beside steps, and with steps a chunk of
                 # its own ends the prompt's turn: its chunks still run in order.
                 room = next((pieces for steps, pieces in forwards if steps and _rows(steps, pieces) + n <= alone), None)
+                if room is None and ready and taken:
+                    break  # the rest rides with the next steps
                 if room is not None:
                     room.append((prefill, n))
-                elif ready and taken:
-                    break  # the rest rides with the next steps
-                else:  # no steps, or none with room: a forward of its own, then (with steps) the rest waits
+                else:  # no steps, or none with room: a forward of its own
                     forwards.append(([], [(prefill, n)]))
-                    if ready:
-                        taken += n
-                        break
                 taken += n
+                if room is None and ready:
+                    break  # with steps, one forward of its own per batch: the rest waits for the next
         for steps, pieces in forwards:
             self._forward(steps, pieces)
 
