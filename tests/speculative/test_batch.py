@@ -54,6 +54,19 @@ def solo_runs(target, drafter: str, params: str) -> list[list[int]]:
         engine.close()
 
 
+def start_all(run, count: int) -> list[threading.Thread]:
+    """`run(i)` for i < count, each on a daemon thread of its own, started."""
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def join_all(threads: list[threading.Thread], timeout_s: float) -> None:
+    for thread in threads:
+        thread.join(timeout_s)
+
+
 def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple[list[list[int]], StepBatch]:
     """Every prompt on its own thread and engine, sharing one batch. `staggered`: each generation starts once the
     one before it has 3 tokens, so later ones join a running batch."""
@@ -77,11 +90,7 @@ def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple
         finally:
             started[i].set()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    join_all(start_all(run, len(PROMPTS)), 120)
     for engine in engines:
         engine.close()
     batch.close()
@@ -187,11 +196,7 @@ def test_where_matmuls_change_kernel_past_16_rows_steps_share_forwards_only_with
         outputs[i] = engine.generate(prompts[i], 24, GREEDY_PARAMS, k=4).tokens
         engine.close()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    join_all(start_all(run, len(prompts)), 120)
     batch.close()
     assert target.rows_alone == 16
     assert outputs == expected
@@ -224,13 +229,10 @@ def test_an_error_in_the_batchs_own_work_reaches_every_member_as_itself(models, 
         except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
-    for thread in threads:
-        thread.start()
+    threads = start_all(run, 2)
     stepping.wait(60)  # both generations are stepping in one batch
     broken.set()
-    for thread in threads:
-        thread.join(60)
+    join_all(threads, 60)
     for engine in engines:
         engine.close()
     batch.close()
