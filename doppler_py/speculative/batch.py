@@ -27,6 +27,10 @@ rows see only its own cache, attention computes each row as its own call would a
 the other rows hold, and its random numbers come from its own seeded stream. Generations join after their prefill
 and leave before their KV cache is freed, so a batch changes between any two steps (continuous batching).
 
+A member's draft length is priced from the batch's own measured forwards (`shared_costs`): its plain step takes
+the shared forward's time, and each row it drafts delays every member's step by that row's cost, so it drafts only
+where the batch as a whole makes more tokens per second (`policy.draft_length.SharedStepCosts`).
+
 Only drafters that propose from the host without touching the target's buffers (`Drafter.batches`) take part:
 another's GPU drafting or feature reads would use activation rows that other sequences' rows now fill.
 
@@ -50,11 +54,13 @@ from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.linear import compile_rows
 from doppler_py.speculative.contract import Proposal, StepContext
+from doppler_py.speculative.policy.draft_length import CostModel, SharedStepCosts
 from doppler_py.speculative.step import PendingStep, StepOutcome, Stepper
 
 # How long the first step of a batch waits for the others: they are normally only a token's host work away
 # (detokenising, stop strings), so this only bounds how long a stalled generation holds the others back.
 GATHER_S = 0.05
+FORWARD_EMA = 0.3  # weight of the newest forward in the running means `shared_costs` prices with
 
 
 @dataclass(eq=False, kw_only=True)
@@ -110,6 +116,8 @@ class StepBatch:
         self.sizes: Counter[int] = Counter()  # steps per batch run, over the batch's life (`/metrics`)
         self.paged_forwards = 0  # forwards whose attention ran once per layer for several steps (`record_batch`)
         self.prefill_rows_beside_steps = 0  # prompt rows prefilled in the forwards of running generations' steps
+        # Running means of the forwards of steps alone (no prompt rows): wall seconds, steps, rows (`shared_costs`).
+        self._forwards_measured: tuple[float, float, float] | None = None
         self._logits_scratch: Tensor | None = None  # the batch's logits while each step's rows move into place
         self._warmup: threading.Thread | None = None
         self._stop = threading.Event()
@@ -136,6 +144,32 @@ class StepBatch:
         if request.outcome is None:
             raise InternalError("a batched step ended without an outcome")
         return request.outcome
+
+    def shared_costs(self, alone: CostModel) -> SharedStepCosts | None:
+        """What a member's next step is priced with (`CostModel.shared`), given the device's costs measured alone:
+        None while fewer than two generations step or no forward of steps was timed yet. A plain step takes the
+        measured forwards' time less their draft rows, priced as `alone` prices them."""
+        with self._cond:
+            members, measured = self._members, self._forwards_measured
+        plain = alone.verify_cost(1)
+        if members < 2 or measured is None or plain is None:
+            return None
+        wall, steps, rows = measured
+        drafts_s = steps * (alone.verify_cost(rows / steps) - plain)
+        return alone.shared(max(wall - drafts_s, plain), members)
+
+    def _observe_forward(self, steps: int, rows: int, seconds: float) -> None:
+        with self._cond:
+            old = self._forwards_measured
+            if old is None:
+                self._forwards_measured = (seconds, float(steps), float(rows))
+            else:
+                wall, mean_steps, mean_rows = ((1 - FORWARD_EMA) * value for value in old)
+                self._forwards_measured = (
+                    wall + FORWARD_EMA * seconds,
+                    mean_steps + FORWARD_EMA * steps,
+                    mean_rows + FORWARD_EMA * rows,
+                )
 
     def prefill(self, cache: KVCache, start_pos: int, ids: Sequence[int]) -> None:
         """Write the K/V of `ids` at positions start_pos.. of `cache`: as many rows as fit beside the members' next
@@ -242,6 +276,7 @@ class StepBatch:
     def _forward(self, steps: list[_Step], pieces: list[tuple[_Prefill, int]]) -> None:
         """One forward: the steps' rows, then each prefill piece's next n rows (no logits)."""
         target = self.target
+        start = time.perf_counter()
         rec = target.registry.recorder()
         segments, row0 = [], 0
         for request in steps:
@@ -283,6 +318,8 @@ class StepBatch:
                 request.outcome = request.stepper.finish(request.pending)
             except Exception as exc:
                 request.error = exc
+        if steps and not pieces and all(request.error is None for request in steps):
+            self._observe_forward(len(steps), logit_rows, time.perf_counter() - start)
 
     def _logits_copy(self) -> Tensor:
         target = self.target

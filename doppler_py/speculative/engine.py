@@ -293,6 +293,8 @@ class SpeculativeEngine:
                 proposal, speculate = None, True
                 if self.speculative:
                     speculate = self._ready(ctx, produced == 0) if self.batch is None else self.usable_rows >= 2
+                    if self.batch is not None:
+                        self.policy.shared = self.batch.shared_costs(self.policy.costs)
                     k_step = self.policy.next_k(remaining) if speculate else 0
                     spelled, forced = grammar.forced_run() if speculate and grammar is not None else ([], 0)
                     if spelled:
@@ -325,6 +327,7 @@ class SpeculativeEngine:
             self.steps.logprobs = None
             if self.batch is not None:
                 self.batch.leave()
+                self.policy.shared = None
             self.close_context(ctx)
             self.steps.drafter = drafter
 
@@ -511,7 +514,8 @@ class SpeculativeEngine:
     def _batched_step(self, ctx: StepContext, k: int, stats: SpecStats, proposal: Proposal | None) -> list[int]:
         """One step run together with the other generations' (`batch`). Its wall time is the batch's, which says
         nothing of what this step's rows cost alone, so it is not priced: the policy keeps the costs measured
-        when the engine was prepared."""
+        when the engine was prepared, and prices its steps from them and the batch's measured forwards
+        (`StepBatch.shared_costs`, set before each step's k is chosen)."""
         start = time.perf_counter()
         outcome = self.batch.step(self.steps, ctx, k, proposal)
         return self._account(ctx, outcome, stats, StepTimes(0.0, time.perf_counter() - start, None, None))

@@ -238,3 +238,36 @@ def test_an_error_in_the_batchs_own_work_reaches_every_member_as_itself(models, 
     batch.close()
     assert errors == ["RuntimeError: planning broke"] * 2
     assert not batch.arena.slabs
+
+
+def test_a_generation_in_a_batch_prices_its_drafts_by_the_batchs_measured_forwards(models, monkeypatch):
+    """An unpinned prompt-lookup generation beside others chooses k with `StepBatch.shared_costs`: its plain step
+    is the shared forward's measured time and each extra row is priced once per member it delays; alone again
+    (after the batch), its policy prices with the device's own costs."""
+    target = models["target"]
+    batch = StepBatch(target, gather_s=1.0)
+    priced: list = []
+    shared_costs = batch.shared_costs
+    monkeypatch.setattr(batch, "shared_costs", lambda alone: priced.append(shared_costs(alone)) or priced[-1])
+    engines = [engine_for(target, "prompt-lookup", batch) for _ in PROMPTS]
+    for engine in engines:
+        for rows, seconds in {1: 0.040, 2: 0.044, 3: 0.052, 5: 0.074, 9: 0.170}.items():
+            engine.policy.costs.observe_verify(rows, seconds)
+        engine.policy.limit = 3  # the row counts the other tests compile
+    outputs: list[list[int] | None] = [None] * len(PROMPTS)
+
+    def run(i: int) -> None:
+        outputs[i] = engines[i].generate(PROMPTS[i], MAX_TOKENS[i], GREEDY_PARAMS).tokens
+
+    join_all(start_all(run, len(PROMPTS)), 120)
+    batch.close()
+    shared = [costs for costs in priced if costs is not None]
+    assert shared, priced  # once forwards were timed, members priced with the batch's costs
+    assert all(costs.members >= 2 and costs.step_s >= 0.040 for costs in shared)
+    assert all(costs.verify_cost(3) - costs.verify_cost(1) == pytest.approx(costs.members * 0.012) for costs in shared)
+    for engine in engines:
+        assert engine.policy.shared is None  # alone again
+        engine.close()
+    expected = SpeculativeEngine(target, PromptLookupDrafter())
+    assert outputs == [expected.generate(p, n, GREEDY_PARAMS).tokens for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    expected.close()

@@ -25,6 +25,10 @@ decoding's). Maximising each step's E − bar × cost maximises tokens per secon
 next draft still beats the generation's rate, and lets a weak chain verify drafts that only beat its own poor
 rate (measured in docs/benchmarks.md, "Why the policy is what it is").
 
+A generation whose steps share forwards with others' (speculative/batch.py) is priced with `SharedStepCosts`:
+its plain step is the shared forward's measured time, and each extra row counts once for every generation it
+delays, so it drafts where the batch's tokens per second gain.
+
 A drafter whose steps have a fixed shape (lookahead decoding: its window is part of every proposal, and its
 drafts are not a chain whose tail is the least likely part) is run in fixed mode: k is that shape's node count,
 never adapted, and the pause rule compares the MEASURED tokens per step with the measured cost of its rows.
@@ -137,6 +141,35 @@ class CostModel:
         step = k * (self.draft_per_token or 0.0) + verify
         return expected_tokens(alpha, k) * plain / step
 
+    def shared(self, step_s: float, members: int) -> SharedStepCosts:
+        """These costs as one of `members` generations whose steps share forwards taking `step_s` seconds with
+        plain rows only (speculative/batch.py): see `SharedStepCosts`."""
+        return SharedStepCosts(alone=self, step_s=step_s, members=members, draft_per_token=self.draft_per_token)
+
+
+@dataclass
+class SharedStepCosts(CostModel):
+    """A generation's costs while its steps share forwards with other generations' (speculative/batch.py).
+
+    Its plain step takes the shared forward's time, `step_s`. Each row it verifies beyond its plain one costs what
+    that row costs the device (`alone`'s measured verify_cost(r) - verify_cost(1): the same kernels take the
+    extra rows, alone or beside others), and delays every member's step by that much: priced `members` times, the
+    gain a draft must beat is the whole batch's throughput, not the generation's own. Maximising each member's
+    E(k) - (batch tokens/s) x (its extra seconds) maximises the batch's tokens per second (the Dinkelbach argument
+    of the module docstring), so a device where extra rows are nearly free (a GPU) keeps drafting in a batch,
+    and one where they cost much of a step (a CPU adapter) drafts less. Alone (members 1, step_s the plain cost)
+    this is `alone` itself. Read-only: batched steps are not priced one by one."""
+
+    alone: CostModel = field(default_factory=CostModel)
+    step_s: float = 0.0
+    members: int = 1
+
+    def verify_cost(self, rows: int) -> float | None:
+        plain, cost = self.alone.verify_cost(1), self.alone.verify_cost(rows)
+        if plain is None or cost is None:
+            return None
+        return self.step_s + self.members * (cost - plain)
+
 
 def step_gain(values: Sequence[float], n: int, costs: CostModel, bar: float, draft_per_token: float = 0.0) -> float:
     """What a step verifying the first n of nodes with these values gains over spending its time at `bar` tokens
@@ -205,6 +238,14 @@ class DraftLengthPolicy:
     pause_steps: int = 0  # plain steps left before speculation is probed again
     next_pause: int = 4
 
+    # While the generation's steps share forwards with others (`CostModel.shared`, set by the engine per step):
+    # what its steps are priced with instead of `costs`, which stay the device's costs measured alone.
+    shared: SharedStepCosts | None = None
+
+    @property
+    def pricing(self) -> CostModel:
+        return self.shared if self.shared is not None else self.costs
+
     @property
     def k_max(self) -> int:
         return self.capacity if self.fixed else min(K_CEILING, self.capacity)
@@ -264,7 +305,7 @@ class DraftLengthPolicy:
 
     def best_k(self) -> int | None:
         """The draft length with the highest predicted speedup at the current acceptance estimate."""
-        scored = [(s, k) for k in range(self.k_min, self.k_now + 1) if (s := self.costs.speedup(self.alpha, k))]
+        scored = [(s, k) for k in range(self.k_min, self.k_now + 1) if (s := self.pricing.speedup(self.alpha, k))]
         return max(scored)[1] if scored else None
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -292,15 +333,16 @@ class DraftLengthPolicy:
     def best_speedup(self) -> float | None:
         if self.fixed:
             return self.fixed_speedup()
-        estimates = [s for k in range(self.k_min, self.k_now + 1) if (s := self.costs.speedup(self.alpha, k))]
+        estimates = [s for k in range(self.k_min, self.k_now + 1) if (s := self.pricing.speedup(self.alpha, k))]
         return max(estimates) if estimates else None
 
     def fixed_speedup(self) -> float | None:
         """Fixed mode: measured tokens per step × plain cost per token / the measured cost of a k-node step."""
-        plain, verify = self.costs.verify_cost(1), self.costs.verify_cost(self.k + 1)
+        costs = self.pricing
+        plain, verify = costs.verify_cost(1), costs.verify_cost(self.k + 1)
         if plain is None or verify is None or self.tokens_per_step is None:
             return None
-        return self.tokens_per_step * plain / (verify + self.k * (self.costs.draft_per_token or 0.0))
+        return self.tokens_per_step * plain / (verify + self.k * (costs.draft_per_token or 0.0))
 
     def forced_k(self, available: int) -> int:
         """How many of `available` tokens a grammar forces (or spells: `GrammarMatcher.forced_spelling`) one step
@@ -308,7 +350,7 @@ class DraftLengthPolicy:
         verification (0: a plain step), whatever the drafter's acceptance or a pause; all of them (within k_now)
         where the costs are not measured yet."""
         n = min(available, self.k_now)
-        costs = [self.costs.verify_cost(m + 1) for m in range(n + 1)]
+        costs = [self.pricing.verify_cost(m + 1) for m in range(n + 1)]
         if n < 1 or None in costs:
             return max(n, 0)
         return max(range(n + 1), key=lambda m: (m + 1) / costs[m])
@@ -321,7 +363,7 @@ class DraftLengthPolicy:
         if proposal.values is None or not (self.adaptive and self.cost_aware):
             return proposal
         least = 0 if proposal.on_gpu and proposal.parents is None else 1
-        return proposal.leading(tree_budget(proposal.values, self.costs, least))
+        return proposal.leading(tree_budget(proposal.values, self.pricing, least))
 
     def should_speculate(self) -> bool:
         """The `auto` decision: speculate unless measured costs and acceptance predict a slowdown."""

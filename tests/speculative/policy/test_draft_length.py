@@ -213,3 +213,30 @@ def test_forced_tokens_are_verified_as_many_as_give_the_most_tokens_per_second()
     assert policy.forced_k(5) == 2  # 3 tokens in 1.5 s beat 2 in 1.2 s and 4 in 2.5 s
     policy.pause_steps = 10  # a pause (the drafter's acceptance) does not stop the grammar's own drafts
     assert policy.forced_k(1) == 1
+
+
+def test_a_shared_step_prices_each_extra_row_once_per_generation_it_delays():
+    alone = policy_with(CPU_COSTS).costs
+    shared = alone.shared(step_s=0.100, members=4)
+    assert shared.verify_cost(1) == pytest.approx(0.100)
+    assert shared.verify_cost(5) == pytest.approx(0.100 + 4 * (0.074 - 0.040))
+    assert shared.bar() == pytest.approx(1 / 0.100)
+    # One member whose plain step takes its own plain cost is priced as alone.
+    same = alone.shared(step_s=0.040, members=1)
+    assert [same.verify_cost(r) for r in (1, 2, 4, 9)] == pytest.approx([alone.verify_cost(r) for r in (1, 2, 4, 9)])
+
+
+def test_sharing_forwards_shortens_drafts_where_extra_rows_cost_and_not_where_they_are_nearly_free():
+    policy = policy_with(CPU_COSTS, k=8)
+    policy.alpha = 0.9
+    alone_k = policy.next_k(100)  # 4 here: 3 extra rows cost 0.034 s against a plain step's 0.040 s
+    policy.shared = policy.costs.shared(step_s=0.080, members=4)
+    batched_k = policy.next_k(100)
+    assert 1 <= batched_k < alone_k
+    # Where drafting stops paying in the batch, speculation pauses there as alone.
+    policy.alpha = 0.15
+    assert policy.best_speedup() < 1.0 < policy_with(CPU_COSTS).costs.speedup(0.15, 1)
+    gpu = policy_with({1: 0.010, 5: 0.0105, 9: 0.011}, k=8)
+    gpu.alpha = 0.8
+    gpu.shared = gpu.costs.shared(step_s=0.012, members=4)
+    assert gpu.next_k(100) == 8
