@@ -21,6 +21,14 @@
 // also be split across workgroups (grid z, split_len keys each): each split then writes unnormalised partials that
 // attention_reduce.wgsl combines (flash-decoding); with n_splits == 1 the result goes straight to `out`.
 //
+// Packed kv heads (CPU adapters, Params.pack_max_keys > 0): a call without key splits over fewer keys than
+// pack_max_keys whose blocks per kv head fill at most a quarter of the lane groups with PACKED_KEY_LANES key
+// lanes each (decode, a k=1 verification) gives each workgroup several kv heads (`packed_heads`, the same rule as
+// ops/attention.py's): workgroup row y attends for kv heads y * per .., its blocks those heads' blocks in turn. A
+// CPU adapter runs a workgroup's lanes as vectors on one core, and a workgroup's fixed costs (its barriers and key
+// lane merges) then serve several heads; a block's arithmetic depends only on its workgroup's block count, so a
+// sequence's call and its segment in a PAGED dispatch still give the same bits.
+//
 // RoPE inside (FUSED_ROPE and rope == 1, decode and verification): q holds the model's [q | k | v]
 // projection rows as they come out of the matmul, not yet rotated. Queries are rotated as they are loaded;
 // keys at positions >= start_pos (this call's rows) are read from the k section and rotated, values from the
@@ -83,7 +91,8 @@
 //         row0 (the call's row r is row row0 + r of q and of out, so several sequences' rows, each with its own
 //         cache and call, share one q and one out buffer; positions, cache slots, the tree layout and the
 //         partials stay indexed by r);
-//         block (PAGED: positions per pool block, a power of two).
+//         block (PAGED: positions per pool block, a power of two);
+//         pack_max_keys (packed kv heads for calls over fewer keys, as above; 0 = never).
 //         PAGED reads rows, start_pos, tree and row0 from each segment's header instead, and needs n_splits 1
 //         and a split_len above every context.
 // Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE
@@ -91,8 +100,9 @@
 // Entry points: main; main_subgroups (the same, needs subgroups of at least HEAD_DIM / 16 consecutive
 //               invocations, HEAD_DIM / 16 a power of two; ops/attention.py attention_entry).
 // Dispatch: workgroups of 64; x = ceil(blocks / (64 / (HEAD_DIM / 16) / key_lanes)) with
-//           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = n_kv_heads, z = n_splits.
-//           PAGED: x = 1, y = n_kv_heads, z = segments, each segment's blocks at most 64 / (HEAD_DIM / 16).
+//           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = ceil(n_kv_heads / packed_heads), z = n_splits.
+//           PAGED: x = 1, y = ceil(n_kv_heads / the fewest packed heads of a segment), z = segments, each
+//           segment's blocks at most 64 / (HEAD_DIM / 16).
 // Workgroup memory: 9 KiB (main_subgroups uses it only to merge key lanes). Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
 // with rope == 1, those at or beyond start_pos.
 
@@ -114,6 +124,7 @@ struct Params {
   tree: u32,
   row0: u32,
   block: u32,
+  pack_max_keys: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -137,6 +148,7 @@ const STATE: u32 = 18u;  // vec4s of one lane's softmax state: 4 accumulator mat
 const NEG: f32 = -3.0e38;
 const CHAIN: u32 = 0xFFFFFFFFu;  // Segment.tree_at of a chain
 const HEADER_WORDS: u32 = 8u;  // layout words of a PAGED segment's header
+const PACKED_KEY_LANES: u32 = 4u;  // the fewest key lanes a block keeps when kv heads share a workgroup
 
 // Partial scores [LANES][STEP] during the key loop; at the end, the states of half the lanes being merged.
 var<workgroup> exchange: array<vec4<f32>, 576>;
@@ -451,6 +463,18 @@ struct Keys {
   new_begin: u32,  // [new_begin, end) from q (rope == 1)
   end: u32,
   lanes: u32,
+  heads_per_wg: u32,  // kv heads per workgroup row (grid y): a workgroup attends for heads y * heads_per_wg ..
+  heads: u32,  // .. of which this one has `heads` (fewer in the last row; 0 in a row past the last kv head)
+}
+
+// How many kv heads share a workgroup (see "Packed kv heads" above): the same rule as ops/attention.py
+// `packed_heads`, from values uniform over the workgroup.
+fn packed_heads(keys: u32, n_blocks: u32) -> u32 {
+  let groups = LANES / (HEAD_DIM / 16u);
+  if (params.n_splits > 1u || keys >= params.pack_max_keys || PACKED_KEY_LANES * n_blocks * 2u > groups) {
+    return 1u;
+  }
+  return min(params.n_kv_heads, groups / (PACKED_KEY_LANES * n_blocks));
 }
 
 fn key_range(wid: vec3<u32>) -> Keys {
@@ -477,10 +501,12 @@ fn key_range(wid: vec3<u32>) -> Keys {
   }
   let key_begin = max(split * params.split_len, window_begin);
   let key_end = min((split + 1u) * params.split_len, seg.start_pos + last_pair / group + 1u);
+  let per = packed_heads(key_end - key_begin, n_blocks);
+  let heads = min(per, params.n_kv_heads - min(wid.y * per, params.n_kv_heads));
   // The last workgroup may hold fewer blocks than the others: its spare groups become more key lanes while
   // each lane still gets a step of keys (prefills of a few dozen rows have one such workgroup per kv head,
   // which would otherwise take as long as a full one). The count is uniform over the workgroup.
-  let wg_blocks = min(blocks_per_wg, n_blocks - wid.x * blocks_per_wg);
+  let wg_blocks = select(0u, min(blocks_per_wg, n_blocks * heads - wid.x * blocks_per_wg), heads > 0u);
   var key_lanes = params.key_lanes;
   while (2u * key_lanes * wg_blocks <= groups && key_begin + 2u * key_lanes * STEP <= key_end) {
     key_lanes *= 2u;
@@ -492,19 +518,20 @@ fn key_range(wid: vec3<u32>) -> Keys {
     cached_end = min(key_end, seg.start_pos);
     new_begin = max(key_begin, seg.start_pos);
   }
-  return Keys(key_begin, cached_end, new_begin, key_end, key_lanes);
+  return Keys(key_begin, cached_end, new_begin, key_end, key_lanes, per, heads);
 }
 
 // With rope 1 or 2, workgroup (0, kv head, split 0) writes its kv head's rotated new keys and values to the
 // caches; with rope 2 its lanes then attend over them.
-fn write_new_keys(wid: vec3<u32>, t: u32) {
+fn write_new_keys(wid: vec3<u32>, t: u32, keys: Keys) {
   let hd4 = HEAD_DIM / 4u;
   let seg = segment(select(0u, wid.z, PAGED));
   let split = select(wid.z, 0u, PAGED);
-  let kv_head = wid.y;
+  let head_words = seg.rows * hd4;
   if (rope_inside() && wid.x == 0u && split == 0u) {
-    for (var e = t; e < seg.rows * hd4; e += LANES) {
-      let j = seg.start_pos + e / hd4;
+    for (var e = t; e < keys.heads * head_words; e += LANES) {
+      let kv_head = wid.y * keys.heads_per_wg + e / head_words;
+      let j = seg.start_pos + e % head_words / hd4;
       let c = e % hd4;
       let at = cache_at(seg, j, kv_head) + c;
       k_cache[at] = key(seg, j, 0u, kv_head, c, true);
@@ -535,15 +562,17 @@ fn prepare(wid: vec3<u32>, t: u32, keys: Keys) -> Work {
   let split = select(wid.z, 0u, PAGED);
   let n_pairs = seg.rows * group;
   let n_blocks = (n_pairs + 3u) / 4u;
-  let kv_head = wid.y;
 
-  let blocks_in_wg = min(blocks_per_wg, n_blocks - wid.x * blocks_per_wg);
+  let blocks_in_wg = select(0u, min(blocks_per_wg, n_blocks * keys.heads - wid.x * blocks_per_wg), keys.heads > 0u);
   let key_lanes = keys.lanes;
   let slice = t % slices;
   let lane_group = t / slices;
   let key_lane = lane_group % key_lanes;
   let local_block = lane_group / key_lanes;
-  let block = wid.x * blocks_per_wg + local_block;
+  // The workgroup's blocks are its kv heads' blocks in turn (one kv head unless they are packed).
+  let wg_block = wid.x * blocks_per_wg + local_block;
+  let block = wg_block % n_blocks;
+  let kv_head = wid.y * keys.heads_per_wg + wg_block / n_blocks;
   let has_block = local_block < blocks_in_wg;
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
@@ -649,8 +678,11 @@ fn finish(w: Work, keys: Keys, state: State) {
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-  write_new_keys(wid, t);
   let keys = key_range(wid);
+  if (keys.heads == 0u) {
+    return;  // a workgroup row past the last kv head (packed segments of a PAGED grid sized for unpacked ones)
+  }
+  write_new_keys(wid, t, keys);
   let w = prepare(wid, t, keys);
   var st = attend(initial_state(), w.lane, keys.begin, keys.cached_end, keys.lanes, false);
   if (FUSED_ROPE) {
@@ -663,8 +695,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 // subgroups hold a group (HEAD_DIM / 16 lanes), where a subgroup is a run of consecutive invocations.
 @compute @workgroup_size(64)
 fn main_subgroups(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-  write_new_keys(wid, t);
   let keys = key_range(wid);
+  if (keys.heads == 0u) {
+    return;  // a workgroup row past the last kv head (packed segments of a PAGED grid sized for unpacked ones)
+  }
+  write_new_keys(wid, t, keys);
   let w = prepare(wid, t, keys);
   var st = attend_subgroups(initial_state(), w.lane, keys.begin, keys.cached_end, keys.lanes, false);
   if (FUSED_ROPE) {

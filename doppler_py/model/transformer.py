@@ -109,10 +109,10 @@ class Segment:
 @dataclass(frozen=True)
 class Paged:
     """The segments of a batched forward whose attention runs once per layer (`Transformer._pageable`): each
-    attention layer's batched op over their slab, how many segments its layout lists, and their indices."""
+    attention layer's batched op over their slab, the segments its layout lists, and their indices."""
 
     ops: list[BatchedAttention | None]
-    count: int
+    listed: list[PagedSegment]  # as the layout lists them
     segments: frozenset[int]
 
 
@@ -760,7 +760,7 @@ class Transformer:
             ]
             filled = next(op for op in ops if op is not None).layout_words(words)
             layout.view((filled.size,)).write(filled)
-            paged = Paged(ops, len(shared), frozenset(shared))
+            paged = Paged(ops, words, frozenset(shared))
         self._record_layers(rec, total, stacked, "all", None, False, paged=paged, logit_rows=logit_rows)
         for cache, start_pos, rows in segments:
             cache.advance_to(max(cache.length, start_pos + rows))
@@ -811,7 +811,7 @@ class Transformer:
             if paged is not None:
                 batched = paged.ops[i]
                 assert batched is not None
-                batched.record(rec, paged.count)  # those segments' rows, each over its own blocks: one dispatch
+                batched.record(rec, paged.listed)  # those segments' rows, each over its own blocks: one dispatch
                 alone = [seg for n, seg in enumerate(segments) if n not in paged.segments]
             for seg in alone:
                 op = seg.attention[i]

@@ -1,7 +1,7 @@
 """Causal grouped-query attention of new tokens over one layer's KV cache (shaders/attention.wgsl).
 
 One op serves decode (rows=1), speculative verification (a few rows) and prefill (hundreds of rows); the
-shader header explains the work split. Per call the op picks two numbers:
+shader header explains the work split. Per call the op picks three numbers:
 
 * key lanes: when a call has fewer 4-query blocks than a workgroup has lane groups (decode, verification),
   several groups take turns over the keys of one block instead of idling; on CPU adapters a prefill whose
@@ -10,7 +10,9 @@ shader header explains the work split. Per call the op picks two numbers:
   cores), and the shader gives a part-filled last workgroup's spare groups to key lanes as well;
 * splits: for few rows over a long context the key range is also split across workgroups (flash-decoding),
   merged by a second dispatch (shaders/attention_reduce.wgsl), so a call has enough workgroups to keep
-  every core busy.
+  every core busy;
+* packed kv heads (CPU adapters): a short call whose blocks leave most lane groups idle gives one workgroup
+  several kv heads (`packed_heads`, PACK_MAX_KEYS).
 
 With `rope=` (the model's cos/sin table) the op takes the [q | k | v] projection rows as they leave the
 matmul and also applies RoPE and writes the new keys and values to the caches, in one of three ways per call
@@ -64,6 +66,13 @@ FUSED_ROPE_MAX_ROWS = 16  # longer calls rotate and write the cache by a rope.wg
 # The shader's Params.rope per mode (module docstring; None: no `rope=`, q arrives rotated).
 ROPE_PARAM = {None: 0, "dispatch": 0, "fused": 1, "local": 2, "shared": 3}
 HEADER_WORDS = 8  # layout words of a segment's header in attention.wgsl (PAGED)
+# CPU adapters: a call over fewer keys than this whose blocks leave a workgroup's lane groups mostly idle (decode,
+# a k=1 verification) packs several kv heads into one workgroup, each block keeping PACKED_KEY_LANES key lanes
+# (`packed_heads`): there a workgroup's fixed costs (barriers, key-lane merges) outweigh its keys, and one
+# workgroup per sequence instead of one per kv head is what lets a batch's attention grow slower than its
+# sequences. Past ~250 keys a core per kv head pays more (lavapipe, docs/benchmarks.md).
+PACK_MAX_KEYS = 256
+PACKED_KEY_LANES = 4
 CHAIN = 0xFFFFFFFF  # a header's tree_at for a chain segment
 NO_SPLIT = 0xFFFFFFFF  # Params.split_len of a PAGED dispatch: one split holds every key
 
@@ -96,6 +105,21 @@ def attention_entry(registry: KernelRegistry, head_dim: int) -> str:
     if not registry.gpu.on_cpu or slices & (slices - 1) or slices > WEBGPU_MIN_SUBGROUP:
         return "main"
     return "main_subgroups" if smallest_subgroup_size(registry) >= slices else "main"
+
+
+def packed_heads(keys: int, blocks: int, n_kv_heads: int, lane_groups: int, pack_max_keys: int) -> int:
+    """kv heads per workgroup of a call (one key split) whose workgroup sees `keys` keys and holds `blocks` blocks
+    per kv head: as many as fit with PACKED_KEY_LANES key lanes per block, when the keys are fewer than
+    `pack_max_keys` (0: never) and at least two fit; else 1. attention.wgsl `packed_heads` applies the same rule."""
+    if keys >= pack_max_keys or PACKED_KEY_LANES * blocks * 2 > lane_groups:
+        return 1
+    return min(n_kv_heads, lane_groups // (PACKED_KEY_LANES * blocks))
+
+
+def context_keys(rows: int, start_pos: int, window: int) -> int:
+    """Keys the rows of a call see over all: a sliding window caps them, whatever the context."""
+    context = start_pos + rows
+    return min(context, window + rows - 1) if window else context
 
 
 def balance_workgroups(adapter_type: str) -> int:
@@ -193,6 +217,7 @@ class Attention:
         self.max_rows = max_rows
         self.window = window
         self.lane_groups = LANES // (head_dim // 16)
+        self.pack_max_keys = PACK_MAX_KEYS if registry.gpu.on_cpu else 0
         adapter_type = str(registry.gpu.info.get("adapter_type", ""))
         self.target_workgroups = target_workgroups(adapter_type)
         self.balance_workgroups = balance_workgroups(adapter_type)
@@ -235,6 +260,7 @@ class Attention:
                 "window": window,
                 "scale": head_dim**-0.5 if scale is None else scale,
                 "softcap": softcap,
+                "pack_max_keys": self.pack_max_keys,
             },
             q=q,
             k_cache=k_cache,
@@ -266,8 +292,7 @@ class Attention:
         """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped)."""
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
         context = start_pos + rows
-        # Keys the rows see: a sliding window caps them, whatever the context.
-        keys = min(context, self.window + rows - 1) if self.window else context
+        keys = context_keys(rows, start_pos, self.window)
         if splits is None:
             if rows > SPLIT_MAX_ROWS:
                 splits = 1
@@ -311,7 +336,10 @@ class Attention:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
         key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
-        grid = (workgroups(blocks, self.lane_groups // key_lanes), self.n_kv_heads, n_splits)
+        heads = self.heads_per_workgroup(rows, start_pos) if n_splits == 1 else 1
+        grid = (workgroups(blocks, self.lane_groups // key_lanes), workgroups(self.n_kv_heads, heads), n_splits)
+        if heads > 1:
+            key_lanes = 1  # the workgroup grows its key lanes for all of its heads' blocks (attention.wgsl)
         rope = self.rope_mode(rows, grid)
         values: dict[str, dict] = {
             "attention": {
@@ -328,6 +356,12 @@ class Attention:
         if rope == "dispatch":
             values["rope"] = {"start_pos": start_pos, "tree": int(tree), "row0": row0}
         return values, grid
+
+    def heads_per_workgroup(self, rows: int, start_pos: int) -> int:
+        """kv heads a workgroup of a call without key splits attends for (`packed_heads`; 1 on GPUs)."""
+        blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
+        keys = context_keys(rows, start_pos, self.window)
+        return packed_heads(keys, blocks, self.n_kv_heads, self.lane_groups, self.pack_max_keys)
 
     def rope_mode(self, rows: int, grid: tuple[int, int, int]) -> str | None:
         """How a call with this grid applies RoPE and writes the caches: "local", "fused", "dispatch", "shared"
@@ -529,6 +563,8 @@ class BatchedAttention:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.pool_positions, self.block, self.max_rows = pool_positions, block, max_rows
         self.max_segment_rows = paged_max_rows(n_heads, n_kv_heads, head_dim)
+        self.window, self.group, self.lane_groups = window, n_heads // n_kv_heads, LANES // (head_dim // 16)
+        self.pack_max_keys = PACK_MAX_KEYS if registry.gpu.on_cpu else 0
         self.rope_positions = rope.numel // head_dim
         self.layout = layout
         self.bound = registry.bind(
@@ -545,6 +581,7 @@ class BatchedAttention:
                 "rope": ROPE_PARAM["shared" if kv_shared else "local"],
                 "softcap": softcap,
                 "block": block,
+                "pack_max_keys": self.pack_max_keys,
             },
             q=q,
             k_cache=k_pool,
@@ -586,13 +623,25 @@ class BatchedAttention:
             raise ValueError(f"layout: {words.size} words needed, the tensor holds {self.layout.numel}")
         return words
 
-    def record(self, rec: Recorder, segments: int) -> None:
-        """Record the dispatch over the first `segments` segments of the layout tensor (written by the caller)."""
-        if not 1 <= segments <= self.layout.numel // HEADER_WORDS:
+    def record(self, rec: Recorder, segments: Sequence[PagedSegment]) -> None:
+        """Record the dispatch over `segments`, the first segments of the layout tensor (written by the caller from
+        them): one workgroup row per kv head, or per group of kv heads where a segment packs them (each segment as
+        its own `Attention` call would; the rows a segment does not need end at once)."""
+        if not 1 <= len(segments) <= self.layout.numel // HEADER_WORDS:
             raise ValueError(
-                f"segments={segments}: the layout tensor holds headers for 1..{self.layout.numel // HEADER_WORDS}"
+                f"segments={len(segments)}: the layout tensor holds headers for 1..{self.layout.numel // HEADER_WORDS}"
             )
-        rec.dispatch(self.bound, 1, self.n_kv_heads, segments)
+        heads = min(
+            packed_heads(
+                context_keys(seg.rows, seg.start_pos, self.window),
+                workgroups(seg.rows * self.group, QUERIES_PER_BLOCK),
+                self.n_kv_heads,
+                self.lane_groups,
+                self.pack_max_keys,
+            )
+            for seg in segments
+        )
+        rec.dispatch(self.bound, 1, workgroups(self.n_kv_heads, heads), len(segments))
 
     def release(self, registry: KernelRegistry) -> None:
         """Free the op's uniform slot; the pools, q, out, layout and rope table stay."""

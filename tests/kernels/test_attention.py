@@ -460,6 +460,31 @@ def test_cpu_adapters_with_subgroups_sum_scores_in_subgroups(gpu, registry):
     assert attention_entry(registry, 48) == "main", "3 lanes per group: the xor shuffles need a power of two"
 
 
+@pytest.mark.parametrize(
+    ("shape", "rows", "start_pos", "window", "heads"),
+    [
+        (SMOLLM2, 1, 100, 0, 3),  # decode: SmolLM2's 3 kv heads in one workgroup
+        (SMOLLM2, 1, 300, 0, 1),  # PACK_MAX_KEYS keys or more: one kv head each
+        (SMOLLM2, 1, 1000, 64, 3),  # a sliding window keeps the keys few at any context
+        (SMOLLM2, 2, 50, 0, 2),  # k=1 verification, 2 blocks per head: rows of 2 heads and 1
+        (SMOLLM2, 5, 50, 0, 1),  # 4 blocks per head: no room for another head's
+        ({"n_heads": 10, "n_kv_heads": 5, "head_dim": 64}, 1, 40, 0, 4),  # the last row holds 1 head
+        ({"n_heads": 8, "n_kv_heads": 2, "head_dim": 128}, 1, 40, 0, 2),
+    ],
+    ids=["decode", "long", "window", "verify2", "verify5", "last-row", "head128"],
+)
+def test_short_calls_on_cpu_adapters_pack_kv_heads_into_workgroups(
+    gpu, registry, rng, shape, rows, start_pos, window, heads
+):
+    case = Case(gpu, registry, rng, **shape, max_seq=1100, max_rows=8, window=window)
+    packed = heads if gpu.on_cpu else 1
+    assert case.op.heads_per_workgroup(rows, start_pos) == packed
+    assert case.op.call(rows, start_pos)[1] == (1, -(-shape["n_kv_heads"] // packed), 1)
+    case.check(case.run(registry, rows, start_pos), rows, start_pos)
+    # GPUs (pack_max_keys 0) keep a workgroup per kv head.
+    assert attention_module.packed_heads(10, 1, 3, 16, 0) == 1
+
+
 def test_the_fused_path_stays_off_cpu_adapters_unless_forced(gpu, registry, rng):
     """FUSED_ROPE measured slower on lavapipe (shaders/attention.wgsl): the default follows the adapter; the
     local path is on everywhere, so a decode step needs no rope dispatch on any adapter."""

@@ -140,7 +140,7 @@ class Batch:
         words = self.op.layout_words(self.segments)
         self.layout.view((len(words),)).write(words)
         rec = self.registry.recorder()
-        self.op.record(rec, len(self.seqs))
+        self.op.record(rec, self.segments)
         assert rec.dispatches == 1
         rec.submit()
         return self.out.numpy()
@@ -312,8 +312,8 @@ def test_a_kv_shared_layer_reads_what_an_earlier_layer_wrote_in_the_same_submit(
     words = b.op.layout_words(b.segments)
     b.layout.view((len(words),)).write(words)
     rec = registry.recorder()
-    b.op.record(rec, len(b.seqs))
-    shared.record(rec, len(b.seqs))
+    b.op.record(rec, b.segments)
+    shared.record(rec, b.segments)
     rec.submit()
     got = out.numpy()
     for i, (seq, row0) in enumerate(zip(b.seqs, b.row0s, strict=True)):
@@ -379,4 +379,4 @@ def test_bad_segments_and_shapes_are_refused(batch, gpu, registry):
     with pytest.raises(ValueError, match="multiple of block"):
         BatchedAttention(registry, *tensors, **shape, pool_positions=40, block=16)
     with pytest.raises(ValueError, match="segments=0"):
-        b.op.record(registry.recorder(), 0)
+        b.op.record(registry.recorder(), [])
