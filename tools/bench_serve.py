@@ -26,11 +26,14 @@ C runs both servers in turn, in an order that alternates from C to C and from re
 1); the table has medians over repeats, the ratios (batched / one-at-a-time) are medians of each repeat's paired
 ratio. Before the timings, each server answers one request per client for every C (each batch row count compiles its
 pipelines on first use). Both servers run without the prefix cache by default (`--kv-cache-mb 0`): the prompts
-repeat here, as distinct users' prompts would not, so every request prefills its whole prompt. Greedy, with the same
-`speculative` request option on both (`--speculative`, default "none"; with parallel > 1 "auto" means prompt lookup,
-so with "auto" the two servers do not speculate alike: use "prompt-lookup" to compare speculation like with like);
-every prompt's answers must be the same from both servers (checked). The clients run in a process of their own (the
-servers and engines share this one), on the same machine's cores.
+repeat here, as distinct users' prompts would not, so every request prefills its whole prompt. With `--distinct`
+every request is its own (its question tagged "Request <repeat>.<C>.<client>.<request>: ", the same tags on both
+servers) and both servers keep the server's default prefix cache (256 MB): what distinct users share, the chat
+template's system prompt (24 of SmolLM2's ~43 prompt tokens here), is prefilled once per server, as in a deployment.
+Greedy, with the same `speculative` request option on both (`--speculative`, default "none"; with parallel > 1
+"auto" means prompt lookup, so with "auto" the two servers do not speculate alike: use "prompt-lookup" to compare
+speculation like with like); every prompt's answers must be the same from both servers (checked). The clients run
+in a process of their own (the servers and engines share this one), on the same machine's cores.
 """
 
 from __future__ import annotations
@@ -200,11 +203,29 @@ def run_cell(pool, url: str, model: str, prompts: list, **cell) -> tuple[list[di
     return pool.submit(run_clients, url, model, prompts, **cell).result()
 
 
+def tagged(prompt: tuple[str, str, list[dict]], tag: str) -> tuple[str, str, list[dict]]:
+    """`prompt` as a distinct user sends it: its last message starts with "Request <tag>: ", so what it shares with
+    other requests is what distinct users' requests share, the chat template and its system prompt; its name
+    carries the tag, so its answers are compared only with the same request's on the other server."""
+    group, name, messages = prompt
+    *earlier, last = messages
+    return group, f"{name} #{tag}", [*earlier, last | {"content": f"Request {tag}: {last['content']}"}]
+
+
 def run_clients(
-    url: str, model: str, prompts: list, *, clients: int, requests: int, max_tokens: int, speculative: str
+    url: str,
+    model: str,
+    prompts: list,
+    *,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    speculative: str,
+    distinct: str | None = None,
 ) -> tuple[list[dict], float]:
     """`clients` threads, each streaming `requests` requests back to back, started together; the cell's requests
-    (each with its client's index) and its wall time (first start to last end)."""
+    (each with its client's index) and its wall time (first start to last end). `distinct`: each request is
+    `tagged` "<distinct>.<client>.<request>"."""
     import openai
 
     # max_retries=0: a refused request (429) fails the run instead of being retried behind the timings' back.
@@ -216,6 +237,8 @@ def run_clients(
         done = []
         for j in range(requests):
             prompt = prompts[(i + j * clients) % len(prompts)]
+            if distinct is not None:
+                prompt = tagged(prompt, f"{distinct}.{i}.{j}")
             done.append(one_request(sessions[i], model, prompt, max_tokens=max_tokens, speculative=speculative))
             done[-1]["client"] = i
         return done
@@ -333,7 +356,8 @@ def concurrency_part(args) -> dict | None:
             with openai.OpenAI(base_url=f"{urls[server]}/v1", api_key="x") as client:
                 models[server] = client.models.list().data[0].id
             for c in clients:  # each batch row count's pipelines compile on first use: one request per client
-                run_cell(pool, urls[server], models[server], prompts, clients=c, **cell | {"requests": 1})
+                warm = cell | {"requests": 1, "distinct": "warm-up" if args.distinct else None}
+                run_cell(pool, urls[server], models[server], prompts, clients=c, **warm)
         for repeat in range(repeats):
             for index, c in enumerate(clients):
                 order = SERVERS if (repeat + index) % 2 == 0 else SERVERS[::-1]
@@ -341,7 +365,9 @@ def concurrency_part(args) -> dict | None:
                     batch = engines[server].batch
                     before = Counter(batch.sizes) if batch is not None else Counter()
                     counts = batch_counts(batch)
-                    done, wall = run_cell(pool, urls[server], models[server], prompts, clients=c, **cell)
+                    # The same tags on both servers (each has its own prefix cache), new ones for every cell.
+                    distinct = {"distinct": f"{repeat}.{c}" if args.distinct else None}
+                    done, wall = run_cell(pool, urls[server], models[server], prompts, clients=c, **cell | distinct)
                     sizes = (batch.sizes - before) if batch is not None else Counter()
                     counted = {key: value - counts[key] for key, value in batch_counts(batch).items()}
                     figures = cell_figures(done, wall) | {"mean_rows": mean_rows(sizes), "batch_sizes": dict(sizes)}
@@ -396,7 +422,7 @@ def concurrency_part(args) -> dict | None:
             f"(goal ≥ {GOAL_THROUGHPUT}), p95 TTFT ratio {shown(goal['ttft_p95_ratio'], digits=2)} "
             f"(goal ≤ {GOAL_TTFT:g})"
         )
-    settings = {key: getattr(args, key) for key in ("requests", "max_tokens", "speculative", "kv_cache_mb")}
+    settings = {key: getattr(args, key) for key in ("requests", "max_tokens", "speculative", "kv_cache_mb", "distinct")}
     settings |= {"repeats": repeats, "clients": clients, "prompts": [f"{g}/{n}" for g, n, _ in prompts]}
     return {"settings": settings, "table": table, "runs": {s: {str(c): r for c, r in runs[s].items()} for s in runs}}
 
@@ -438,10 +464,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="requests per client in each cell (default 3)")
     parser.add_argument("--groups", type=names, default=["open-ended"], help="bench_speculative prompt groups")
     parser.add_argument("--speculative", default="none", choices=("none", "prompt-lookup", "auto"))
-    parser.add_argument("--kv-cache-mb", type=int, default=0, help="the concurrency servers' prefix cache (default 0)")
+    parser.add_argument(
+        "--kv-cache-mb", type=int, default=None, help="the concurrency servers' prefix cache (0; 256 with --distinct)"
+    )
+    parser.add_argument(
+        "--distinct",
+        action="store_true",
+        help="every concurrency request its own (a tagged question), as distinct users send: with the prefix cache on, "
+        "only the chat template's system prompt is shared",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
+    if args.kv_cache_mb is None:
+        from doppler_py.defaults import KV_CACHE_MB
+
+        args.kv_cache_mb = KV_CACHE_MB if args.distinct else 0
     unknown = set(args.parts) - {"chat", "concurrency"}
     if unknown:
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
