@@ -465,6 +465,7 @@ struct Keys {
   lanes: u32,
   heads_per_wg: u32,  // kv heads per workgroup row (grid y): a workgroup attends for heads y * heads_per_wg ..
   heads: u32,  // .. of which this one has `heads` (fewer in the last row; 0 in a row past the last kv head)
+  blocks: u32,  // the blocks the workgroup holds (its heads' blocks, in turn)
 }
 
 // How many kv heads share a workgroup (see "Packed kv heads" above): the same rule as ops/attention.py
@@ -518,7 +519,7 @@ fn key_range(wid: vec3<u32>) -> Keys {
     cached_end = min(key_end, seg.start_pos);
     new_begin = max(key_begin, seg.start_pos);
   }
-  return Keys(key_begin, cached_end, new_begin, key_end, key_lanes, per, heads);
+  return Keys(key_begin, cached_end, new_begin, key_end, key_lanes, per, heads, wg_blocks);
 }
 
 // With rope 1 or 2, workgroup (0, kv head, split 0) writes its kv head's rotated new keys and values to the
@@ -563,7 +564,6 @@ fn prepare(wid: vec3<u32>, t: u32, keys: Keys) -> Work {
   let n_pairs = seg.rows * group;
   let n_blocks = (n_pairs + 3u) / 4u;
 
-  let blocks_in_wg = select(0u, min(blocks_per_wg, n_blocks * keys.heads - wid.x * blocks_per_wg), keys.heads > 0u);
   let key_lanes = keys.lanes;
   let slice = t % slices;
   let lane_group = t / slices;
@@ -573,7 +573,7 @@ fn prepare(wid: vec3<u32>, t: u32, keys: Keys) -> Work {
   let wg_block = wid.x * blocks_per_wg + local_block;
   let block = wg_block % n_blocks;
   let kv_head = wid.y * keys.heads_per_wg + wg_block / n_blocks;
-  let has_block = local_block < blocks_in_wg;
+  let has_block = local_block < keys.blocks;
 
   // Query c of the block is (row, head) pair 4 * block + c of this kv head; key j is visible to it when
   // lower[c] <= j < limit[c] (for a tree key: its position >= lower[c] and its row among ancestors[c]). An

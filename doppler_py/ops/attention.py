@@ -122,6 +122,18 @@ def context_keys(rows: int, start_pos: int, window: int) -> int:
     return min(context, window + rows - 1) if window else context
 
 
+def pack_max_keys(registry: KernelRegistry) -> int:
+    """Params.pack_max_keys of this device's attention calls: PACK_MAX_KEYS on CPU adapters, 0 (never) on GPUs."""
+    return PACK_MAX_KEYS if registry.gpu.on_cpu else 0
+
+
+def call_heads(op: Attention | BatchedAttention, rows: int, start_pos: int) -> int:
+    """kv heads per workgroup of `op`'s call (or PAGED segment) of `rows` rows at start_pos, without key splits."""
+    blocks = workgroups(rows * op.group, QUERIES_PER_BLOCK)
+    keys = context_keys(rows, start_pos, op.window)
+    return packed_heads(keys, blocks, op.n_kv_heads, op.lane_groups, op.pack_max_keys)
+
+
 def balance_workgroups(adapter_type: str) -> int:
     """Workgroups below which `plan` gives a call's blocks more key lanes, so the grid shares out evenly.
 
@@ -217,7 +229,7 @@ class Attention:
         self.max_rows = max_rows
         self.window = window
         self.lane_groups = LANES // (head_dim // 16)
-        self.pack_max_keys = PACK_MAX_KEYS if registry.gpu.on_cpu else 0
+        self.pack_max_keys = pack_max_keys(registry)
         adapter_type = str(registry.gpu.info.get("adapter_type", ""))
         self.target_workgroups = target_workgroups(adapter_type)
         self.balance_workgroups = balance_workgroups(adapter_type)
@@ -336,7 +348,7 @@ class Attention:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
         key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
-        heads = self.heads_per_workgroup(rows, start_pos) if n_splits == 1 else 1
+        heads = call_heads(self, rows, start_pos) if n_splits == 1 else 1
         grid = (workgroups(blocks, self.lane_groups // key_lanes), workgroups(self.n_kv_heads, heads), n_splits)
         if heads > 1:
             key_lanes = 1  # the workgroup grows its key lanes for all of its heads' blocks (attention.wgsl)
@@ -359,9 +371,7 @@ class Attention:
 
     def heads_per_workgroup(self, rows: int, start_pos: int) -> int:
         """kv heads a workgroup of a call without key splits attends for (`packed_heads`; 1 on GPUs)."""
-        blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
-        keys = context_keys(rows, start_pos, self.window)
-        return packed_heads(keys, blocks, self.n_kv_heads, self.lane_groups, self.pack_max_keys)
+        return call_heads(self, rows, start_pos)
 
     def rope_mode(self, rows: int, grid: tuple[int, int, int]) -> str | None:
         """How a call with this grid applies RoPE and writes the caches: "local", "fused", "dispatch", "shared"
@@ -564,7 +574,7 @@ class BatchedAttention:
         self.pool_positions, self.block, self.max_rows = pool_positions, block, max_rows
         self.max_segment_rows = paged_max_rows(n_heads, n_kv_heads, head_dim)
         self.window, self.group, self.lane_groups = window, n_heads // n_kv_heads, LANES // (head_dim // 16)
-        self.pack_max_keys = PACK_MAX_KEYS if registry.gpu.on_cpu else 0
+        self.pack_max_keys = pack_max_keys(registry)
         self.rope_positions = rope.numel // head_dim
         self.layout = layout
         self.bound = registry.bind(
@@ -631,16 +641,7 @@ class BatchedAttention:
             raise ValueError(
                 f"segments={len(segments)}: the layout tensor holds headers for 1..{self.layout.numel // HEADER_WORDS}"
             )
-        heads = min(
-            packed_heads(
-                context_keys(seg.rows, seg.start_pos, self.window),
-                workgroups(seg.rows * self.group, QUERIES_PER_BLOCK),
-                self.n_kv_heads,
-                self.lane_groups,
-                self.pack_max_keys,
-            )
-            for seg in segments
-        )
+        heads = min(call_heads(self, seg.rows, seg.start_pos) for seg in segments)
         rec.dispatch(self.bound, 1, workgroups(self.n_kv_heads, heads), len(segments))
 
     def release(self, registry: KernelRegistry) -> None:

@@ -249,7 +249,7 @@ class StepBatch:
         forwards: list[tuple[list[_Step], list[tuple[_Prefill, int]]]] = []
         for request in ready:
             rows = request.pending.rows
-            if not forwards or sum(r.pending.rows for r in forwards[-1][0]) + rows > min(target.max_logit_rows, alone):
+            if not forwards or _rows(forwards[-1][0], []) + rows > min(target.max_logit_rows, alone):
                 forwards.append(([], []))
             forwards[-1][0].append(request)
         # A prompt goes in the chunks its solo prefill takes (max_rows rows from its start), so each chunk's rows
