@@ -14,6 +14,10 @@ batch before ended), and the last to arrive runs them all; steps that arrive mea
                     log-probs, as when it runs alone (`Stepper.record_checks`)
     ONE submit; each step's readback and commit (`Stepper.finish`)
 
+A step with nothing else waiting runs as it would without the batch (`Stepper.step`); while its generation is the
+only member, its plain steps run several per submit, as they do alone (`SpeculativeEngine`'s plain runs), so a
+server that batches loses nothing to one that does not while a single client uses it.
+
 A generation that starts while others step prefills its prompt here too (`prefill`), in the chunks of its solo
 prefill (so each row meets the same kernels and attention plan): each forward of their steps takes the chunks it
 has room for after their rows, so the others keep stepping while it prefills instead of waiting for its whole
@@ -78,6 +82,8 @@ class _Step(_Turn):
     ctx: StepContext
     k: int
     proposal: Proposal | None
+    plain_steps: int = 1  # plain steps (k = 0) it may take in one submit when it steps alone
+    alone: bool = False  # it ran as without the batch: its wall time is its own
     outcome: StepOutcome | None = None
     pending: PendingStep | None = field(default=None, repr=False)
 
@@ -137,13 +143,17 @@ class StepBatch:
             self._members -= 1
             self._cond.notify_all()
 
-    def step(self, stepper: Stepper, ctx: StepContext, k: int, proposal: Proposal | None = None) -> StepOutcome:
-        """`stepper.step(ctx, k, proposal=proposal)`, run together with the other members' next steps."""
-        request = _Step(stepper=stepper, ctx=ctx, k=k, proposal=proposal)
+    def step(
+        self, stepper: Stepper, ctx: StepContext, k: int, proposal: Proposal | None = None, *, plain_steps: int = 1
+    ) -> tuple[StepOutcome, bool]:
+        """`stepper.step(ctx, k, proposal=proposal)`, run together with the other members' next steps; and whether
+        it ran alone, as without the batch. A generation that steps alone (the only member, nothing else waiting)
+        takes `plain_steps` plain steps in one submit as it would without the batch; beside others, one."""
+        request = _Step(stepper=stepper, ctx=ctx, k=k, proposal=proposal, plain_steps=plain_steps)
         self._take_turn(request)
         if request.outcome is None:
             raise InternalError("a batched step ended without an outcome")
-        return request.outcome
+        return request.outcome, request.alone
 
     def shared_costs(self, alone: CostModel) -> SharedStepCosts | None:
         """What a member's next step is priced with (`CostModel.shared`), given the device's costs measured alone:
@@ -231,7 +241,11 @@ class StepBatch:
     def _run(self, batch: list[_Turn]) -> None:
         """Begin every step, run them in forwards of at most the model's logit rows with prefill rows where rows
         are left, finish each step. Without steps, prefills run whole in forwards of their own; with steps, a prefill
-        that found no room gets one forward of its own, and one that did waits for the next batch with its rest."""
+        that found no room gets one forward of its own, and one that did waits for the next batch with its rest.
+        A step alone runs as without the batch (`_alone`)."""
+        if len(batch) == 1 and isinstance(batch[0], _Step):
+            self._alone(batch[0])
+            return
         ready = []
         for request in batch:
             if not isinstance(request, _Step):
@@ -272,6 +286,21 @@ class StepBatch:
                     break  # with steps, one forward of its own per batch: the rest waits for the next
         for steps, pieces in forwards:
             self._forward(steps, pieces)
+
+    def _alone(self, request: _Step) -> None:
+        """A step with no other work waiting: `Stepper.step` itself, which the batched forward equals for one step;
+        while the generation is the only member, its plain steps several per submit. A member that joins meanwhile
+        waits for that submit (its prefill's first turn)."""
+        plain_steps = request.plain_steps if request.k == 0 and self._members == 1 else 1
+        start = time.perf_counter()
+        try:
+            outcome = request.stepper.step(request.ctx, request.k, plain_steps=plain_steps, proposal=request.proposal)
+        except Exception as exc:
+            request.error = exc
+            return
+        self.sizes[1] += 1
+        request.outcome, request.alone = outcome, True
+        self._observe_forward(1, outcome.drafted + 1, (time.perf_counter() - start) / plain_steps)
 
     def _forward(self, steps: list[_Step], pieces: list[tuple[_Prefill, int]]) -> None:
         """One forward: the steps' rows, then each prefill piece's next n rows (no logits)."""

@@ -282,9 +282,9 @@ class SpeculativeEngine:
         stats.cached_tokens = ctx.cached
         self.steps.logprobs = logprobs
         produced = 0
-        # Plain steps several per submit; not under a grammar (each step's masks come from the tokens before it)
-        # nor in a batch (each step meets the other generations' next steps).
-        batching = grammar is None and self.batch is None
+        # Plain steps several per submit; not under a grammar (each step's masks come from the tokens before it).
+        # In a batch only while the generation steps alone (`StepBatch.step`): otherwise each step meets the others'.
+        multi_step = grammar is None
         if self.batch is not None:
             self.batch.join()
         try:
@@ -300,7 +300,7 @@ class SpeculativeEngine:
                     if spelled:
                         proposal = self._forced_proposal(ctx, spelled, forced, k_step, remaining)
                         k_step = proposal.count
-                    if not batching or k_step:
+                    if not multi_step or k_step:
                         plain_steps = 1
                     elif speculate:
                         plain_steps = self._paused_batch(remaining)
@@ -308,8 +308,11 @@ class SpeculativeEngine:
                         plain_steps = self._batch_size(remaining, first=produced == 0)
                 else:
                     k_step = 0
-                    plain_steps = self._batch_size(remaining, first=produced == 0) if batching else 1
-                new = self._measured_step(ctx, k_step, stats, plain_steps, proposal)[:remaining]
+                    plain_steps = self._batch_size(remaining, first=produced == 0) if multi_step else 1
+                made = self._measured_step(ctx, k_step, stats, plain_steps, proposal)
+                if self.speculative and speculate and not k_step:  # next_k took the pause's first step
+                    self.policy.pause_steps -= len(made) - 1
+                new = made[:remaining]
                 for j, token in enumerate(new):
                     if token in stop_ids:
                         new, stats.stopped_by = new[: j + 1], "eos"
@@ -475,10 +478,9 @@ class SpeculativeEngine:
 
     def _paused_batch(self, remaining: int) -> int:
         """Plain steps for one submit while the policy pauses speculation: the pause's remaining steps, as many
-        as `_batch_size` allows (the first of them already taken from the pause by `next_k`)."""
-        n = min(1 + self.policy.pause_steps, self._batch_size(remaining, first=False))
-        self.policy.pause_steps -= n - 1
-        return n
+        as `_batch_size` allows (the first of them already taken from the pause by `next_k`; the caller takes the
+        others that ran: a batch may run fewer)."""
+        return min(1 + self.policy.pause_steps, self._batch_size(remaining, first=False))
 
     def _observe_plain(self, seconds: float) -> None:
         """A plain token's measured cost, for sizing plain batches."""
@@ -491,18 +493,13 @@ class SpeculativeEngine:
         and the KV-cache invariant check around it. `proposal`: drafts made here (the grammar's), not the drafter's."""
         self._check_open()
         if self.batch is not None:
-            return self._batched_step(ctx, k, stats, proposal)
+            return self._batched_step(ctx, k, stats, proposal, plain_steps)
         pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.steps.step(ctx, k, plain_steps=plain_steps, proposal=proposal, marks=self.clock)
         times = self.clock.stop()
         if plain_steps > 1:
-            per_token = times.total_s / plain_steps
-            for _ in outcome.new:
-                stats.record(0, 0, StepTimes(0.0, per_token, None, None))
-            self._observe_plain(per_token)
-            self._check_cache(ctx)
-            return outcome.new
+            return self._plain_run(ctx, outcome, stats, times.total_s)
         stats.tree_steps += outcome.tree
         # A step that compiled a pipeline (its own, or one a background warmup finished meanwhile on the same
         # CPU) timed the compiler, not the device, and would leave the policy pausing speculation while that
@@ -511,14 +508,31 @@ class SpeculativeEngine:
             self._price(outcome, times)
         return self._account(ctx, outcome, stats, times)
 
-    def _batched_step(self, ctx: StepContext, k: int, stats: SpecStats, proposal: Proposal | None) -> list[int]:
-        """One step run together with the other generations' (`batch`). Its wall time is the batch's, which says
-        nothing of what this step's rows cost alone, so it is not priced: the policy keeps the costs measured
-        when the engine was prepared, and prices its steps from them and the batch's measured forwards
-        (`StepBatch.shared_costs`, set before each step's k is chosen)."""
+    def _plain_run(self, ctx: StepContext, outcome: StepOutcome, stats: SpecStats, seconds: float) -> list[int]:
+        """Plain steps that ran in one submit: each token's share of the time, which sizes the next such run."""
+        per_token = seconds / len(outcome.new)
+        for _ in outcome.new:
+            stats.record(0, 0, StepTimes(0.0, per_token, None, None))
+        self._observe_plain(per_token)
+        self._check_cache(ctx)
+        return outcome.new
+
+    def _batched_step(
+        self, ctx: StepContext, k: int, stats: SpecStats, proposal: Proposal | None, plain_steps: int
+    ) -> list[int]:
+        """One step run together with the other generations' (`batch`), or `plain_steps` plain ones when it steps
+        alone. A shared step's wall time is the batch's, which says nothing of what this step's rows cost alone, so
+        it is not priced: the policy keeps the costs measured when the engine was prepared, and prices its steps
+        from them and the batch's measured forwards (`StepBatch.shared_costs`, set before each step's k is chosen).
+        Plain steps alone are timed as without a batch, to size the next runs of them."""
         start = time.perf_counter()
-        outcome = self.batch.step(self.steps, ctx, k, proposal)
-        return self._account(ctx, outcome, stats, StepTimes(0.0, time.perf_counter() - start, None, None))
+        outcome, alone = self.batch.step(self.steps, ctx, k, proposal, plain_steps=plain_steps)
+        seconds = time.perf_counter() - start
+        if alone and not k:
+            if len(outcome.new) > 1:
+                return self._plain_run(ctx, outcome, stats, seconds)
+            self._observe_plain(seconds)
+        return self._account(ctx, outcome, stats, StepTimes(0.0, seconds, None, None))
 
     def _account(self, ctx: StepContext, outcome: StepOutcome, stats: SpecStats, times: StepTimes) -> list[int]:
         """A step's statistics, the drafter's acceptance for the policy, and the KV-cache invariant check."""

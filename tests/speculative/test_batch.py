@@ -6,11 +6,13 @@ buffers are kept out."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from support.tiny_specs import TARGET
 
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative import engine as engine_module
 from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
@@ -101,7 +103,10 @@ def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple
 @pytest.mark.parametrize("staggered", [False, True], ids=["together", "joining"])
 @pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
 @pytest.mark.parametrize("drafter", ["none", "prompt-lookup"])
-def test_each_batched_generation_equals_its_solo_run(models, drafter, params, staggered):
+def test_each_batched_generation_equals_its_solo_run(models, drafter, params, staggered, monkeypatch):
+    # One plain step per submit alone too: a generation alone would otherwise run its answer out in a few submits
+    # before the next one joins (lone runs: `test_a_generation_alone_in_a_batch_runs_plain_steps_as_without_it`).
+    monkeypatch.setattr(engine_module, "BATCH_TARGET_S", 0.0)
     target = models["target"]
     outputs, batch = batched_runs(target, drafter, params, staggered=staggered)
     assert outputs == solo_runs(target, drafter, params)
@@ -112,6 +117,44 @@ def test_each_batched_generation_equals_its_solo_run(models, drafter, params, st
         assert batch.prefill_rows_beside_steps > 0
     assert batch.members == 0
     assert not batch.arena.slabs  # every cache gave its blocks back
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
+def test_a_generation_alone_in_a_batch_runs_plain_steps_as_without_it(models, params):
+    """The only member of a batch takes its plain steps several per submit, as without the batch; beside another
+    generation, one step per shared forward; alone again once it left, several again. Both answers equal their solo
+    runs (the seeded stream draws one number per plain step, however many share a submit)."""
+    target = models["target"]
+    batch = StepBatch(target, gather_s=1.0)
+    engines = [engine_for(target, "none", batch) for _ in range(2)]
+    prompts, lengths = [PROMPTS[0], PROMPTS[2]], [60, 6]
+    joined: list[list[int]] = []
+    chunks: list[tuple[int, bool]] = []  # (tokens, whether the other generation had ended before they came)
+
+    def join() -> None:
+        joined.append(engines[1].generate(prompts[1], lengths[1], params_for(params, 1)).tokens)
+
+    other = threading.Thread(target=join, daemon=True)
+    out: list[int] = []
+    for new in engines[0].iter_generate(prompts[0], lengths[0], params_for(params, 0), stats=SpecStats()):
+        out.extend(new)
+        chunks.append((len(new), bool(joined)))
+        if len(new) > 1 and not other.is_alive() and not joined:  # several steps alone: now the other one joins
+            other.start()
+            while batch.members < 2 and other.is_alive():
+                time.sleep(0.005)
+    other.join(60)
+    for engine in engines:
+        engine.close()
+    batch.close()
+    solo = engine_for(target, "none")
+    assert out == solo.generate(prompts[0], lengths[0], params_for(params, 0)).tokens
+    assert joined == [solo.generate(prompts[1], lengths[1], params_for(params, 1)).tokens]
+    solo.close()
+    assert batch.sizes[2] > 0, batch.sizes  # beside the other, the steps shared forwards
+    assert any(n > 1 and not ended for n, ended in chunks), chunks  # several per submit before it joined
+    assert any(n > 1 and ended for n, ended in chunks), chunks  # ... and after it left
+    assert batch.members == 0 and not batch.arena.slabs
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
