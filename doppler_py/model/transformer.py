@@ -64,7 +64,7 @@ from doppler_py.ops.attention import (
 from doppler_py.ops.elementwise import LogitSoftCap, PerLayerGate, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
-from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, GatedInput, InputNorm, Linear
+from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, GatedInput, InputNorm, Linear, compile_at_once
 from doppler_py.ops.linear_attention import (
     GatedDeltaNet,
     LayerState,
@@ -237,6 +237,7 @@ class Transformer:
         linear = [i for i in range(n_layers) if cfg.is_linear(i)]
         self._state_layer = {layer: j for j, layer in enumerate(linear)}
         self._tapes: dict[tuple, _ForwardTape] = {}
+        self._generation_rows: set[int] = set()  # row counts `compile_generation` compiled
         # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
         # latest forward that ran it (`tap_layers`).
         self.taps: dict[int, Tensor] = {}
@@ -417,6 +418,17 @@ class Transformer:
                 layers += [layer.per_layer[0], layer.per_layer[2]]
         first = [self.per_layer_inputs[1]] if self.per_layer_inputs else []
         return [*first, *layers, self.lm_head, self.lm_head_last]
+
+    def compile_generation(self, prompt_rows: int) -> None:
+        """Compile, several at once (`compile_at_once`), the matmul pipelines a generation runs first: its prefill's
+        chunks of `prompt_rows` rows in all, then plain steps with the last row's logits."""
+        chunks = {min(self.max_rows, prompt_rows - begin) for begin in range(0, prompt_rows, self.max_rows)}
+        rows = sorted({*chunks, 1} - self._generation_rows)
+        if not rows:
+            return
+        layers = self.linears()[:-2]  # without the LM head's two: prefill chunks need no logits
+        compile_at_once([*((linear, n) for n in rows for linear in layers), (self.lm_head_last, 1)])
+        self._generation_rows.update(rows)
 
     @property
     def hybrid(self) -> bool:

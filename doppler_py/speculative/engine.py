@@ -414,6 +414,7 @@ class SpeculativeEngine:
                         self.prefix_cache.restore(entry, ctx.cached, cache)
                 self.drafter.start(ctx)
             # The prompt but its last token, which step 1 feeds.
+            target.compile_generation(len(tokens) - 1 - ctx.cached)
             if batch is not None:
                 # Its rows ride along with the running generations' steps (the drafters that batch read no features).
                 if ctx.cached < len(tokens) - 1:

@@ -265,3 +265,56 @@ def test_only_pipelines_not_compiled_yet_are_counted(gpu, tiny_folder, tmp_path)
         registry.close()
         target.close()
         target.weights.destroy()
+
+
+def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatch):
+    """Before its prefill a generation compiles the matmul pipelines of its prompt's chunks and of plain steps,
+    several at once (a thread per core, `compile_at_once`); the generation then compiles none of them itself, and
+    its tokens are those of plain decoding."""
+    from doppler_py.gpu.kernels import PipelineCache
+    from doppler_py.model import transformer
+    from doppler_py.ops.linear import Linear
+
+    target = models["target"]
+    asked: list[set[int]] = []
+    monkeypatch.setattr(transformer, "compile_at_once", lambda calls: asked.append({rows for _, rows in calls}))
+    monkeypatch.setattr(target, "_generation_rows", set())
+    target.compile_generation(40)  # a chunk of 32 rows, one of 8, then plain steps
+    target.compile_generation(40)  # ... once
+    assert asked == [{32, 8, 1}]
+    monkeypatch.undo()
+
+    prompt = [5, 9, 11, 4]  # 3 prefill rows: small row tiles, quick to compile
+    expected = reference_decode(target, prompt, 6, GREEDY)
+    cache = target.registry.pipelines
+    fresh = PipelineCache()  # the compiled pipelines but the matmuls'
+    fresh.modules = cache.modules
+    fresh.kernels = {key: kernel for key, kernel in cache.kernels.items() if key[0] != "matmul"}
+    monkeypatch.setattr(target.registry, "pipelines", fresh)
+    monkeypatch.setattr(target, "_generation_rows", set())
+    threads: set[str] = set()
+    compile_rows = Linear.compile
+
+    def compile(linear: Linear, rows: int) -> None:
+        threads.add(threading.current_thread().name)
+        compile_rows(linear, rows)
+
+    monkeypatch.setattr(Linear, "compile", compile)
+    compiled: list[int] = []  # matmul pipelines compiled when `compile_generation` returned
+    compile_generation = target.compile_generation
+    monkeypatch.setattr(
+        target,
+        "compile_generation",
+        lambda rows: [compile_generation(rows), compiled.append(len(fresh.compile_s["matmul"]))],
+    )
+    engine = SpeculativeEngine(target, None)
+    try:
+        assert engine.generate(prompt, 6, GREEDY).tokens == expected
+    finally:
+        engine.close()
+    layer = target.layers[0]
+    for linear, rows in [(layer.qkv, 3), (layer.down, 3), (layer.o, 1), (target.lm_head_last, 1)]:
+        assert target.registry.compiled(linear.pipeline_key(rows))
+    assert compiled == [len(fresh.compile_s["matmul"])]  # the generation compiled no matmul itself
+    if (os.cpu_count() or 1) > 1:  # several at once
+        assert len(threads) >= 2, threads
