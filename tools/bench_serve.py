@@ -20,16 +20,16 @@ inter-token latency (gaps between content deltas) and time per output token afte
 minus its first, over its tokens − 1) at p50/p95, and the batched server's mean steps per forward (the JSON also
 has its forwards whose attention ran once for several generations and its prompt rows prefilled beside their
 steps). The one-at-a-time engine decodes several plain tokens per GPU submit (about 0.2 s of them,
-`speculative.engine.BATCH_TARGET_S`) and streams them as one delta, the batched one a delta per step: compare their
-per-token latency by TPOT, not ITL. Each
-C runs both servers in turn, in an order that alternates from C to C and from repeat to repeat (`--repeats`, default
-1); the table has medians over repeats, the ratios (batched / one-at-a-time) are medians of each repeat's paired
-ratio. Before the timings, each server answers one request per client for every C (each batch row count compiles its
-pipelines on first use). Both servers run without the prefix cache by default (`--kv-cache-mb 0`): the prompts
-repeat here, as distinct users' prompts would not, so every request prefills its whole prompt. With `--distinct`
-every request is its own (its question tagged "Request <repeat>.<C>.<client>.<request>: ", the same tags on both
-servers) and both servers keep the server's default prefix cache (256 MB): what distinct users share, the chat
-template's system prompt (24 of SmolLM2's ~43 prompt tokens here), is prefilled once per server, as in a deployment.
+`speculative.engine.BATCH_TARGET_S`) and streams them as one delta; the batched one does so only for a generation that
+runs alone, else a delta per step: compare their per-token latency by TPOT, not ITL. Each C runs both servers in turn,
+in an order that alternates from C to C and from repeat to repeat (`--repeats`, default 1); the table has medians over
+repeats, the ratios (batched / one-at-a-time) are medians of each repeat's paired ratio. Before the timings, each server
+answers one request per client for every C (each batch row count compiles its pipelines on first use). Both servers run
+without the prefix cache by default (`--kv-cache-mb 0`): the prompts repeat here, as distinct users' prompts would not,
+so every request prefills its whole prompt. With `--distinct` every request is its own (its question tagged "Request
+<repeat>.<C>.<client>.<request>: ", the same tags on both servers) and both servers keep the server's default prefix
+cache (256 MB): what distinct users share, the chat template's system prompt (24 of SmolLM2's ~43 prompt tokens here),
+is prefilled once per server, as in a deployment.
 Greedy, with the same `speculative` request option on both (`--speculative`, default "none"; with parallel > 1
 "auto" means prompt lookup, so with "auto" the two servers do not speculate alike: use "prompt-lookup" to compare
 speculation like with like); every prompt's answers must be the same from both servers (checked). The clients run
