@@ -426,7 +426,8 @@ class Transformer:
         rows = sorted({*chunks, 1} - self._generation_rows)
         if not rows:
             return
-        layers = self.linears()[:-2]  # without the LM head's two: prefill chunks need no logits
+        heads = (self.lm_head, self.lm_head_last)  # prefill chunks need no logits, plain steps the last row's
+        layers = [linear for linear in self.linears() if linear not in heads]
         compile_at_once([*((linear, n) for n in rows for linear in layers), (self.lm_head_last, 1)])
         self._generation_rows.update(rows)
 

@@ -369,10 +369,6 @@ class Attention:
             values["rope"] = {"start_pos": start_pos, "tree": int(tree), "row0": row0}
         return values, grid
 
-    def heads_per_workgroup(self, rows: int, start_pos: int) -> int:
-        """kv heads a workgroup of a call without key splits attends for (`packed_heads`; 1 on GPUs)."""
-        return call_heads(self, rows, start_pos)
-
     def rope_mode(self, rows: int, grid: tuple[int, int, int]) -> str | None:
         """How a call with this grid applies RoPE and writes the caches: "local", "fused", "dispatch", "shared"
         (module docstring), or None without `rope=`."""

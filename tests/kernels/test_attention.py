@@ -478,7 +478,7 @@ def test_short_calls_on_cpu_adapters_pack_kv_heads_into_workgroups(
 ):
     case = Case(gpu, registry, rng, **shape, max_seq=1100, max_rows=8, window=window)
     packed = heads if gpu.on_cpu else 1
-    assert case.op.heads_per_workgroup(rows, start_pos) == packed
+    assert attention_module.call_heads(case.op, rows, start_pos) == packed
     assert case.op.call(rows, start_pos)[1] == (1, -(-shape["n_kv_heads"] // packed), 1)
     case.check(case.run(registry, rows, start_pos), rows, start_pos)
     # GPUs (pack_max_keys 0) keep a workgroup per kv head.
