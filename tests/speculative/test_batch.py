@@ -92,7 +92,14 @@ def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple
         finally:
             started[i].set()
 
-    join_all(start_all(run, len(PROMPTS)), 120)
+    # The generations must meet: none may run its answer out alone while another compiles its prompt's pipelines
+    # (`compile_generation`, outside the batch), nor in a few submits of plain steps before the next one joins
+    # (lone runs: `test_a_generation_alone_in_a_batch_runs_plain_steps_as_without_it`).
+    for prompt in PROMPTS:
+        target.compile_generation(len(prompt) - 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "BATCH_TARGET_S", 0.0)
+        join_all(start_all(run, len(PROMPTS)), 120)
     for engine in engines:
         engine.close()
     batch.close()
@@ -103,10 +110,7 @@ def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple
 @pytest.mark.parametrize("staggered", [False, True], ids=["together", "joining"])
 @pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
 @pytest.mark.parametrize("drafter", ["none", "prompt-lookup"])
-def test_each_batched_generation_equals_its_solo_run(models, drafter, params, staggered, monkeypatch):
-    # One plain step per submit alone too: a generation alone would otherwise run its answer out in a few submits
-    # before the next one joins (lone runs: `test_a_generation_alone_in_a_batch_runs_plain_steps_as_without_it`).
-    monkeypatch.setattr(engine_module, "BATCH_TARGET_S", 0.0)
+def test_each_batched_generation_equals_its_solo_run(models, drafter, params, staggered):
     target = models["target"]
     outputs, batch = batched_runs(target, drafter, params, staggered=staggered)
     assert outputs == solo_runs(target, drafter, params)
