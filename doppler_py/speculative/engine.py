@@ -10,6 +10,7 @@ full width, the verification pipelines are compiled and their costs measured (`p
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -401,7 +402,9 @@ class SpeculativeEngine:
         self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
         capacity = self._capacity(len(tokens), max_new_tokens)
         cache = self._new_cache(capacity)
-        ctx = StepContext(tokens, target, cache, params, Mulberry32(params.seed or 0), capacity, grammar=grammar)
+        # An unseeded sampled generation draws from a stream of its own, so two answers to one prompt differ.
+        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        ctx = StepContext(tokens, target, cache, params, Mulberry32(seed), capacity, grammar=grammar)
         if self.policy.adaptive and self.policy.cost_aware:
             ctx.worth_drafting = lambda values: worth_drafting(values, self.policy.costs)
         try:

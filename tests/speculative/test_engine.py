@@ -64,6 +64,14 @@ def test_same_seed_gives_the_same_tokens_and_another_seed_differs(models, drafte
     assert runs[0] != runs[2]
 
 
+def test_unseeded_sampled_generations_differ_from_each_other(models):
+    engine = SpeculativeEngine(models["target"], None)  # plain decoding: its draws do not depend on timing
+    runs = [engine.generate(PROMPT, 30, SamplingParams(temperature=1.0)).tokens for _ in range(3)]
+    engine.close()
+    # Three 30-token draws from the tiny model's near-flat distributions: a repeat would mean a shared stream.
+    assert len({tuple(run) for run in runs}) == 3
+
+
 def test_stop_token_ends_generation_after_it(models, plain_greedy):
     stop = plain_greedy[10]
     engine = SpeculativeEngine(models["target"], drafter_for("self-draft", models))
