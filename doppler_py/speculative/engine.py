@@ -424,6 +424,11 @@ class SpeculativeEngine:
                     batch.prefill(cache, ctx.cached, tokens[ctx.cached : -1])
                     ctx.hidden_rows = len(tokens) - 1 - ctx.cached
                     self.drafter.prefilled(ctx, ctx.cached)
+                    # Kept now, not only at the end, so that a request sharing the prompt while this one still runs
+                    # (a common system prompt, a request's other choices) prefills only its own tail.
+                    if self.prefix_cache is not None:
+                        with self._gpu_lock():
+                            self.prefix_cache.store(tokens[:-1], cache)
             else:
                 # Without a drafter reading the prompt's features, only the layers that write K/V need to run.
                 layers = None if self.drafter.reads_prompt_features else target.prefill_layers

@@ -11,6 +11,7 @@ import time
 import pytest
 from support.tiny_specs import TARGET
 
+from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import engine as engine_module
 from doppler_py.speculative.batch import StepBatch
@@ -174,6 +175,54 @@ def test_other_families_batch_each_generation_as_its_solo_run(tiny_model, family
     assert outputs == solo_runs(model, "prompt-lookup", params)
     assert sum(count for size, count in batch.sizes.items() if size > 1) > 0, batch.sizes
     assert batch.paged_forwards > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5-hybrid"])
+def test_a_prompt_still_generating_in_the_batch_is_a_prefix_cache_hit_for_the_same_prompt(models, tiny_model, family):
+    """A generation keeps its prompt's K/V in the prefix cache once prefilled, so a request with the same prompt
+    (another choice of one request, a shared system prompt) that arrives while it still runs prefills only the
+    prompt's last token; both answers equal their solo runs. Qwen 3.5: the entry also holds the recurrent states
+    at the prompt's end."""
+    from doppler_py.testing.tiny import TINY_SPECS
+
+    target = models["target"] if family == "llama" else tiny_model(TINY_SPECS[family], max_rows=32)
+    prompt, lengths = PROMPTS[1], (40, 12)
+    batch = StepBatch(target, gather_s=1.0)
+    engines = [engine_for(target, "none", batch) for _ in lengths]
+    for engine in engines:
+        engine.prefix_cache = PrefixCache(target, 64 << 20) if engine is engines[0] else engines[0].prefix_cache
+    first: list[int] = []
+    running = threading.Event()
+
+    def run_first() -> None:
+        try:
+            for new in engines[0].iter_generate(prompt, lengths[0], GREEDY_PARAMS, stats=SpecStats()):
+                first.extend(new)
+                if len(first) >= 3:
+                    running.set()
+        finally:
+            running.set()
+
+    target.compile_generation(len(prompt) - 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "BATCH_TARGET_S", 0.0)  # one token per submit: the first is still running
+        thread = start_all(lambda _: run_first(), 1)[0]
+        assert running.wait(60)
+        first_so_far = len(first)
+        second = engines[1].generate(prompt, lengths[1], GREEDY_PARAMS)
+        thread.join(60)
+    for engine in engines:
+        engine.close()
+    engines[0].prefix_cache.clear()
+    batch.close()
+    assert first_so_far < lengths[0]
+    assert second.stats.cached_tokens == len(prompt) - 1
+    solo = engine_for(target, "none")
+    try:
+        assert first == solo.generate(prompt, lengths[0], GREEDY_PARAMS).tokens
+    finally:
+        solo.close()
+    assert second.tokens == first[: lengths[1]]
 
 
 def test_a_failing_generation_leaves_the_others_unharmed(models):
