@@ -14,7 +14,16 @@ text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto
 `tree` (true, false or "auto": token trees of lookup, draft-model, EAGLE or Medusa drafts, `k` nodes each,
 `Engine.stream`'s `tree`).
 Options a request leaves out take the server's defaults (the `serve` command's flags). Features that would
-silently change results (n > 1, penalties, legacy `functions`) are refused with 400 rather than ignored.
+silently change results (`best_of`, penalties, `logit_bias`, legacy `functions`) are refused with 400 rather than
+ignored.
+
+`n` (1..16) asks for several choices, each a generation of its own (`index` i in `choices` and in every streamed
+chunk): sampled with seed + i when the request has a seed (choice 0 is then the answer of the same request with
+n = 1), with a seed of its own otherwise. A greedy request (temperature 0) runs once and repeats its answer, since
+every choice would be the same. With `--parallel` the choices decode together, and choices after the first wait
+until the first has prefilled the prompt, so they take it from the prefix cache instead of prefilling it again.
+`usage` counts the prompt once, as OpenAI does (its cached tokens are those of choice 0), and the completion tokens
+of every choice; the top-level `doppler` object is choice 0's, and with n > 1 each choice also carries its own.
 
 Structured output: `response_format` (OpenAI's text / json_object / json_schema) on both endpoints, or the extra
 fields `regex` and `grammar` (a Lark grammar, llguidance's dialect); at most one, checked before the request
@@ -54,7 +63,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +76,7 @@ from starlette.routing import Route
 
 from doppler_py.api import Engine, GenerationResult, check_stop
 from doppler_py.constraints.grammar import constraint_from_options
+from doppler_py.defaults import TEMPERATURE
 from doppler_py.errors import (
     CapacityError,
     DopplerError,
@@ -87,7 +97,6 @@ _CLIENT_ERRORS = (GenerationOptionError, CapacityError, UnsupportedModelError, V
 _INT32_MAX = 2**31 - 1
 # Request fields that would change the output if honoured, with the values that mean "not used".
 _UNSUPPORTED_UNLESS = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -97,6 +106,7 @@ _UNSUPPORTED_UNLESS = {
     "functions": ([],),
 }
 _CONSTRAINTS = ("response_format", "regex", "grammar")
+MAX_CHOICES = 16  # `n`: each choice is a generation of its own
 _FIELD_PATH = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
@@ -197,6 +207,19 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     tool_calls: bool = False  # the answer may hold tool calls: stream it through a ToolCallParser
+    n: int = 1  # choices asked for
+    greedy: bool = True  # every choice would be the same answer
+
+    def generations(self) -> list[GenerationRequest]:
+        """The generations that answer it: one per choice, choice i with seed + i when seeded (else a seed of its
+        own, drawn by the engine); one for all when greedy."""
+        if self.n == 1 or self.greedy:
+            return [replace(self, n=1)]
+        seed = self.options.get("seed")
+        return [
+            replace(self, n=1, options=self.options | ({} if seed is None else {"seed": seed + i}))
+            for i in range(self.n)
+        ]
 
 
 def _option_error(exc: GenerationOptionError, name: str) -> RequestError:
@@ -359,7 +382,9 @@ def parse_request(body: dict, defaults: dict[str, Any], *, chat: bool) -> Genera
     include_usage = _field(stream_options, "include_usage", (bool,), "true or false") or False
     options = _options(body, defaults, chat=chat)
     calls = bool(options.get("tools")) and options.get("tool_choice") != "none"  # when tool_plan gives a plan
-    return GenerationRequest(prompt, chat, options, stream, include_usage, tool_calls=calls)
+    n = _int_field(body, "n", 1, MAX_CHOICES) or 1
+    greedy = SamplingParams(temperature=options.get("temperature", TEMPERATURE)).greedy
+    return GenerationRequest(prompt, chat, options, stream, include_usage, tool_calls=calls, n=n, greedy=greedy)
 
 
 # --- the GPU worker ----------------------------------------------------------------------------------------------
@@ -370,7 +395,7 @@ Event = tuple[str, Any]
 class Job:
     """One generation: run on the GPU worker thread, its events delivered to the event loop's queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: GenerationRequest):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: GenerationRequest, after: threading.Event | None):
         self.loop = loop
         self.request = request
         self.events: asyncio.Queue[Event] = asyncio.Queue()
@@ -378,11 +403,15 @@ class Job:
         self.started = False  # set by the worker thread
         self.outcome = "queued"
         self.record: GenerationResult | None = None  # a completed generation's
+        self.after = after  # set when this job may start (its request's first choice prefilled the prompt)
+        self.prefilled = threading.Event()  # set once its prompt is prefilled (its first piece), or it ended
+        # Set before its last event goes out, so a client that sends its next request at once finds the room free.
+        self.ended = False
 
     @property
     def wanted(self) -> bool:
         """Running, or waiting for a client that is still there (an abandoned job is skipped at once)."""
-        return self.started or not self.cancel_requested.is_set()
+        return not self.ended and (self.started or not self.cancel_requested.is_set())
 
     def cancel(self) -> None:
         self.cancel_requested.set()
@@ -391,17 +420,26 @@ class Job:
         with contextlib.suppress(RuntimeError):  # the event loop is gone: the server is shutting down
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
+    def _emit_last(self, event: Event) -> None:
+        self.ended = True
+        self._emit(event)
+
     def run(self, engine: Engine) -> None:
         """Worker thread: generate, stopping early (closing the engine's stream) once cancelled."""
-        self.started = True
-        if self.cancel_requested.is_set():
-            self.outcome = "cancelled"
-            return
         try:
-            self.outcome = self._generate(engine)
-        except Exception as exc:  # reported to the client; the worker goes on with the next job
-            self.outcome = "refused" if isinstance(exc, _CLIENT_ERRORS) else "failed"
-            self._emit(("error", exc))
+            if self.after is not None:
+                self.after.wait()
+            self.started = True
+            if self.cancel_requested.is_set():
+                self.outcome = "cancelled"
+                return
+            try:
+                self.outcome = self._generate(engine)
+            except Exception as exc:  # reported to the client; the worker goes on with the next job
+                self.outcome = "refused" if isinstance(exc, _CLIENT_ERRORS) else "failed"
+                self._emit_last(("error", exc))
+        finally:
+            self.prefilled.set()
 
     def _generate(self, engine: Engine) -> str:
         request = self.request
@@ -410,8 +448,9 @@ class Job:
                 if self.cancel_requested.is_set():
                     return "cancelled"
                 self._emit(("piece", (piece, engine.piece_logprobs)))
+                self.prefilled.set()
         self.record = engine.thread_result
-        self._emit(("done", self.record))
+        self._emit_last(("done", self.record))
         return "completed"
 
     async def result(self) -> GenerationResult:
@@ -439,8 +478,19 @@ class GenerationQueue:
         self.workers = engine.parallel
         self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="doppler-gpu")
 
-    def submit(self, request: GenerationRequest) -> Job:
-        if sum(job.wanted for job in self.jobs) >= self.workers + self.queue_size:
+    def submit(self, request: GenerationRequest) -> list[Job]:
+        """The jobs of the request's generations (`GenerationRequest.generations`), admitted all or none. Beside other
+        generations with a prefix cache, choices after the first start once it has prefilled the prompt."""
+        generations = request.generations()
+        capacity = self.workers + self.queue_size
+        if len(generations) > capacity:
+            raise RequestError(
+                400,
+                f"'n' asks for {len(generations)} generations; this server runs {self.workers} at once and queues "
+                f"{self.queue_size}",
+                param="n",
+            )
+        if sum(job.wanted for job in self.jobs) + len(generations) > capacity:
             self.counts["rejected"] += 1
             raise RequestError(
                 429,
@@ -449,11 +499,15 @@ class GenerationQueue:
                 code="queue_full",
             )
         loop = asyncio.get_running_loop()
-        job = Job(loop, request)
-        self.jobs.add(job)
-        future = loop.run_in_executor(self._executor, job.run, self.engine)
-        future.add_done_callback(lambda _: self._finished(job))
-        return job
+        jobs: list[Job] = []
+        stagger = self.engine.batch is not None and self.engine.prefix_cache.budget_bytes > 0
+        for generation in generations:
+            job = Job(loop, generation, jobs[0].prefilled if jobs and stagger else None)
+            jobs.append(job)
+            self.jobs.add(job)
+            future = loop.run_in_executor(self._executor, job.run, self.engine)
+            future.add_done_callback(lambda _, job=job: self._finished(job))
+        return jobs
 
     def _finished(self, job: Job) -> None:
         self.jobs.discard(job)
@@ -567,14 +621,16 @@ def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
 
 
 # --- response formats --------------------------------------------------------------------------------------------
-def usage(result: GenerationResult) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens whose K/V came from the prefix cache as it reports cached ones."""
-    completion = len(result.tokens)
+def usage(results: list[GenerationResult]) -> dict[str, Any]:
+    """OpenAI's usage of a request's choices: the prompt once (with the tokens whose K/V choice 0 took from the
+    prefix cache as its cached ones), every choice's completion tokens."""
+    prompt = results[0]
+    completion = sum(len(result.tokens) for result in results)
     return {
-        "prompt_tokens": result.prompt_tokens,
+        "prompt_tokens": prompt.prompt_tokens,
         "completion_tokens": completion,
-        "total_tokens": result.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "total_tokens": prompt.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": prompt.cached_tokens},
     }
 
 
@@ -604,14 +660,15 @@ class _Format:
         self.chat = chat
         self.model = model
         self.token_text = token_text  # token id -> its text
-        self.text_offset = 0  # completions' logprobs: where the next token's text starts (chunks continue it)
+        # Completions' logprobs, per choice: where the next token's text starts (chunks continue it).
+        self.text_offsets: Counter[int] = Counter()
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _object(self, kind: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices} | extra
 
-    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+    def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object of a choice: chat's {"content": [...]}, completions' parallel lists."""
         if entries is None:
             return None
@@ -626,8 +683,8 @@ class _Format:
         texts = [self.token_text(e.token) for e in entries]
         offsets = []
         for text in texts:
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(self.text_offsets[index])
+            self.text_offsets[index] += len(text)
         return {
             "tokens": texts,
             "token_logprobs": [_json_logprob(e.logprob) for e in entries],
@@ -635,31 +692,39 @@ class _Format:
             "text_offset": offsets,
         }
 
-    def _choice(self, text: str | None, finish_reason: str | None, *, streaming: bool, logprobs=None) -> dict:
-        logprobs = self.logprobs(logprobs)
+    def _choice(
+        self, text: str | None, finish_reason: str | None, *, streaming: bool, logprobs=None, index: int = 0
+    ) -> dict:
+        logprobs = self.logprobs(logprobs, index)
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if streaming:
             delta = {"content": text} if text is not None else {}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def response(self, result: GenerationResult) -> dict:
+    def response(self, results: list[GenerationResult]) -> dict:
+        """The whole answer: results[i] is choice i's."""
         kind = "chat.completion" if self.chat else "text_completion"
-        # An answer that called tools has no content: its text is the calls as written (`tool_calls` module).
-        text = None if result.tool_calls else result.text
-        choice = self._choice(text, result.finish_reason, streaming=False, logprobs=result.logprobs)
-        if result.tool_calls:
-            choice["message"]["tool_calls"] = result.tool_calls
-        return self._object(kind, [choice], usage=usage(result), doppler=doppler_stats(result))
+        choices = []
+        for index, result in enumerate(results):
+            # An answer that called tools has no content: its text is the calls as written (`tool_calls` module).
+            text = None if result.tool_calls else result.text
+            choice = self._choice(text, result.finish_reason, streaming=False, logprobs=result.logprobs, index=index)
+            if result.tool_calls:
+                choice["message"]["tool_calls"] = result.tool_calls
+            if len(results) > 1:
+                choice["doppler"] = doppler_stats(result)
+            choices.append(choice)
+        return self._object(kind, choices, usage=usage(results), doppler=doppler_stats(results[0]))
 
-    def delta_chunks(self, deltas: list[Delta], logprobs: list[TokenLogprob] | None) -> list[dict]:
+    def delta_chunks(self, deltas: list[Delta], logprobs: list[TokenLogprob] | None, index: int = 0) -> list[dict]:
         """Chunks for a parsed piece of a tool-calling answer: content, a call's start, pieces of arguments
         (OpenAI's streaming shape); the piece's log-probs ride on the first (or an empty delta when none)."""
         chunks = []
         for i, delta in enumerate(deltas or [None]):
-            choice = self._choice(None, None, streaming=True, logprobs=logprobs if i == 0 else None)
+            choice = self._choice(None, None, streaming=True, logprobs=logprobs if i == 0 else None, index=index)
             if delta is None and choice["logprobs"] is None:
                 return []
             if delta is not None and delta.kind == "content":
@@ -675,24 +740,31 @@ class _Format:
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def opening_chunks(self) -> list[dict]:
+    def opening_chunks(self, choices: int = 1) -> list[dict]:
         if not self.chat:
             return []
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._object(self._chunk_kind, [choice])]
+        return [
+            self._object(
+                self._chunk_kind,
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            )
+            for i in range(choices)
+        ]
 
-    def piece_chunk(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict:
-        return self._object(self._chunk_kind, [self._choice(text, None, streaming=True, logprobs=logprobs)])
+    def piece_chunk(self, text: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict:
+        return self._object(
+            self._chunk_kind, [self._choice(text, None, streaming=True, logprobs=logprobs, index=index)]
+        )
 
-    def closing_chunks(self, result: GenerationResult, include_usage: bool, logprobs_sent: int = 0) -> list[dict]:
-        """The finish chunk (with the log-probs of tokens no piece carried, e.g. end of sequence), then usage."""
-        figures = {"usage": usage(result), "doppler": doppler_stats(result)}
+    def finish_chunk(self, result: GenerationResult, index: int = 0, logprobs_sent: int = 0, **figures: Any) -> dict:
+        """A choice's finish chunk (with the log-probs of tokens no piece carried, e.g. end of sequence)."""
         rest = None if result.logprobs is None else result.logprobs[logprobs_sent:]
-        finish = self._choice(None, result.finish_reason, streaming=True, logprobs=rest)
-        chunks = [self._object(self._chunk_kind, [finish], **figures)]
-        if include_usage:  # what OpenAI clients asking for usage expect: a last chunk with no choices
-            chunks.append(self._object(self._chunk_kind, [], **figures))
-        return chunks
+        finish = self._choice(None, result.finish_reason, streaming=True, logprobs=rest, index=index)
+        return self._object(self._chunk_kind, [finish], **figures)
+
+    def usage_chunk(self, results: list[GenerationResult]) -> dict:
+        """What OpenAI clients asking for usage expect last: a chunk with no choices."""
+        return self._object(self._chunk_kind, [], usage=usage(results), doppler=doppler_stats(results[0]))
 
 
 def _sse(payload: dict | str) -> str:
@@ -856,65 +928,129 @@ class OpenAIServer:
         body = await self._read_json(request)
         self._check_model(_field(body, "model", (str,), "a string"))
         parsed = parse_request(body, self.config.defaults, chat=chat)
-        job = self.queue.submit(parsed)
+        jobs = self.queue.submit(parsed)
+        owners = [i if len(jobs) > 1 else 0 for i in range(parsed.n)]  # choice i's job (one for all when greedy)
         form = _Format(chat, self.model_id, self._token_text)
         if not parsed.stream:
             try:
-                result = await _unless_disconnected(request, job.result())
+                results = await _unless_disconnected(request, asyncio.gather(*(job.result() for job in jobs)))
             except Exception as exc:
+                _cancel(jobs)
                 raise _engine_error(exc) from None
-            if result is _DISCONNECTED:
-                job.cancel()
+            if results is _DISCONNECTED:
+                _cancel(jobs)
                 return Response(status_code=499)  # nobody is listening any more
-            return JSONResponse(form.response(result))
+            return JSONResponse(form.response([results[job] for job in owners]))
+        events = _JobEvents(jobs)
         # Wait for the first event so a request the engine refuses still gets a 4xx status, not a broken stream.
-        first = await _unless_disconnected(request, job.events.get())
-        if first is _DISCONNECTED:
-            job.cancel()
-            return Response(status_code=499)
-        if first[0] == "error":
-            raise _engine_error(first[1])
+        first = await _unless_disconnected(request, events.get())
+        if first is _DISCONNECTED or first[1][0] == "error":
+            events.close()
+            _cancel(jobs)
+            if first is _DISCONNECTED:
+                return Response(status_code=499)
+            raise _engine_error(first[1][1])
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        parser = ToolCallParser() if parsed.tool_calls else None
         return StreamingResponse(
-            self._events(job, first, form, parsed.include_usage, parser),
+            self._events(jobs, owners, events, first, form, parsed),
             media_type="text/event-stream",
             headers=headers,
         )
 
     async def _events(
-        self, job: Job, event: Event, form: _Format, include_usage: bool, parser: ToolCallParser | None = None
+        self,
+        jobs: list[Job],
+        owners: list[int],
+        events: _JobEvents,
+        event: tuple[int, Event],
+        form: _Format,
+        request: GenerationRequest,
     ) -> AsyncIterator[str]:
-        # Starlette cancels this generator when the client disconnects; `finally` then stops the generation.
+        # Starlette cancels this generator when the client disconnects; `finally` then stops the generations.
+        choices = len(owners)
+        parsers = [ToolCallParser() if request.tool_calls else None for _ in owners]
+        sent = [0] * choices  # per choice: logprobs entries sent with pieces
+        results: list[GenerationResult | None] = [None] * choices
         try:
-            for chunk in form.opening_chunks():
+            for chunk in form.opening_chunks(choices):
                 yield _sse(chunk)
-            sent = 0  # logprobs entries sent with pieces
             while True:
-                kind, value = event
-                if kind == "piece":
-                    text, logprobs = value
-                    sent += len(logprobs or ())
-                    if parser is None:
-                        yield _sse(form.piece_chunk(text, logprobs))
-                    else:  # tool calls: the answer's text becomes content or call deltas
-                        for chunk in form.delta_chunks(parser.feed(text), logprobs):
-                            yield _sse(chunk)
-                elif kind == "done":
-                    if parser is not None:  # text held back as a possible call's start is content after all
-                        for chunk in form.delta_chunks(parser.finish(), None):
-                            yield _sse(chunk)
-                    for chunk in form.closing_chunks(value, include_usage, sent):
-                        yield _sse(chunk)
-                    break
-                else:
+                job, (kind, value) = event
+                if kind == "error":
                     error = _engine_error(value)
                     yield _sse(_error_body(error.message, error.kind, code=error.code))
                     break
-                event = await job.events.get()
+                for i in (i for i, owner in enumerate(owners) if owner == job):
+                    for chunk in self._choice_chunks(form, i, kind, value, parsers[i], sent, results):
+                        yield _sse(chunk)
+                if events.open == 0:
+                    if request.include_usage:
+                        yield _sse(form.usage_chunk(results))
+                    break
+                event = await events.get()
             yield _sse("[DONE]")
         finally:
-            job.cancel()
+            events.close()
+            _cancel(jobs)
+
+    @staticmethod
+    def _choice_chunks(
+        form: _Format,
+        index: int,
+        kind: str,
+        value: Any,
+        parser: ToolCallParser | None,
+        sent: list[int],
+        results: list[GenerationResult | None],
+    ) -> Iterator[dict]:
+        """Choice `index`'s chunks for its generation's event: a piece, or its end (the finish chunk, which carries
+        the usage of every choice when it is the last to finish)."""
+        if kind == "piece":
+            text, logprobs = value
+            sent[index] += len(logprobs or ())
+            if parser is None:
+                yield form.piece_chunk(text, logprobs, index)
+            else:  # tool calls: the answer's text becomes content or call deltas
+                yield from form.delta_chunks(parser.feed(text), logprobs, index)
+            return
+        if parser is not None:  # text held back as a possible call's start is content after all
+            yield from form.delta_chunks(parser.finish(), None, index)
+        results[index] = value
+        figures = {"doppler": doppler_stats(value)}
+        if all(result is not None for result in results):
+            figures = {"usage": usage(results)} | figures
+        yield form.finish_chunk(value, index, sent[index], **figures)
+
+
+class _JobEvents:
+    """The events of a request's jobs as they come, each as (its job's index, event); `open`: jobs not ended."""
+
+    def __init__(self, jobs: list[Job]):
+        self.open = len(jobs)
+        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._forward(i, job)) for i, job in enumerate(jobs)]
+
+    async def _forward(self, i: int, job: Job) -> None:
+        while True:
+            event = await job.events.get()
+            self._queue.put_nowait((i, event))
+            if event[0] != "piece":
+                return
+
+    async def get(self) -> tuple[int, Event]:
+        i, event = await self._queue.get()
+        if event[0] != "piece":
+            self.open -= 1
+        return i, event
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+def _cancel(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cancel()
 
 
 def serve(engine: Engine, config: ServerConfig = ServerConfig(), *, log_level: str = "info") -> None:

@@ -196,6 +196,53 @@ def test_streamed_chat_sends_role_pieces_finish_usage_then_done(client):
     assert streamed == whole["choices"][0]["message"]["content"]
 
 
+SAMPLED_COMPLETION = {"prompt": "Once upon", "max_tokens": 10, "temperature": 1.0, "top_k": 20}
+
+
+def test_n_sampled_choices_are_the_answers_of_seed_plus_i(client):
+    one = [client.post(DONE, json=SAMPLED_COMPLETION | {"seed": 5 + i}).json() for i in range(2)]
+    body = client.post(DONE, json=SAMPLED_COMPLETION | {"seed": 5, "n": 2}).json()
+    assert [choice["index"] for choice in body["choices"]] == [0, 1]
+    assert [choice["text"] for choice in body["choices"]] == [answer["choices"][0]["text"] for answer in one]
+    assert body["choices"][0]["text"] != body["choices"][1]["text"]
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == one[0]["usage"]["prompt_tokens"]  # the prompt counts once
+    assert usage["completion_tokens"] == sum(answer["usage"]["completion_tokens"] for answer in one)
+    assert [choice["doppler"]["speculative"] for choice in body["choices"]] == [body["doppler"]["speculative"]] * 2
+    # Without a seed each choice draws its own numbers.
+    unseeded = client.post(DONE, json=SAMPLED_COMPLETION | {"n": 2}).json()["choices"]
+    assert unseeded[0]["text"] != unseeded[1]["text"]
+
+
+def test_n_choices_stream_each_under_its_index(client):
+    request = SAMPLED_COMPLETION | {"seed": 5, "n": 2}
+    whole = client.post(DONE, json=request).json()
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", DONE, json=request | stream) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    *chunks, usage_only = events[:-1]
+    assert all(len(chunk["choices"]) == 1 for chunk in chunks)
+    for index, choice in enumerate(whole["choices"]):
+        mine = [chunk["choices"][0] for chunk in chunks if chunk["choices"][0]["index"] == index]
+        assert "".join(piece["text"] for piece in mine) == choice["text"]
+        assert [piece["finish_reason"] for piece in mine][-1] == choice["finish_reason"]
+        assert all(piece["finish_reason"] is None for piece in mine[:-1])
+    assert usage_only["choices"] == [] and usage_only["usage"] == whole["usage"]
+
+
+def test_n_greedy_choices_are_one_generation_repeated(client):
+    completed = wait_for(client, lambda status: status["running"] == 0)["completed"]
+    request = {"messages": STORY, "max_tokens": 8, "n": 3}
+    body = client.post(CHAT, json=request).json()
+    one = client.post(CHAT, json=request | {"n": 1}).json()
+    assert [choice["message"]["content"] for choice in body["choices"]] == [one["choices"][0]["message"]["content"]] * 3
+    assert body["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    # The n=3 request and the n=1 one ran one generation each.
+    assert wait_for(client, lambda status: status["completed"] >= completed + 2)["completed"] == completed + 2
+
+
 def test_streamed_completion_joins_to_the_whole_completion(client):
     request = {"prompt": "The sea", "max_tokens": 12, "temperature": 0}
     with client.stream("POST", "/v1/completions", json=request | {"stream": True}) as response:
@@ -217,6 +264,8 @@ def test_the_openai_client_library_works_against_the_server(server):
         if chunk.choices
     ]
     assert "".join(pieces) == reply.choices[0].message.content
+    two = api.chat.completions.create(model="tiny-chat0", messages=STORY, max_tokens=6, n=2, temperature=1, seed=9)
+    assert [choice.index for choice in two.choices] == [0, 1]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         api.chat.completions.create(model="tiny-chat0", messages=STORY, temperature=-0.5)
 
@@ -283,7 +332,11 @@ BAD_REQUESTS = {
     "tree-string": (DONE, {"prompt": "hi", "tree": "yes"}, 400, "'tree'"),
     "tree-with-layer-skip": (DONE, {"prompt": "hi", "tree": True, "speculative": "layer-skip"}, 400, "tree"),
     "stream-not-bool": (DONE, {"prompt": "hi", "stream": "yes"}, 400, "'stream'"),
-    "n-above-one": (DONE, {"prompt": "hi", "n": 2}, 400, "'n' is not supported"),
+    "n-zero": (DONE, {"prompt": "hi", "n": 0}, 400, "'n' must be in 1..16"),
+    "n-above-the-most": (DONE, {"prompt": "hi", "n": 17}, 400, "'n' must be in 1..16"),
+    # queue_size=1 and one worker: two generations at most, and a sampled request runs one per choice.
+    "n-beyond-the-server": (DONE, {"prompt": "hi", "n": 3, "temperature": 1.0}, 400, "'n' asks for 3 generations"),
+    "best-of": (DONE, {"prompt": "hi", "best_of": 2}, 400, "'best_of' is not supported"),
     "stop-too-many": (CHAT, {"messages": STORY, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
     "stop-not-strings": (DONE, {"prompt": "hi", "stop": [1]}, 400, "'stop'"),
     "unknown-model": (CHAT, {"model": "gpt-4", "messages": STORY}, 404, "gpt-4"),

@@ -139,3 +139,21 @@ def test_a_soak_of_mixed_requests_with_cancellations(server, solo):
     assert engine.batch.arena.used_blocks == 0 and not engine.batch.arena.slabs  # every block given back
     metrics = httpx.get(f"{url}/metrics").text
     assert re.search(r"^doppler_kv_arena_blocks 0$", metrics, re.M) and engine.batch.paged_forwards > 0
+
+
+def test_n_choices_decode_together_and_take_the_first_ones_prompt_from_the_prefix_cache(folder):
+    request = {"prompt": "three choices of one prompt, please", "max_tokens": 12, "temperature": 0.9, "seed": 40}
+    with (
+        load(folder, weights="f32", progress=False, warmup="now", parallel=2) as engine,
+        serving_in_background(OpenAIServer(engine, ServerConfig(queue_size=2)).app) as url,
+    ):
+        body = httpx.post(f"{url}{DONE}", json=request | {"n": 3}, timeout=120).json()
+        hits = engine.prefix_cache.hits
+        shared = max(engine.batch.sizes)
+        alone = [httpx.post(f"{url}{DONE}", json=request | {"seed": 40 + i}, timeout=120).json() for i in range(3)]
+    assert [choice["text"] for choice in body["choices"]] == [answer["choices"][0]["text"] for answer in alone]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # choice 0 prefilled the prompt
+    # Choice 1 waited for that prefill, so it and choice 2 (queued behind the two workers) took the prompt's K/V from
+    # the prefix cache.
+    assert hits == 2
+    assert shared > 1  # the choices' steps shared forwards
