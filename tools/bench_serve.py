@@ -1,4 +1,4 @@
-"""Serving figures on SmolLM2-135M, in two parts (`--parts chat,concurrency`, both by default).
+"""Serving figures on SmolLM2-135M, in three parts (`--parts chat,concurrency` by default; `choices` when named).
 
     python tools/bench_serve.py --json serve.json --png serve.png
 
@@ -30,6 +30,13 @@ so every request prefills its whole prompt. With `--distinct` every request is i
 <repeat>.<C>.<client>.<request>: ", the same tags on both servers) and both servers keep the server's default prefix
 cache (256 MB): what distinct users share, the chat template's system prompt (24 of SmolLM2's ~43 prompt tokens here),
 is prefilled once per server, as in a deployment.
+choices: `n` = CHOICES sampled choices of one request (seeds s .. s + CHOICES - 1) against the same seeds as CHOICES
+requests one after another, on one batched server (`parallel` = CHOICES, the default prefix cache), for a short prompt
+(the open-ended group's first) and a long one (~570 tokens of meeting notes); and for the long prompt, the `n`
+request again with the prefix cache off, so each choice prefills the prompt itself. Per cell: the request(s)' wall
+time, median over `--repeats` (default 2; the order alternates from repeat to repeat); every way must give the same
+answers (checked).
+
 Greedy, with the same `speculative` request option on both (`--speculative`, default "none"; with parallel > 1
 "auto" means prompt lookup, so with "auto" the two servers do not speculate alike: use "prompt-lookup" to compare
 speculation like with like); every prompt's answers must be the same from both servers (checked). The clients run
@@ -442,6 +449,72 @@ def plot_concurrency(throughput, latency, table: list[dict]) -> None:
         axes.legend()
 
 
+# --- choices: n choices in one request against n requests ------------------------------------------------------------
+CHOICES = 4
+NOTES = " ".join(
+    f"Paragraph {i}: the committee reviewed budget line {i * 7} and asked for a revised estimate by Friday."
+    for i in range(24)
+)
+CHOICE_WAYS = ("n in one request", "n requests in turn", "n in one request, no prefix cache")
+
+
+def choices_part(args) -> dict | None:
+    """The choices part's cells, printed; None when the ways' answers differ."""
+    import httpx
+
+    import doppler_py
+    from doppler_py.server import OpenAIServer, ServerConfig, serving_in_background
+
+    repeats = 2 if args.repeats is None else args.repeats
+    prompts = {
+        "short": load_prompts(["open-ended"])[0][2],
+        "long": [{"role": "user", "content": NOTES + "\n\nSummarise the notes above in one sentence."}],
+    }
+    engine = doppler_py.load(args.model, weights=args.weights, progress=False, warmup="now", parallel=CHOICES)
+    budget = engine.prefix_cache.budget_bytes
+    base = {"max_tokens": args.max_tokens, "temperature": 0.8, "speculative": args.speculative}
+    table, answers = [], {}
+    with serving_in_background(OpenAIServer(engine, ServerConfig()).app) as url, httpx.Client(timeout=900) as client:
+
+        def post(messages: list[dict], seed: int, n: int) -> tuple[list[str], int]:
+            body = client.post(f"{url}/v1/chat/completions", json=base | {"messages": messages, "seed": seed, "n": n})
+            body.raise_for_status()
+            reply = body.json()
+            return [choice["message"]["content"] for choice in reply["choices"]], reply["usage"]["completion_tokens"]
+
+        post(prompts["short"], 1, CHOICES)  # compiles the batch's row counts outside the timings
+        for name, messages in prompts.items():
+            ways = CHOICE_WAYS if name == "long" else CHOICE_WAYS[:2]
+            walls: dict[str, list[float]] = {way: [] for way in ways}
+            for repeat in range(repeats):
+                seed = 1000 * (repeat + 1)
+                for way in ways if repeat % 2 == 0 else reversed(ways):
+                    engine.prefix_cache.clear()
+                    engine.prefix_cache.budget_bytes = 0 if way.endswith("no prefix cache") else budget
+                    start = time.perf_counter()
+                    if way == "n requests in turn":
+                        replies = [post(messages, seed + i, 1) for i in range(CHOICES)]
+                        texts, tokens = [r[0][0] for r in replies], sum(r[1] for r in replies)
+                    else:
+                        texts, tokens = post(messages, seed, CHOICES)
+                    walls[way].append(time.perf_counter() - start)
+                    answers.setdefault((name, repeat), texts)
+                    if answers[(name, repeat)] != texts:
+                        print(f"{name} prompt, repeat {repeat}: {way} answered differently", file=sys.stderr)
+                        return None
+                    print(f"{name} repeat {repeat} {way}: {walls[way][-1]:.2f} s, {tokens} tokens", file=sys.stderr)
+            one = statistics.median(walls[CHOICE_WAYS[0]])
+            for way in ways:
+                wall = statistics.median(walls[way])
+                table.append({"prompt": name, "way": way, "wall_s": wall, "over_n_in_one": wall / one})
+    engine.prefix_cache.budget_bytes = budget
+    engine.close()
+    print(f"{'prompt':>6} {'way':<36} {'wall s':>7} {'× n in one':>10}")
+    for row in table:
+        print(f"{row['prompt']:>6} {row['way']:<36} {row['wall_s']:>7.2f} {row['over_n_in_one']:>10.2f}")
+    return {"settings": {"choices": CHOICES, "repeats": repeats, "max_tokens": args.max_tokens}, "table": table}
+
+
 def integers(text: str) -> list[int]:
     values = [int(part) for part in text.split(",") if part.strip()]
     if not values or min(values) < 1:
@@ -455,7 +528,9 @@ def names(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", type=names, default=["chat", "concurrency"], help="chat,concurrency (default)")
+    parser.add_argument(
+        "--parts", type=names, default=["chat", "concurrency"], help="chat,concurrency (default), choices"
+    )
     parser.add_argument("--model", default=None, help="a known model name or an HF folder (default: SmolLM2-135M)")
     parser.add_argument("--weights", default="keep")
     parser.add_argument("--repeats", type=int, help="default: 2 for the chat part, 1 for the concurrency part")
@@ -480,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         from doppler_py.defaults import KV_CACHE_MB
 
         args.kv_cache_mb = KV_CACHE_MB if args.distinct else 0
-    unknown = set(args.parts) - {"chat", "concurrency"}
+    unknown = set(args.parts) - {"chat", "concurrency", "choices"}
     if unknown:
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
     if args.model is None:
@@ -498,15 +573,19 @@ def main(argv: list[str] | None = None) -> int:
         results["concurrency"] = concurrency_part(args)
         if results["concurrency"] is None:
             return 1
+    if "choices" in args.parts:
+        results["choices"] = choices_part(args)
+        if results["choices"] is None:
+            return 1
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    if args.png:
+    panels = ("chat" in args.parts) + 2 * ("concurrency" in args.parts)  # the choices part has a table only
+    if args.png and panels:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        panels = ("chat" in args.parts) + 2 * ("concurrency" in args.parts)
         figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 3.5), squeeze=False)
         axes = list(axes[0])
         if "chat" in args.parts:
