@@ -299,6 +299,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if not command:
                 continue
             history.append({"role": "user", "content": line})
+            dropped = fit_history(engine, history, len(system), options["max_tokens"])
+            if dropped:
+                print(
+                    f"(the oldest {dropped} messages no longer fit the context of {engine.model.max_positions} tokens "
+                    "beside the answer: dropped)",
+                    file=sys.stderr,
+                )
             pieces = engine.stream(history, **options)
             try:
                 _stream_to_stdout(pieces)
@@ -317,6 +324,27 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             history.append({"role": "assistant", "content": engine.last_result.text})
             print(format_stats(engine.last_result), file=sys.stderr)
     return 0
+
+
+def fit_history(engine, history: list[dict], keep: int, max_tokens: int) -> int:
+    """When the conversation and `max_tokens` no longer fit the model's context, drop its oldest exchanges after the
+    first `keep` messages (the system prompt) until they fit in half of it, keeping at least the last message;
+    returns how many messages went. Half, so that the next turns extend what is left and take it from the prefix
+    cache, rather than each dropping one exchange and prefilling the whole conversation again."""
+    context = engine.model.max_positions
+
+    def tokens() -> int:
+        return len(engine.encode_prompt(history, True)) + max_tokens
+
+    if tokens() <= context:
+        return 0
+    dropped = 0
+    # After the system prompt the history alternates user and assistant and ends with the new user message, so
+    # exchanges go in pairs.
+    while len(history) - keep >= 3 and tokens() > context // 2:
+        del history[keep : keep + 2]
+        dropped += 2
+    return dropped
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

@@ -35,6 +35,10 @@ STATS_LINE = re.compile(
 )
 PROMPT = "Tell me about the sea."
 CHAT_INPUT = "Hello there\nAnd again\n/reset\nHello there\n/exit\nnever read\n"
+# Five turns of ~27 tokens each with their answers (the tiny tokenizer is one token per character, and its template
+# adds ~19 per prompt) in a context of 96 positions: the fourth no longer fits beside the first three.
+LONG_CHAT_INPUT = "".join(f"message {i}\n" for i in range(5))
+LONG_CHAT_CONTEXT = 96
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,10 @@ def runs(tmp_path_factory, env) -> dict[str, subprocess.CompletedProcess]:
         "json_schema": (["generate", PROMPT, *sampled, "--speculative", "none", "--json-schema", str(schema)], None),
         "regex": (["generate", PROMPT, *common, "--regex", "[a-z]{3}-[0-9]{2}", "--json"], None),
         "chat": (["chat", *common, "--max-tokens", "8"], CHAT_INPUT),
+        "long_chat": (
+            ["chat", *common, "--max-tokens", "8", "--max-seq", str(LONG_CHAT_CONTEXT)],
+            LONG_CHAT_INPUT,
+        ),
         "info": (["info"], None),
         "info_json": (["info", "--json"], None),
     }
@@ -236,6 +244,16 @@ def test_chat_keeps_history_resets_and_stops_at_exit(runs):
     # The second prompt holds the first exchange; after /reset the conversation starts from scratch.
     assert second > first + int(turns[0]["tokens"])
     assert after_reset == first
+
+
+@pytest.mark.slow
+def test_a_chat_longer_than_the_context_goes_on_without_its_oldest_exchanges(runs):
+    run = ok(runs["long_chat"])
+    turns = stats_lines(run.stderr)
+    assert len(turns) == 5, run.stderr  # every message answered, none refused for the context
+    assert f"no longer fit the context of {LONG_CHAT_CONTEXT} tokens" in run.stderr
+    assert all(int(t["prompt"]) + 8 <= LONG_CHAT_CONTEXT for t in turns)
+    assert int(turns[1]["prompt"]) > int(turns[0]["prompt"])  # the second turn still holds the first exchange
 
 
 # --- info ------------------------------------------------------------------------------------------------------------
