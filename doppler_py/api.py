@@ -365,6 +365,7 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
+        shorten_to_fit: bool = False,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
         Defaults (`doppler_py.defaults`, the same in the CLI and the server): speculative "auto", greedy.
@@ -375,6 +376,10 @@ class Engine:
         k: the draft tokens (nodes) one step may verify, whatever their shape (a chain's length, a tree's node
         budget, lookahead's nodes; for a drafter that ends its chains by its confidence, the most it may draft);
         None: the policy chooses per step from measured costs and acceptance.
+
+        max_tokens: the most new tokens; a prompt that leaves less room in the model's context is refused
+        (CapacityError), unless `shorten_to_fit`: then max_tokens is only a ceiling and the answer gets the room there
+        is (finish_reason "length" where it runs out), as for a server's default when a request names none.
 
         stop: up to 4 strings (or one string); generation ends at the first occurrence of any of them, which is
         not part of the text (finish_reason "stop"). Text that could be the start of a stop string is held back
@@ -430,6 +435,9 @@ class Engine:
         constraint = self._constraint(response_format, regex, grammar)
         ids = self.encode_prompt(prompt, chat, tools=plan)
         self.model.check_ids(ids)
+        if shorten_to_fit:
+            check_max_tokens(max_tokens)
+            max_tokens = max(1, min(max_tokens, self.model.max_positions - len(ids)))  # no room: refused below
         check_fits(len(ids), max_tokens, self.model.max_positions)
         mode = self._resolve_mode(speculative)
         engine = self._lease(mode)

@@ -13,7 +13,9 @@ text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto
 `speculative.registry.DRAFTERS`), `k` (pinned draft length) and
 `tree` (true, false or "auto": token trees of lookup, draft-model, EAGLE or Medusa drafts, `k` nodes each,
 `Engine.stream`'s `tree`).
-Options a request leaves out take the server's defaults (the `serve` command's flags). Features that would
+Options a request leaves out take the server's defaults (the `serve` command's flags); without `max_tokens` a
+prompt that leaves less room in the context than the default gets the room there is (finish_reason "length"), as
+OpenAI's API does, where a request's own `max_tokens` that does not fit is refused (400). Features that would
 silently change results (`best_of`, penalties, `logit_bias`, legacy `functions`) are refused with 400 rather than
 ignored.
 
@@ -307,6 +309,8 @@ def _options(body: dict, defaults: dict[str, Any], *, chat: bool) -> dict[str, A
     options |= {name: value for name, value in given.items() if value is not None} | constraint | tools
     if options.get("tree") == "auto":
         options["tree"] = None  # the engine's policy decides
+    if max_tokens is None:  # the server's default is a ceiling: a long prompt gets the room left, as OpenAI's does
+        options["shorten_to_fit"] = True
     sampling = {name: options[name] for name in ("temperature", "top_k", "top_p", "seed") if name in options}
     try:
         SamplingParams(**sampling)  # the engine's own checks, before the request waits for the GPU

@@ -243,6 +243,17 @@ def test_n_greedy_choices_are_one_generation_repeated(client):
     assert wait_for(client, lambda status: status["completed"] >= completed + 2)["completed"] == completed + 2
 
 
+def test_without_max_tokens_a_long_prompt_gets_the_room_left_and_with_it_a_400(client, engine):
+    context = engine.model.max_positions
+    prompt = "ab" * ((context - 5) // 2)  # no chat template: one token per character, 5 or 6 positions left
+    body = client.post(DONE, json={"prompt": prompt}).json()  # the server's default is 12 tokens
+    usage = body["usage"]
+    assert 1 <= usage["completion_tokens"] <= context - usage["prompt_tokens"] < 12
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    refused = client.post(DONE, json={"prompt": prompt, "max_tokens": 12})
+    assert refused.status_code == 400 and "exceeds the context" in refused.json()["error"]["message"]
+
+
 def test_streamed_completion_joins_to_the_whole_completion(client):
     request = {"prompt": "The sea", "max_tokens": 12, "temperature": 0}
     with client.stream("POST", "/v1/completions", json=request | {"stream": True}) as response:
