@@ -210,7 +210,11 @@ class GenerationRequest:
     include_usage: bool
     tool_calls: bool = False  # the answer may hold tool calls: stream it through a ToolCallParser
     n: int = 1  # choices asked for
-    greedy: bool = True  # every choice would be the same answer
+
+    @property
+    def greedy(self) -> bool:
+        """Every choice would be the same answer."""
+        return SamplingParams(temperature=self.options.get("temperature", TEMPERATURE)).greedy
 
     def generations(self) -> list[GenerationRequest]:
         """The generations that answer it: one per choice, choice i with seed + i when seeded (else a seed of its
@@ -387,8 +391,7 @@ def parse_request(body: dict, defaults: dict[str, Any], *, chat: bool) -> Genera
     options = _options(body, defaults, chat=chat)
     calls = bool(options.get("tools")) and options.get("tool_choice") != "none"  # when tool_plan gives a plan
     n = _int_field(body, "n", 1, MAX_CHOICES) or 1
-    greedy = SamplingParams(temperature=options.get("temperature", TEMPERATURE)).greedy
-    return GenerationRequest(prompt, chat, options, stream, include_usage, tool_calls=calls, n=n, greedy=greedy)
+    return GenerationRequest(prompt, chat, options, stream, include_usage, tool_calls=calls, n=n)
 
 
 # --- the GPU worker ----------------------------------------------------------------------------------------------
