@@ -215,8 +215,6 @@ class Engine:
                 f"speculative must be one of None, {', '.join(speculative_modes())}; got {speculative!r}"
             )
         if speculative == "auto":  # an explicitly loaded draft model, else a head with lookup, else lookup
-            if self.batch is not None:  # only host drafts share forwards with other generations
-                return "prompt-lookup"
             if self.draft is not None:
                 return "draft-model"
             kind = next((kind for kind in HEAD_KINDS if kind in self.heads), None)
@@ -255,12 +253,6 @@ class Engine:
         with self.batch.gpu_lock:
             engine = SpeculativeEngine(self.model, self._drafter(mode))
             try:
-                if not engine.drafter.batches:
-                    raise GenerationOptionError(
-                        f"speculative={mode!r} drafts on the GPU or reads the target's features, so its steps cannot "
-                        f"share a forward with other generations; with parallel={self.parallel} use 'auto', "
-                        "'prompt-lookup' or none"
-                    )
                 engine.prefix_cache = self.prefix_cache
                 engine.kv_budget = self.kv_budget
                 if mode != "none":  # the batch's warm-up compiles what its steps run
@@ -465,10 +457,6 @@ class Engine:
     ) -> Iterator[str]:
         """`stream`'s generation with the engine leased for it."""
         engine.policy.check_k(k)
-        if tree and self.batch is not None:
-            raise GenerationOptionError(
-                f"tree=True: token trees do not share forwards with other generations (parallel={self.parallel})"
-            )
         use_trees(engine, tree, logprobs)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
@@ -718,8 +706,8 @@ def load(
     pipelines or measures this device (before its first generation).
     parallel: streams that may run at once from different threads (the server's `--parallel`). With more than
     one, concurrent streams decode together: each step of every running stream shares one forward of the model
-    (`speculative.batch`), and each stream's output is the same as alone. Their drafts must come from the host
-    (prompt lookup; "auto" means prompt lookup then), as chains.
+    (`speculative.batch`), and each stream's output is the same as alone, with any drafter (each stream's own:
+    trained heads, a draft model, lookup, trees).
     kv_budget_mb: GPU memory (MiB) the KV caches of generations running at once may take together
     (`speculative.kv_budget`): a generation whose cache does not fit waits until running ones end; one that could
     never fit gets a `CapacityError`. None: no limit of our own.

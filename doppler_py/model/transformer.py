@@ -98,12 +98,14 @@ class _LayerOps:
 @dataclass(frozen=True)
 class Segment:
     """One sequence's rows in a forward: rows row0..row0+rows-1 of the activations, at positions start_pos..,
-    attending through `attention` (its cache's ops)."""
+    attending through `attention` (its cache's ops); `tree`: the rows are a token tree laid out in `tree` (at most
+    one such segment per forward: the layout tensor is one)."""
 
     attention: list[Attention | GatedDeltaNet]
     rows: int
     start_pos: int
     row0: int = 0
+    tree: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,9 @@ class Transformer:
         linear = [i for i in range(n_layers) if cfg.is_linear(i)]
         self._state_layer = {layer: j for j, layer in enumerate(linear)}
         self._tapes: dict[tuple, _ForwardTape] = {}
+        # Forwards recorded so far: whoever keeps rows of the activations (`speculative.batch`) knows from it
+        # whether another forward has overwritten them since.
+        self.forwards = 0
         self._generation_rows: set[int] = set()  # row counts `compile_generation` compiled
         # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
         # latest forward that ran it (`tap_layers`).
@@ -643,14 +648,17 @@ class Transformer:
             entry = self._paged[id(slab)] = (slab, layout, ops)
         return entry[1], entry[2]
 
-    def _pageable(self, segments: Sequence[tuple[KVCache, int, int]]) -> tuple[KVSlab | None, list[int]]:
+    def _pageable(
+        self, segments: Sequence[tuple[KVCache, int, int]], tree: int | None = None
+    ) -> tuple[KVSlab | None, list[int]]:
         """The slab and the segments (indices) of a batched forward whose attention one dispatch per layer serves:
         those in the slab holding most of them whose own call would run as one workgroup per kv head writing its
         own keys (the "local" plan), which the batched kernel runs the same way, so each row's result is the one
-        its own call gives. (None, []) when fewer than two qualify: the others attend one call each."""
+        its own call gives; not the token tree `tree`, which attends with its own call, as alone. (None, []) when
+        fewer than two qualify: the others attend one call each."""
         fit: dict[int, list[int]] = {}
         for n, (cache, start_pos, rows) in enumerate(segments):
-            if cache.slab is None:
+            if cache.slab is None or n == tree:
                 continue
             ops = self.attention_ops(cache)
             for i in self._group_layers.values():
@@ -713,6 +721,7 @@ class Transformer:
         cache.check_room(start_pos, rows)
         attention = self.attention_ops(cache)
         self._settle(rec, cache, start_pos)
+        self.forwards += 1
         if cache.recurrent is not None:
             cache.recurrent.ran(start_pos, rows, num_layers)
         key = None
@@ -743,13 +752,19 @@ class Transformer:
             self._tapes[key] = _ForwardTape(tape, positioned)
 
     def record_batch(
-        self, rec: Recorder, segments: Sequence[tuple[KVCache, int, int]], logit_rows: int | None = None
+        self,
+        rec: Recorder,
+        segments: Sequence[tuple[KVCache, int, int]],
+        logit_rows: int | None = None,
+        *,
+        tree: int | None = None,
     ) -> bool:
         """Record one forward over the rows of several sequences, stacked in `self.ids` in the order given: each
         (cache, start_pos, rows) segment's rows attend over its own cache (and write their K/V there), every
         matmul runs once over all rows (≤ max_rows). Writes the logits of the first `logit_rows` rows (default all;
-        ≤ max_logit_rows): steps first, then prefills, which need none. True when attention ran once per layer for
-        some of them (`_pageable`)."""
+        ≤ max_logit_rows): steps first, then prefills, which need none. `tree`: the index of the one segment whose
+        rows are a token tree, its layout in `self.tree` (as `record_forward`'s). True when attention ran once per
+        layer for some of them (`_pageable`)."""
         total = sum(rows for _, _, rows in segments)
         logit_rows = total if logit_rows is None else logit_rows
         if not 1 <= total <= self.max_rows or not 0 <= logit_rows <= min(total, self.max_logit_rows):
@@ -758,13 +773,16 @@ class Transformer:
                 f"{self.max_logit_rows} of them, got {total} rows and {logit_rows} logit rows"
             )
         stacked, row0 = [], 0
-        for cache, start_pos, rows in segments:
+        for n, (cache, start_pos, rows) in enumerate(segments):
             cache.check_room(start_pos, rows)
-            stacked.append(Segment(self.attention_ops(cache), rows, start_pos, row0))
+            if n == tree and rows > MAX_TREE_ROWS:
+                raise CapacityError(f"a token tree takes at most {MAX_TREE_ROWS} rows, got {rows}")
+            stacked.append(Segment(self.attention_ops(cache), rows, start_pos, row0, tree=n == tree))
             self._settle(rec, cache, start_pos)
             row0 += rows
+        self.forwards += 1
         paged = None
-        slab, shared = self._pageable(segments)
+        slab, shared = self._pageable(segments, tree)
         if slab is not None:
             layout, ops = self._paged_ops(slab)
             words = [
@@ -812,7 +830,7 @@ class Transformer:
             if layer.linear:
                 layer.qkv.record(rec, rows=rows)  # matmul: mix = rmsnorm(x)·Win
                 for seg in segments:  # conv, norms, gated delta rule: core = the gated DeltaNet's output
-                    seg.attention[i].record(rec, rows=seg.rows, tree=tree, row0=seg.row0)
+                    seg.attention[i].record(rec, rows=seg.rows, tree=tree or seg.tree, row0=seg.row0)
                 layer.o.record(rec, rows=rows)  # matmul: x += core·Wout
                 self._record_mlp(rec, layer, rows, i)
                 continue
@@ -828,7 +846,10 @@ class Transformer:
                 alone = [seg for n, seg in enumerate(segments) if n not in paged.segments]
             for seg in alone:
                 op = seg.attention[i]
-                for kind, slot in op.record(rec, rows=seg.rows, start_pos=seg.start_pos, tree=tree, row0=seg.row0):
+                segment_tree = tree or seg.tree
+                for kind, slot in op.record(
+                    rec, rows=seg.rows, start_pos=seg.start_pos, tree=segment_tree, row0=seg.row0
+                ):
                     positioned.setdefault((self._layer_group[i], kind), []).append(slot)
             if layer.attn_gate is not None and layer.gate is not None:
                 layer.attn_gate.record(rec, rows=rows)  # matmul: gate = rmsnorm(x)·Wgate

@@ -57,6 +57,7 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.linear import compile_rows
+from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.speculative.contract import Proposal, StepContext
 from doppler_py.speculative.policy.draft_length import CostModel, SharedStepCosts
 from doppler_py.speculative.step import PendingStep, StepOutcome, Stepper
@@ -125,6 +126,9 @@ class StepBatch:
         # Running means of the forwards of steps alone (no prompt rows): wall seconds, steps, rows (`shared_costs`).
         self._forwards_measured: tuple[float, float, float] | None = None
         self._logits_scratch: Tensor | None = None  # the batch's logits while each step's rows move into place
+        # Whose kept feature rows are rows 0.. of the target's feature buffers, and the target's forward count when
+        # they were put there (a forward since overwrote them): `_place`.
+        self._in_place: tuple[Stepper, int] | None = None
         self._warmup: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -251,6 +255,7 @@ class StepBatch:
             if not isinstance(request, _Step):
                 continue
             try:
+                self._place(request.stepper, request.ctx.hidden_rows)
                 request.pending = request.stepper.begin(request.ctx, request.k, proposal=request.proposal)
                 ready.append(request)
             except Exception as exc:  # this generation's error (a drafter's, a grammar's), not the others'
@@ -263,7 +268,9 @@ class StepBatch:
         forwards: list[tuple[list[_Step], list[tuple[_Prefill, int]]]] = []
         for request in ready:
             rows = request.pending.rows
-            if not forwards or _rows(forwards[-1][0], []) + rows > min(target.max_logit_rows, alone):
+            full = not forwards or _rows(forwards[-1][0], []) + rows > min(target.max_logit_rows, alone)
+            # One token tree per forward: its layout has one home (`Transformer.tree`), which its verification reads.
+            if full or (request.pending.tree and any(step.pending.tree for step in forwards[-1][0])):
                 forwards.append(([], []))
             forwards[-1][0].append(request)
         # A prompt goes in the chunks its solo prefill takes (max_rows rows from its start), so each chunk's rows
@@ -292,12 +299,19 @@ class StepBatch:
         while the generation is the only member, its plain steps several per submit. A member that joins meanwhile
         waits for that submit (its prefill's first turn)."""
         plain_steps = request.plain_steps if request.k == 0 and self._members == 1 else 1
+        stepper = request.stepper
         start = time.perf_counter()
         try:
-            outcome = request.stepper.step(request.ctx, request.k, plain_steps=plain_steps, proposal=request.proposal)
+            self._place(stepper, request.ctx.hidden_rows)
+            keep = stepper.drafter.reads_step_rows
+            outcome = stepper.step(
+                request.ctx, request.k, plain_steps=plain_steps, proposal=request.proposal, keep_rows=keep
+            )
         except Exception as exc:
             request.error = exc
             return
+        if keep:
+            self._in_place = (stepper, self.target.forwards)
         self.sizes[1] += 1
         request.outcome, request.alone = outcome, True
         self._observe_forward(1, outcome.drafted + 1, (time.perf_counter() - start) / plain_steps)
@@ -307,11 +321,13 @@ class StepBatch:
         target = self.target
         start = time.perf_counter()
         rec = target.registry.recorder()
-        segments, row0 = [], 0
-        for request in steps:
+        segments, row0, tree, firsts = [], 0, None, []
+        for n, request in enumerate(steps):
             pending = request.pending
             request.stepper.record_inputs(rec, pending, row0)
             segments.append((pending.ctx.target_cache, pending.pos, pending.rows))
+            tree = n if pending.tree else tree
+            firsts.append(row0)
             row0 += pending.rows
         logit_rows = row0
         try:
@@ -322,19 +338,22 @@ class StepBatch:
                 segments.append((prefill.cache, prefill.start_pos + prefill.rows_done, n))
                 prefill.rows_done += n
                 row0 += n
-            if target.record_batch(rec, segments, logit_rows):
+            if target.record_batch(rec, segments, logit_rows, tree=tree):
                 self.paged_forwards += 1
+            for request, row0 in zip(steps, firsts, strict=True):
+                if request.stepper.drafter.reads_step_rows:
+                    request.stepper.save_rows(rec, request.pending.rows, row0)
             copy = self._logits_copy() if len(steps) > 1 else None
             row_bytes = 4 * target.config.vocab_size
             if copy is not None:
                 rec.copy(target.logits, copy, logit_rows * row_bytes)
-            row0 = 0
-            for request in steps:
+            for request, row0 in zip(steps, firsts, strict=True):
                 rows = request.pending.rows
                 if row0:
                     rec.copy(copy, target.logits, rows * row_bytes, src_offset=row0 * row_bytes)
                 request.stepper.record_checks(rec, request.pending)
-                row0 += rows
+                if copy is not None and request.stepper.drafter.reads_verified_logits:  # as its checks left them
+                    rec.copy(target.logits, copy, rows * row_bytes, dst_offset=row0 * row_bytes)
             rec.submit()
         except Exception as exc:
             for request in [*steps, *(prefill for prefill, _ in pieces)]:
@@ -342,13 +361,43 @@ class StepBatch:
             return
         if steps:
             self.prefill_rows_beside_steps += sum(n for _, n in pieces)
-        for request in steps:
+            self._in_place = (steps[0].stepper, target.forwards)
+        for n, (request, row0) in enumerate(zip(steps, firsts, strict=True)):
             try:
+                self._place(request.stepper, request.pending.rows)
+                if n != len(steps) - 1 and request.stepper.drafter.reads_verified_logits:
+                    rows = request.pending.rows
+                    rec = target.registry.recorder()
+                    rec.copy(copy, target.logits, rows * row_bytes, src_offset=row0 * row_bytes)
+                    rec.submit()
                 request.outcome = request.stepper.finish(request.pending)
             except Exception as exc:
                 request.error = exc
         if steps and not pieces and all(request.error is None for request in steps):
             self._observe_forward(len(steps), logit_rows, time.perf_counter() - start)
+
+    def _place(self, stepper: Stepper, rows: int) -> None:
+        """Before a member's drafter hooks run: its kept feature rows (`Stepper.save_rows`) back as rows 0.. of the
+        target's feature buffers, unless they are still there (no forward since they were put there)."""
+        if not stepper.drafter.reads_step_rows or rows == 0 or self._in_place == (stepper, self.target.forwards):
+            return
+        rec = self.target.registry.recorder()
+        stepper.restore_rows(rec, rows)
+        rec.submit()
+        self._in_place = (stepper, self.target.forwards)
+
+    def keep_prefill_rows(self, stepper: Stepper, ctx: StepContext) -> None:
+        """After a member's prefill in forwards of its own (its drafter reads the rows): its last chunk's final rows
+        kept as its step rows (at most a tree's worth: enough for every drafter's hooks, which read the newest)."""
+        if not stepper.drafter.reads_step_rows or ctx.hidden_rows == 0:
+            return
+        keep = min(ctx.hidden_rows, MAX_TREE_ROWS)
+        rec = self.target.registry.recorder()
+        stepper.save_rows(rec, keep, ctx.hidden_rows - keep)
+        stepper.restore_rows(rec, keep)
+        rec.submit()
+        ctx.hidden_rows = keep
+        self._in_place = (stepper, self.target.forwards)
 
     def _logits_copy(self) -> Tensor:
         target = self.target

@@ -17,8 +17,9 @@ Besides those hooks a drafter declares what it can do, and the engine reads noth
 lookahead), `gates_chains` (it ends its chains by `StepContext.worth_drafting`), `tree_branches` (tokens per depth
 when it drafts trees; 1: chains only) with `branches` (what this generation asked for), `feature_taps` (target
 layers whose outputs it reads: the engine taps them), `reads_prompt_features` (it needs the target's features
-of every prompt position, which a prefix from the prefix cache lacks), `batches` (its steps can share a forward
-with other generations': it proposes from the host and touches none of the target's buffers), `continue_tokens` (a
+of every prompt position, which a prefix from the prefix cache lacks), `reads_step_rows` and `reads_verified_logits`
+(its hooks read what the last step left in the target's feature rows or logits rows: beside other sequences in a
+shared forward, `speculative.batch` puts this sequence's rows back first), `continue_tokens` (a
 chain drafted from tokens alone, to follow the tokens a grammar forces in the same step) and `compile()`
 (builds its own pipelines ahead of use, thread-safe: the engine runs it with its warm-up). A drafter made of
 others (`BestOfDrafter`) declares for the whole, from its parts.
@@ -162,9 +163,12 @@ class Drafter(Protocol):
     # cache it starts later and drafts differently, so a seeded sampled generation, whose tokens depend on the
     # drafts' random draws, does not take a prefix from the cache with it.
     reads_prompt_features: bool
-    # It proposes from the host, touching none of the target's buffers (no GPU drafting, no feature reads), so
-    # its generations' steps can share one forward with other sequences' (`speculative.batch`).
-    batches: bool
+    # Its hooks read the rows of ctx.hidden (and the taps) that the last step (or prefill chunk) left. In a forward
+    # shared with other sequences those rows sit elsewhere and are overwritten, so the batch keeps this sequence's
+    # rows and puts them back as rows 0.. before its hooks run (`speculative.batch`).
+    reads_step_rows: bool
+    # Its `commit` reads the target's logits rows of the step just verified (rows 0..), as the verification left them.
+    reads_verified_logits: bool
 
     def compile(self) -> None:
         """Build the drafter's own pipelines for every shape it may run (thread-safe; before first use)."""
@@ -197,7 +201,8 @@ class Drafter(Protocol):
 
 class NoOpHooks:
     """Defaults for a drafter's declarations and hooks: no fixed shape, no gating, chains only, no taps, no
-    pipelines of its own; nothing to set up, roll back or free. A drafter overrides those it needs."""
+    pipelines of its own, its hooks may read the step's feature rows; nothing to set up, roll back or free. A
+    drafter overrides those it needs."""
 
     fixed_nodes: int | None = None
     gates_chains = False
@@ -205,7 +210,8 @@ class NoOpHooks:
     branches = 1
     feature_taps: tuple[int, ...] = ()
     reads_prompt_features = False
-    batches = False
+    reads_step_rows = True  # the safe default: a drafter that reads none of the target's rows says so
+    reads_verified_logits = False
 
     def compile(self) -> None:
         pass

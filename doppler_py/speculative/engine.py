@@ -418,25 +418,28 @@ class SpeculativeEngine:
                 self.drafter.start(ctx)
             # The prompt but its last token, which step 1 feeds.
             target.compile_generation(len(tokens) - 1 - ctx.cached)
-            if batch is not None:
-                # Its rows ride along with the running generations' steps (the drafters that batch read no features).
+            if batch is not None and not self.drafter.reads_step_rows:
+                # Its rows ride along with the running generations' steps (its drafter reads none of them).
                 if ctx.cached < len(tokens) - 1:
                     batch.prefill(cache, ctx.cached, tokens[ctx.cached : -1])
                     ctx.hidden_rows = len(tokens) - 1 - ctx.cached
                     self.drafter.prefilled(ctx, ctx.cached)
-                    # Kept now, not only at the end, so that a request sharing the prompt while this one still runs
-                    # (a common system prompt, a request's other choices) prefills only its own tail.
-                    if self.prefix_cache is not None:
-                        with self._gpu_lock():
-                            self.prefix_cache.store(tokens[:-1], cache)
             else:
                 # Without a drafter reading the prompt's features, only the layers that write K/V need to run.
                 layers = None if self.drafter.reads_prompt_features else target.prefill_layers
-                for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):
-                    chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
-                    target.forward(chunk, cache, begin, logits="none", num_layers=layers)
-                    ctx.hidden_rows = len(chunk)
-                    self.drafter.prefilled(ctx, begin)
+                with self._gpu_lock():  # beside other generations: between their batches' forwards
+                    for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):
+                        chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
+                        target.forward(chunk, cache, begin, logits="none", num_layers=layers)
+                        ctx.hidden_rows = len(chunk)
+                        self.drafter.prefilled(ctx, begin)
+                    if batch is not None:  # its drafter reads the last chunk's rows: kept from the others' forwards
+                        batch.keep_prefill_rows(self.steps, ctx)
+            # Kept now, not only at the end, so that a request sharing the prompt while this one still runs (a common
+            # system prompt, a request's other choices) prefills only its own tail.
+            if batch is not None and self.prefix_cache is not None and ctx.cached < len(tokens) - 1:
+                with self._gpu_lock():
+                    self.prefix_cache.store(tokens[:-1], cache)
         except BaseException:
             self.close_context(ctx)
             raise
@@ -645,7 +648,7 @@ class _NoDrafter(NoOpHooks):
     """Plain decoding: nothing is ever proposed, so every step is the verifier's n = 0 step."""
 
     name = "none"
-    batches = True
+    reads_step_rows = False
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         return NO_PROPOSAL

@@ -140,6 +140,9 @@ class Stepper:
         # Made now, not at the first token tree: the policy may switch trees on mid-session, and a steady engine
         # allocates nothing per generation (tests/reliability/test_resources.py).
         self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
+        # This step's tree layout, copied into target.tree with the step's inputs: beside other sequences' steps
+        # (`speculative.batch`) an upload straight into target.tree would be overwritten by theirs before it ran.
+        self.tree_layout = Tensor.empty(gpu, (MAX_TREE_ROWS, 2), "u32", "step tree layout")
         # Feature rows on their way into target.x and its taps (a copy may not read and write one buffer): a
         # tree's accepted path's, to rows 1, 2, ...; plain steps', one per step, to rows 0..n-1. MAX_TREE_ROWS rows
         # per feature buffer (`_scratch`).
@@ -167,10 +170,11 @@ class Stepper:
         plain_steps: int = 1,
         proposal: Proposal | None = None,
         marks: StepMarks = UNMARKED,
+        keep_rows: bool = False,
     ) -> StepOutcome:
         """Draft at most k tokens (or verify `proposal`, made earlier for this ctx with this k), verify them with one
         target forward on the GPU, commit what was accepted. `plain_steps` > 1 (with k = 0): that many plain steps
-        in one submit."""
+        in one submit. `keep_rows`: the step's feature rows are also kept in `feature_scratch` (`save_rows`)."""
         pending = self.begin(ctx, k, plain_steps=plain_steps, proposal=proposal)
         marks.drafted()
         target, rows = self.target, pending.rows
@@ -185,8 +189,10 @@ class Stepper:
             logits = "all" if pending.n else "last"
             target.record_forward(rec, rows, ctx.target_cache, pending.pos + j, logits=logits, tree=pending.tree)
             self.record_checks(rec, pending, j)
-        if plain_steps > 1:
+        if plain_steps > 1:  # every step's rows are in feature_scratch already
             self._restore_features(rec, plain_steps)
+        elif keep_rows:
+            self.save_rows(rec, rows)
         marks.verify_ends(rec)
         rec.submit()
         return self.finish(pending)
@@ -208,8 +214,27 @@ class Stepper:
         if pending.proposal.on_gpu:
             rec.copy(pending.proposal.tokens, self.spec_tokens, 4 * pending.n, dst_offset=4)
         rec.copy(self.spec_tokens, self.target.ids, 4 * pending.rows, dst_offset=4 * row0)
+        if pending.tree:
+            rec.copy(self.tree_layout, self.target.tree, 8 * pending.rows)
         if pending.n == 0:
             rec.copy(self.plain_randoms, self.randoms, 4)
+
+    def save_rows(self, rec: Recorder, rows: int, row0: int = 0) -> None:
+        """Keep rows row0..row0+rows-1 of target.x and its taps (this sequence's last step or prefill chunk) as rows
+        0.. of `feature_scratch`, for `restore_rows` after other sequences' forwards have overwritten them. A tree
+        step's compaction (`move_feature_rows`) passes its rows through the same scratch rows, so what is kept stays
+        the committed rows afterwards too."""
+        if rows > MAX_TREE_ROWS:
+            raise InternalError(f"{rows} feature rows to keep; a sequence keeps at most {MAX_TREE_ROWS}")
+        row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
+        for b, buffer in enumerate(self.target.feature_buffers):
+            rec.copy(
+                buffer, scratch, rows * row_bytes, src_offset=row0 * row_bytes, dst_offset=b * MAX_TREE_ROWS * row_bytes
+            )
+
+    def restore_rows(self, rec: Recorder, rows: int) -> None:
+        """The rows `save_rows` kept, back as rows 0..rows-1 of target.x and its taps."""
+        self._restore_features(rec, rows)
 
     def record_checks(self, rec: Recorder, pending: PendingStep, j: int = 0) -> None:
         """After the forward, with the step's logits as rows 0.. of target.logits: the grammar's masks, the
@@ -275,7 +300,7 @@ class Stepper:
         host_drafts = [] if proposal.on_gpu else list(proposal.tokens)
         self.spec_tokens.view((1 + len(host_drafts),)).write(np.array([ctx.tokens[-1], *host_drafts], np.uint32))
         if tree:
-            self.target.tree.view((n + 1, 2)).write(layout_words(proposal.parents))
+            self.tree_layout.view((n + 1, 2)).write(layout_words(proposal.parents))
             if not ctx.params.greedy:
                 u = np.array([ctx.rng.random() for _ in range(random_words(n + 1))], np.float32)
                 self.randoms.view((u.size,)).write(u)
@@ -343,11 +368,12 @@ class Stepper:
             for b, buffer in enumerate(self.target.feature_buffers):
                 rec.copy(buffer, scratch, row_bytes, dst_offset=(b * MAX_TREE_ROWS + j) * row_bytes)
 
-    def _restore_features(self, rec: Recorder, plain_steps: int) -> None:
-        """Every plain step's feature rows back into target.x and its taps, as rows 0..plain_steps-1."""
+    def _restore_features(self, rec: Recorder, rows: int) -> None:
+        """Rows 0..rows-1 of `feature_scratch` (every plain step's, or those `save_rows` kept) back into target.x and
+        its taps, as rows 0..rows-1."""
         row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
         for b, buffer in enumerate(self.target.feature_buffers):
-            rec.copy(scratch, buffer, plain_steps * row_bytes, src_offset=b * MAX_TREE_ROWS * row_bytes)
+            rec.copy(scratch, buffer, rows * row_bytes, src_offset=b * MAX_TREE_ROWS * row_bytes)
 
     def _read(self, n: int, tree: bool, plain_steps: int) -> list[_Verdict]:
         """The step's one readback: a verdict per verification."""
@@ -382,12 +408,17 @@ class Stepper:
                 rec.copy(scratch, features, row_bytes, src_offset=base + dst * row_bytes, dst_offset=dst * row_bytes)
 
     def _scratch(self) -> Tensor:
-        """`feature_scratch`, grown once if a drafter made since tapped more of the target's layers."""
+        """`feature_scratch`, grown once if a drafter made since tapped more of the target's layers (the rows it
+        keeps, `save_rows`, go along)."""
         rows = MAX_TREE_ROWS * len(self.target.feature_buffers)
-        if self.feature_scratch.shape[0] < rows:
-            self.registry.release_tensors(self.feature_scratch)
+        old = self.feature_scratch
+        if old.shape[0] < rows:
             h = self.target.config.hidden_size
             self.feature_scratch = Tensor.empty(self.target.gpu, (rows, h), "f32", "feature rows")
+            rec = self.registry.recorder()
+            rec.copy(old, self.feature_scratch, old.nbytes)
+            rec.submit()
+            self.registry.release_tensors(old)
         return self.feature_scratch
 
     def _verifier(self, draft_logits: Tensor | None) -> _ChainVerify:
@@ -429,6 +460,7 @@ class Stepper:
             self.plain_randoms,
             self.plain_out,
             self.tree_result,
+            self.tree_layout,
             self.feature_scratch,
         )
 

@@ -1,12 +1,13 @@
 """Concurrent generations whose steps share forwards (`speculative.batch`), on the tiny target: each generation's
-tokens equal its solo run (greedy and seeded sampling, plain and prompt-lookup steps, ragged prompts and lengths),
-whenever it joined the batch; a generation that fails leaves the others unharmed; drafters that touch the target's
-buffers are kept out."""
+tokens equal its solo run (greedy and seeded sampling, every drafter of the registry, chains and token trees, several
+drafters in one batch, ragged prompts and lengths), whenever it joined the batch; a generation that fails leaves the
+others unharmed."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import pytest
 from support.tiny_specs import TARGET
@@ -15,6 +16,7 @@ from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import engine as engine_module
 from doppler_py.speculative.batch import StepBatch
+from doppler_py.speculative.contract import Drafter
 from doppler_py.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
@@ -35,8 +37,17 @@ PARAMS = {
 }
 
 
-def engine_for(target, drafter: str, batch: StepBatch | None = None) -> SpeculativeEngine:
-    engine = SpeculativeEngine(target, PromptLookupDrafter() if drafter == "prompt-lookup" else None)
+# Drafters by name as the batch tests make them: a registry drafter, "-tree" for its token trees.
+DrafterMaker = Callable[[str], Drafter | None]
+
+
+def engine_for(target, drafter: str, batch: StepBatch | None = None, make: DrafterMaker | None = None):
+    """A speculative engine drafting with `drafter` ("none", "prompt-lookup", or another name `make` knows)."""
+    if make is None:
+        made = PromptLookupDrafter() if drafter == "prompt-lookup" else None
+    else:
+        made = make(drafter)
+    engine = SpeculativeEngine(target, made)
     engine.batch = batch
     return engine
 
@@ -46,15 +57,28 @@ def params_for(name: str, i: int) -> SamplingParams:
     return base if base.greedy else SamplingParams(temperature=base.temperature, top_k=base.top_k, seed=base.seed + i)
 
 
-def solo_runs(target, drafter: str, params: str) -> list[list[int]]:
-    engine = engine_for(target, drafter)
-    try:
-        return [
-            engine.generate(prompt, n, params_for(params, i), k=3).tokens
-            for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True))
-        ]
-    finally:
-        engine.close()
+def solo_runs(
+    target,
+    drafter: str | Sequence[str],
+    params: str,
+    make: DrafterMaker | None = None,
+    drafts: list[tuple[int, int]] | None = None,
+    prompts: Sequence[Sequence[int]] = PROMPTS,
+) -> list[list[int]]:
+    """Each prompt's tokens alone, with `drafter` (or drafters[i] for prompt i); `drafts` gets each generation's
+    (drafted, accepted); `prompts`: four prompts."""
+    names = [drafter] * len(prompts) if isinstance(drafter, str) else list(drafter)
+    outputs = []
+    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS, strict=True)):
+        engine = engine_for(target, names[i], make=make)
+        try:
+            result = engine.generate(prompt, n, params_for(params, i), k=3)
+        finally:
+            engine.close()
+        outputs.append(result.tokens)
+        if drafts is not None:
+            drafts.append((result.stats.drafted, result.stats.accepted))
+    return outputs
 
 
 def start_all(run, count: int) -> list[threading.Thread]:
@@ -70,20 +94,32 @@ def join_all(threads: list[threading.Thread], timeout_s: float) -> None:
         thread.join(timeout_s)
 
 
-def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple[list[list[int]], StepBatch]:
-    """Every prompt on its own thread and engine, sharing one batch. `staggered`: each generation starts once the
-    one before it has 3 tokens, so later ones join a running batch."""
+def batched_runs(
+    target,
+    drafter: str | Sequence[str],
+    params: str,
+    *,
+    staggered: bool,
+    make: DrafterMaker | None = None,
+    drafts: list[tuple[int, int]] | None = None,
+    prompts: Sequence[Sequence[int]] = PROMPTS,
+) -> tuple[list[list[int]], StepBatch]:
+    """Every prompt on its own thread and engine (drafting with `drafter`, or drafters[i]), sharing one batch.
+    `staggered`: each generation starts once the one before it has 3 tokens, so later ones join a running batch.
+    `drafts` gets each generation's (drafted, accepted); `prompts`: four prompts."""
+    names = [drafter] * len(prompts) if isinstance(drafter, str) else list(drafter)
     batch = StepBatch(target, gather_s=1.0)  # generous: the test asserts the steps did meet
-    engines = [engine_for(target, drafter, batch) for _ in PROMPTS]
-    outputs: list[list[int]] = [[] for _ in PROMPTS]
+    engines = [engine_for(target, name, batch, make) for name in names]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    stats = [SpecStats() for _ in prompts]
     errors: list[BaseException] = []
-    started = [threading.Event() for _ in PROMPTS]
+    started = [threading.Event() for _ in prompts]
 
     def run(i: int) -> None:
         try:
             if staggered and i:
                 started[i - 1].wait(30)
-            steps = engines[i].iter_generate(PROMPTS[i], MAX_TOKENS[i], params_for(params, i), stats=SpecStats(), k=3)
+            steps = engines[i].iter_generate(prompts[i], MAX_TOKENS[i], params_for(params, i), stats=stats[i], k=3)
             for new in steps:
                 outputs[i].extend(new)
                 if len(outputs[i]) >= 3:
@@ -96,15 +132,17 @@ def batched_runs(target, drafter: str, params: str, *, staggered: bool) -> tuple
     # The generations must meet: none may run its answer out alone while another compiles its prompt's pipelines
     # (`compile_generation`, outside the batch), nor in a few submits of plain steps before the next one joins
     # (lone runs: `test_a_generation_alone_in_a_batch_runs_plain_steps_as_without_it`).
-    for prompt in PROMPTS:
+    for prompt in prompts:
         target.compile_generation(len(prompt) - 1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_module, "BATCH_TARGET_S", 0.0)
-        join_all(start_all(run, len(PROMPTS)), 120)
+        join_all(start_all(run, len(prompts)), 120)
     for engine in engines:
         engine.close()
     batch.close()
     assert not errors, errors
+    if drafts is not None:
+        drafts.extend((one.drafted, one.accepted) for one in stats)
     return outputs, batch
 
 
@@ -262,15 +300,117 @@ def test_a_failing_generation_leaves_the_others_unharmed(models):
     assert batch.members == 0
 
 
-def test_only_host_drafters_declare_they_batch(models):
+@pytest.fixture(scope="module")
+def make_drafter(models, trained_head):
+    """name -> a new drafter on the tiny target: a registry name ("auto": EAGLE with prompt lookup), "eagle-3" (the
+    fused head, which taps target layers), NAME-tree for its token trees, "none" for None. Heads load on first use
+    and are shared by every drafter made from them, as `Engine`'s streams share theirs."""
     from doppler_py.speculative.drafters.best_of import BestOfDrafter
-    from doppler_py.speculative.drafters.draft_model import DraftModelDrafter
+    from doppler_py.speculative.drafters.heads.eagle import load_head
+    from doppler_py.speculative.drafters.heads.medusa import load_medusa
+    from doppler_py.speculative.drafters.heads.spark import load_spark
+    from doppler_py.speculative.registry import DRAFTERS, DraftSources
 
-    draft = DraftModelDrafter(models["draft"], models["target"].config.vocab_size)
-    assert PromptLookupDrafter().batches
-    assert not draft.batches  # drafts on the GPU, into buffers every sequence would share
-    assert not BestOfDrafter(PromptLookupDrafter(), draft).batches
-    draft.close()
+    target = models["target"]
+    # Our name -> (the registry's, the trained head's kind); loaders by the registry's name.
+    with_heads = {"eagle": ("eagle", "eagle-1"), "eagle-3": ("eagle", "eagle-3"), "medusa": ("medusa", "medusa")}
+    with_heads["spark"] = ("spark", "spark")
+    loaders = {"eagle": load_head, "medusa": load_medusa, "spark": load_spark}
+    heads: dict[str, object] = {}
+
+    def make(name: str) -> Drafter | None:
+        base, tree = name.removesuffix("-tree"), name.endswith("-tree")
+        if base == "none":
+            return None
+        if base == "auto":
+            return BestOfDrafter(PromptLookupDrafter(), make("eagle"))
+        kind, trained = with_heads.get(base, (base, None))
+        if trained is not None and trained not in heads:
+            heads[trained] = loaders[kind](trained_head(trained), target)
+        loaded = {kind: heads[trained]} if trained is not None else {}
+        drafter = DRAFTERS[kind].make(DraftSources(target, models["draft"], loaded))
+        if tree:
+            drafter.branches = drafter.tree_branches
+        return drafter
+
+    yield make
+    for loaded in heads.values():
+        loaded.close()
+
+
+@pytest.fixture(scope="module")
+def trained_prompts(trained_head) -> list[list[int]]:
+    """Four prompts the heads were trained on (their corpus is the tiny target's own answers), where they draft
+    well enough for acceptance to tell whether they drafted from the right state; the second is longer than a
+    prefill chunk."""
+    import json
+
+    corpus = trained_head("eagle-1").parent / "work" / "answers.jsonl"
+    records = [json.loads(line) for line in corpus.read_text().splitlines()]
+    return [record["prompt_ids"] for record in records[:4]]
+
+
+@pytest.fixture(scope="module")
+def repeating_prompts(trained_head) -> list[list[int]]:
+    """Four prompts whose answers repeat what the prompt holds (a trained prompt, the target's answer to it, the
+    prompt again), where prompt lookup drafts what the target says."""
+    import json
+
+    corpus = trained_head("eagle-1").parent / "work" / "answers.jsonl"
+    records = [json.loads(line) for line in corpus.read_text().splitlines()]
+    return [record["prompt_ids"] + record["answer_ids"][:24] + record["prompt_ids"] for record in records[:4]]
+
+
+# Every drafter of the registry, GPU drafting and feature reads included, chains and trees ("auto" is EAGLE beside
+# prompt lookup; "eagle-3" taps target layers; lookahead verifies a tree every step).
+EVERY_DRAFTER = [
+    "auto",
+    "eagle",
+    "eagle-tree",
+    "eagle-3",
+    "medusa",
+    "medusa-tree",
+    "spark",
+    "draft-model",
+    "draft-model-tree",
+    "layer-skip",
+    "lookahead",
+    "prompt-lookup-tree",
+]
+
+
+@pytest.mark.parametrize("drafter", EVERY_DRAFTER)
+def test_every_drafter_drafts_inside_the_batch_and_each_generation_equals_its_solo_run(
+    models, make_drafter, trained_prompts, repeating_prompts, drafter
+):
+    """Four generations drafting with one drafter kind, each its own drafter (shared heads), joining one after
+    another: their GPU drafts read their own sequence's feature rows (kept from the shared forwards), their trees
+    verify in the shared forwards, and each answer is its solo run's, drafts and all (the same drafts accepted:
+    a drafter reading another sequence's rows or head state would draft otherwise, greedy output or not)."""
+    target = models["target"]
+    batched, solo = [], []
+    # Lookup drafts from repetitions in the prompt, the heads from what they were trained on.
+    prompts = repeating_prompts if drafter.startswith("prompt-lookup") else trained_prompts
+    options = dict(make=make_drafter, prompts=prompts)
+    outputs, batch = batched_runs(target, drafter, "greedy", staggered=True, drafts=batched, **options)
+    assert outputs == solo_runs(target, drafter, "greedy", drafts=solo, **options)
+    assert batched == solo
+    assert sum(accepted for _, accepted in solo) > 0, solo  # the drafter did draft something worth taking
+    assert sum(count for size, count in batch.sizes.items() if size > 1) > 0, batch.sizes
+    assert batch.members == 0 and not batch.arena.slabs
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
+def test_generations_with_different_drafters_share_one_forward(models, make_drafter, trained_prompts, params):
+    """EAGLE, prompt lookup, none and Medusa's trees in one batch: each answer equals its solo run, greedy and
+    seeded sampling (whose tokens follow every draft's random draw: a sequence drafting from another's rows, or
+    from a head state another left, would change them)."""
+    target = models["target"]
+    drafters = ["eagle", "prompt-lookup", "none", "medusa-tree"]
+    options = dict(make=make_drafter, prompts=trained_prompts)
+    outputs, batch = batched_runs(target, drafters, params, staggered=False, **options)
+    assert outputs == solo_runs(target, drafters, params, **options)
+    assert batch.sizes[len(drafters)] > 0, batch.sizes
 
 
 def test_where_matmuls_change_kernel_past_16_rows_steps_share_forwards_only_within_them(tiny_model, monkeypatch):

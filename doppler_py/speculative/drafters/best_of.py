@@ -40,7 +40,8 @@ class BestOfDrafter(NoOpHooks):
         self.name = f"{head.name}+{lookup.name}"
         self.feature_taps = tuple(dict.fromkeys((*head.feature_taps, *lookup.feature_taps)))
         self.reads_prompt_features = head.reads_prompt_features or lookup.reads_prompt_features
-        self.batches = head.batches and lookup.batches
+        self.reads_step_rows = head.reads_step_rows or lookup.reads_step_rows
+        self.reads_verified_logits = head.reads_verified_logits or lookup.reads_verified_logits
         self.lookup_rate = RunningMean(0.5)  # accepted / proposed, over lookup's steps
         self.head_accepted = RunningMean(1.0)  # accepted per step, over the head's steps
         self.last: tuple[Drafter, int] | None = None  # who proposed the last proposal, and how many tokens

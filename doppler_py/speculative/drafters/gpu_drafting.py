@@ -189,6 +189,7 @@ class ModelDrafter(NoOpHooks):
     """Drafts k tokens with `model` (its first `num_layers` layers) on its KV cache, one forward per token."""
 
     name = ""
+    reads_step_rows = False  # it drafts from committed token ids, on its own cache
 
     def __init__(self, model: Transformer, vocab: int, num_layers: int | None = None):
         self.model = model

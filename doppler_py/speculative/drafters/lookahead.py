@@ -83,6 +83,8 @@ class LookaheadDrafter(NoOpHooks):
     which the engine's policy asks for whole (fewer nodes only where a step may not verify so many)."""
 
     name = "lookahead"
+    reads_step_rows = False
+    reads_verified_logits = True  # its next level is the target's best token at each verified window row
 
     def __init__(self, target: Transformer, shape: LookaheadShape = LookaheadShape()):
         shape.check()

@@ -30,7 +30,7 @@ class PromptLookupDrafter(NoOpHooks):
     """
 
     name = "prompt-lookup"
-    batches = True  # host lists from the committed tokens
+    reads_step_rows = False  # host lists from the committed tokens
     tree_branches = 4  # continuations a tree holds when trees are on
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, branches: int = 1):

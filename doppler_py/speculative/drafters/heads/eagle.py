@@ -36,7 +36,7 @@ A head folder (written by `doppler_py.training.eagle`):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +76,9 @@ class EagleHead:
     # −W_t·μ_t/σ_t terms are folded into fc_feature_raw_bias)
     tap_layers: tuple[int, ...] = ()
     fc_taps_raw: tuple[Weight, ...] = ()
+    # The drafter whose latest prediction the head model's buffers hold: several generations' drafters share the
+    # head (`EagleDrafter.claim`).
+    holder: object | None = field(default=None, repr=False, compare=False)
 
     def close(self) -> None:
         self.model.close()
@@ -214,6 +217,10 @@ class EagleDrafter(NoOpHooks):
         # are shifted by it.
         self.offset = 0
         self.out_row = 0  # the row of model.x holding the head's latest prediction
+        # That prediction (its feature row and its logits), kept for when another generation's drafter has used
+        # the head model since (`claim`).
+        self.kept_x = Tensor.empty(gpu, (1, hidden), "f32", "eagle kept prediction")
+        self.kept_logits = Tensor.empty(gpu, (1, model.config.vocab_size), "f32", "eagle kept logits")
 
     def compile(self) -> None:
         """Compile the pipelines of the head's matmuls (its input projections, its layer and LM head) for every
@@ -276,14 +283,32 @@ class EagleDrafter(NoOpHooks):
         for fc_tap in self.fc_taps:
             fc_tap.record(rec, rows=rows)  # matmul: x += f_t·(W_t/σ_t)ᵀ
         model.record_forward(rec, rows, self.cache, self.consumed - self.offset, logits="last", embedded=True)
+        row_bytes = hidden * 4
+        rec.copy(model.x, self.kept_x, row_bytes, src_offset=(rows - 1) * row_bytes)
+        rec.copy(model.logits, self.kept_logits, self.kept_logits.nbytes)
         rec.submit()
         self.consumed, self.out_row = m, rows - 1
+        self.head.holder = self
+
+    def claim(self) -> None:
+        """The head model's buffers hold this drafter's latest prediction: put it back if another generation's
+        drafter (beside this one in a batch) has used the head since."""
+        if self.head.holder is self:
+            return
+        model = self.head.model
+        rec = model.registry.recorder()
+        rec.copy(self.kept_x, model.x, self.kept_x.nbytes)
+        rec.copy(self.kept_logits, model.logits, self.kept_logits.nbytes)
+        rec.submit()
+        self.out_row = 0
+        self.head.holder = self
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         m = len(ctx.tokens) - 1
         k = min(k, self.sampling.max_drafts)
         if self.consumed == self.offset or self.consumed != m or self.cache.free < k:
             return NO_PROPOSAL
+        self.claim()
         if self.branches > 1 and k >= 2:
             return self._dynamic_tree(ctx, k)
         if ctx.worth_drafting is None:
@@ -369,9 +394,13 @@ class EagleDrafter(NoOpHooks):
             self.cache = None
         self.consumed = self.offset = self.out_row = 0
         self.chain = []
+        if self.head.holder is self:
+            self.head.holder = None
 
     def close(self) -> None:
         self.finish()
         self.scatter.release(self.target.registry)
         self.sampling.close()
-        self.target.registry.release_tensors(self.emb, self.features, self.draft_readback, *self.tapped)
+        self.target.registry.release_tensors(
+            self.emb, self.features, self.draft_readback, self.kept_x, self.kept_logits, *self.tapped
+        )
