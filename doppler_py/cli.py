@@ -395,7 +395,7 @@ def shader_entry_points(shader_dir: Path) -> dict[str, list[str]]:
 def _cmd_info(args: argparse.Namespace) -> int:
     from doppler_py.gpu import dispatch_loop
     from doppler_py.gpu.device import default_gpu
-    from doppler_py.gpu.kernels import SHADER_DIR
+    from doppler_py.gpu.wgsl import SHADER_DIR
     from doppler_py.model.loader import WEIGHT_FORMATS
     from doppler_py.speculative.readiness.cost_cache import measured_here
 

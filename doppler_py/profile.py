@@ -26,7 +26,8 @@ import numpy as np
 
 from doppler_py.errors import CapacityError, GenerationOptionError, InternalError
 from doppler_py.gpu.device import Gpu
-from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder
+from doppler_py.gpu.kernels import Bound, KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.weights import FORMATS
 
 PROMPT = "Name three rivers and say which one is the longest."

@@ -7,7 +7,8 @@ import weakref
 
 import numpy as np
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 
 WEBGPU_MIN_SUBGROUP_SIZE = 4

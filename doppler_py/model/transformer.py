@@ -49,8 +49,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from doppler_py.errors import CapacityError, GenerationOptionError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, Tape, UniformSlot
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder, Tape
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.gpu.uniforms import UniformSlot
 from doppler_py.model.kv_arena import BLOCK, KVArena, KVSlab
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights

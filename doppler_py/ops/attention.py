@@ -46,9 +46,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from doppler_py.errors import DeviceLimitError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.subgroups import smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.gpu.uniforms import UniformSlot
 from doppler_py.ops.rope import RoPE
 from doppler_py.ops.tree import MAX_TREE_ROWS
 

@@ -7,7 +7,8 @@ tests run is tests/support/residual.py's `Residual`.
 
 from __future__ import annotations
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 
 

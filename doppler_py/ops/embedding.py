@@ -7,7 +7,8 @@ ids before they get here.
 
 from __future__ import annotations
 
-from doppler_py.gpu.kernels import Bound, KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import Bound, KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.tree import MAX_TREE_ROWS
 

@@ -29,7 +29,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from doppler_py.gpu.kernels import Bound, Kernel, KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import Bound, Kernel, KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.subgroups import simd_lanes, smallest_subgroup_size
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight

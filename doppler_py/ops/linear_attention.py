@@ -18,7 +18,8 @@ import numpy as np
 
 from doppler_py.errors import CapacityError
 from doppler_py.gpu.device import Gpu
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.config import LinearAttention
 from doppler_py.ops.elementwise import require_rows

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from doppler_py.errors import GenerationOptionError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.softmax import Softmax
 from doppler_py.sampling import SamplingParams

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import require_f32, require_rows
 

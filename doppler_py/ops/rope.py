@@ -16,8 +16,10 @@ import math
 import numpy as np
 
 from doppler_py.errors import UnsupportedModelError
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, UniformSlot, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
+from doppler_py.gpu.uniforms import UniformSlot
 from doppler_py.ops.elementwise import require_f32, require_rows
 from doppler_py.ops.tree import MAX_TREE_ROWS
 

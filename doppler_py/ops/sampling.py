@@ -8,7 +8,8 @@ with it (`speculative.drafters.gpu_drafting`); the target's tokens are chosen by
 
 from __future__ import annotations
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.sampling import SamplingParams
 

@@ -13,7 +13,8 @@ The contract (exact speculative sampling, filtered as the sampler filters) is th
 
 from __future__ import annotations
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.sampling import MAX_VOCAB
 from doppler_py.sampling import SamplingParams

@@ -8,7 +8,8 @@ greedy order; a row with fewer than k tokens is padded with `vocab`. The numpy r
 
 from __future__ import annotations
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.sampling import MAX_VOCAB
 

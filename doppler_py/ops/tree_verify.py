@@ -14,7 +14,8 @@ The numpy references are `doppler_py.testing.tree_reference.greedy_walk` and `sa
 
 from __future__ import annotations
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder
+from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.speculative import ROW_RESULT_WORDS
 from doppler_py.ops.tree import MAX_TREE_ROWS

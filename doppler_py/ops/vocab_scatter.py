@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from doppler_py.gpu.kernels import KernelRegistry, Recorder, workgroups
+from doppler_py.gpu.kernels import KernelRegistry, workgroups
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 
 

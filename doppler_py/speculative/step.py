@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from doppler_py.errors import GenerationOptionError, InternalError, NumericalError
-from doppler_py.gpu.kernels import Recorder
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import LogProbs, TokenLogprob

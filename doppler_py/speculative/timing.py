@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from doppler_py.gpu.device import Gpu
-from doppler_py.gpu.kernels import Recorder
+from doppler_py.gpu.recorder import Recorder
 
 _STAMPS = 3  # step start, drafting done, verification done
 

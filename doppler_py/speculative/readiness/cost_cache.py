@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from doppler_py.gpu.device import Gpu
-from doppler_py.gpu.kernels import SHADER_DIR
+from doppler_py.gpu.wgsl import SHADER_DIR
 from doppler_py.paths import cache_dir
 
 _MODEL_SUFFIXES = (".safetensors", ".gguf", ".json")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from doppler_py.gpu.kernels import Recorder
+from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.weights import Weight
 from doppler_py.model.transformer import Transformer
