@@ -637,8 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--parallel",
         type=int,
         default=1,
-        help="generations that run at once, their steps batched into shared forwards (default 1); speculation "
-        "then drafts from the prompt (auto = prompt-lookup), as chains",
+        help="generations that run at once, their steps batched into shared forwards (default 1); each drafts "
+        "with its own drafter inside the batch",
     )
     serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the GPU (default 8)")
     serve.add_argument(

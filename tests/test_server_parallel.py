@@ -24,7 +24,8 @@ PARALLEL = 4
 CLIENTS = 8
 SOAK_REQUESTS = 200
 PROMPTS = ["the cat sat on the mat. the cat sat", "one two three one two", "a", "hello there, hello there, hel"]
-# Mixed parameters: greedy and seeded sampling, plain and speculative, stop strings, lengths, a constraint.
+# Mixed parameters: greedy and seeded sampling, plain and speculative (host and GPU drafts, chains and trees), stop
+# strings, lengths, a constraint.
 OPTIONS = [
     {"max_tokens": 12, "speculative": "none"},
     {"max_tokens": 16, "speculative": "prompt-lookup", "k": 3},
@@ -33,6 +34,9 @@ OPTIONS = [
     {"max_tokens": 20, "stop": ["e"], "speculative": "auto"},
     # A constraint (each step's rows masked in the batch) and log-probs (read from the batch's moved rows).
     {"max_tokens": 12, "regex": "[a-e ]{3,10}!", "speculative": "prompt-lookup", "logprobs": 2},
+    # Drafts on the GPU from the target's own layers, and token trees, inside the batch too.
+    {"max_tokens": 12, "speculative": "layer-skip", "k": 2},
+    {"max_tokens": 12, "speculative": "prompt-lookup", "tree": True, "k": 3},
 ]
 DONE = "/v1/completions"
 
@@ -104,15 +108,6 @@ def test_concurrent_answers_equal_the_solo_ones_and_share_forwards(server, solo)
     assert re.search(r"^doppler_parallel 4$", metrics, re.M)
     assert re.search(r"^doppler_kv_budget_bytes [1-9]", metrics, re.M) and "doppler_kv_waited_total" in metrics
     assert re.search(r"^doppler_batch_shared_attention_total [1-9]", metrics, re.M), metrics
-
-
-def test_a_drafter_that_cannot_share_forwards_is_refused_by_name(server):
-    url, _ = server
-    response = httpx.post(f"{url}{DONE}", json={"prompt": "a", "speculative": "layer-skip"}, timeout=60)
-    assert response.status_code == 400
-    assert "layer-skip" in response.json()["error"]["message"]
-    tree = httpx.post(f"{url}{DONE}", json={"prompt": "a", "speculative": "prompt-lookup", "tree": True}, timeout=60)
-    assert tree.status_code == 400 and "tree" in tree.json()["error"]["message"]
 
 
 def test_a_soak_of_mixed_requests_with_cancellations(server, solo):

@@ -37,9 +37,10 @@ request again with the prefix cache off, so each choice prefills the prompt itse
 time, median over `--repeats` (default 2; the order alternates from repeat to repeat); every way must give the same
 answers (checked).
 
-Greedy, with the same `speculative` request option on both (`--speculative`, default "none"; with parallel > 1
-"auto" means prompt lookup, so with "auto" the two servers do not speculate alike: use "prompt-lookup" to compare
-speculation like with like); every prompt's answers must be the same from both servers (checked). The clients run
+Greedy, with the same `speculative` request option on both (`--speculative`, default "none"); `--batched-speculative
+MODE` adds a third way, the batched server's requests with MODE (e.g. `auto`: each generation drafts with its own
+drafter inside the batch), with its ratio to the batched server's requests without it. Every prompt's answers must be
+the same every way (checked). The clients run
 in a process of their own (the servers and engines share this one), on the same machine's cores.
 """
 
@@ -72,6 +73,18 @@ QUESTIONS = [
 ]
 SERVERS = ("one-at-a-time", "batched")
 GOAL_CLIENTS, GOAL_THROUGHPUT, GOAL_TTFT = 4, 2.5, 1.0  # issue 50: batched ≥ 2.5× tok/s, p95 TTFT no worse
+# Issue 62: batched with speculation (`--batched-speculative auto`) against one-at-a-time and batched without it.
+GOAL_SPECULATIVE_VS_ONE, GOAL_SPECULATIVE_VS_BATCHED = 3.0, 1.25
+
+
+def concurrency_ways(args) -> list[tuple[str, str, str]]:
+    """(label, server, speculative) of each way the concurrency part runs: both servers with `--speculative`, and the
+    batched server's requests again with `--batched-speculative` where that differs."""
+    ways = [(server, server, args.speculative) for server in SERVERS]
+    extra = args.batched_speculative
+    if extra is not None and extra != args.speculative:
+        ways.append((f"batched {extra}", "batched", extra))
+    return ways
 
 
 # --- chat: time to first token with and without the prefix cache --------------------------------------------------
@@ -337,11 +350,13 @@ def concurrency_part(args) -> dict | None:
         f"{args.speculative!r}, {args.requests} requests per client, max_tokens {args.max_tokens}",
         file=sys.stderr,
     )
-    cell = dict(requests=args.requests, max_tokens=args.max_tokens, speculative=args.speculative)
+    cell = dict(requests=args.requests, max_tokens=args.max_tokens)
+    ways = concurrency_ways(args)
+    labels = [label for label, _, _ in ways]
     # Every client's request may wait in the one-at-a-time server's queue: none is refused.
     config = ServerConfig(queue_size=max(clients))
     parallel = {"one-at-a-time": 1, "batched": max(clients)}
-    runs: dict[str, dict[int, list[dict]]] = {server: {c: [] for c in clients} for server in SERVERS}
+    runs: dict[str, dict[int, list[dict]]] = {label: {c: [] for c in clients} for label in labels}
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
         engines, urls, models = {}, {}, {}
@@ -362,65 +377,73 @@ def concurrency_part(args) -> dict | None:
             )
             with openai.OpenAI(base_url=f"{urls[server]}/v1", api_key="x") as client:
                 models[server] = client.models.list().data[0].id
+        for _, server, speculative in ways:
             for c in clients:  # each batch row count's pipelines compile on first use: one request per client
-                warm = cell | {"requests": 1, "distinct": "warm-up" if args.distinct else None}
+                warm = cell | {"requests": 1, "speculative": speculative}
+                warm["distinct"] = "warm-up" if args.distinct else None
                 run_cell(pool, urls[server], models[server], prompts, clients=c, **warm)
         for repeat in range(repeats):
             for index, c in enumerate(clients):
-                order = SERVERS if (repeat + index) % 2 == 0 else SERVERS[::-1]
-                for server in order:
+                order = ways if (repeat + index) % 2 == 0 else ways[::-1]
+                for label, server, speculative in order:
                     batch = engines[server].batch
                     before = Counter(batch.sizes) if batch is not None else Counter()
                     counts = batch_counts(batch)
-                    # The same tags on both servers (each has its own prefix cache), new ones for every cell.
-                    distinct = {"distinct": f"{repeat}.{c}" if args.distinct else None}
+                    # The same tags on every way (each server has its own prefix cache), new ones for every cell.
+                    distinct = {"distinct": f"{repeat}.{c}" if args.distinct else None, "speculative": speculative}
                     done, wall = run_cell(pool, urls[server], models[server], prompts, clients=c, **cell | distinct)
                     sizes = (batch.sizes - before) if batch is not None else Counter()
                     counted = {key: value - counts[key] for key, value in batch_counts(batch).items()}
                     figures = cell_figures(done, wall) | {"mean_rows": mean_rows(sizes), "batch_sizes": dict(sizes)}
                     figures |= counted
-                    runs[server][c].append(figures | {"done": done})
+                    runs[label][c].append(figures | {"done": done})
                     print(
-                        f"repeat {repeat} clients {c} {server}: {figures['tok_s']:.1f} tok/s, "
+                        f"repeat {repeat} clients {c} {label}: {figures['tok_s']:.1f} tok/s, "
                         f"TTFT p95 {shown(figures['ttft_p95_s'], digits=2)} s",
                         file=sys.stderr,
                     )
     answers: dict[str, set[str]] = {}
-    for server in SERVERS:
+    for label in labels:
         for c in clients:
-            for figures in runs[server][c]:
+            for figures in runs[label][c]:
                 for row in figures["done"]:
                     answers.setdefault(row["prompt"], set()).add(row["text"])
     differing = sorted(name for name, texts in answers.items() if len(texts) > 1)
     if differing:
-        print(f"greedy answers differ between requests or servers for: {', '.join(differing)}", file=sys.stderr)
+        print(f"greedy answers differ between requests or ways for: {', '.join(differing)}", file=sys.stderr)
         return None
     table = []
     keys = ("tok_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s", "tpot_p50_s", "tpot_p95_s", "mean_rows")
     for c in clients:
-        for server in SERVERS:
-            row = {"clients": c, "server": server, "parallel": parallel[server]}
-            row |= {key: median_or_none([run[key] for run in runs[server][c]]) for key in keys}
-            row["requests"] = sum(run["requests"] for run in runs[server][c])
+        for label, server, _ in ways:
+            row = {"clients": c, "server": label, "parallel": parallel[server]}
+            row |= {key: median_or_none([run[key] for run in runs[label][c]]) for key in keys}
+            row["requests"] = sum(run["requests"] for run in runs[label][c])
+            if server == "batched":  # against one-at-a-time, paired repeat by repeat
+                pairs = list(zip(runs["one-at-a-time"][c], runs[label][c], strict=True))
+                row["tok_s_ratio"] = median_or_none([ratio(b["tok_s"], o["tok_s"]) for o, b in pairs])
+                row["ttft_p95_ratio"] = median_or_none([ratio(b["ttft_p95_s"], o["ttft_p95_s"]) for o, b in pairs])
+            if label not in SERVERS:  # and against the batched server's requests without it
+                pairs = list(zip(runs["batched"][c], runs[label][c], strict=True))
+                row["tok_s_vs_batched"] = median_or_none([ratio(s["tok_s"], b["tok_s"]) for b, s in pairs])
             table.append(row)
-        pairs = list(zip(runs["one-at-a-time"][c], runs["batched"][c], strict=True))  # paired repeat by repeat
-        table[-1]["tok_s_ratio"] = median_or_none([ratio(b["tok_s"], o["tok_s"]) for o, b in pairs])
-        table[-1]["ttft_p95_ratio"] = median_or_none([ratio(b["ttft_p95_s"], o["ttft_p95_s"]) for o, b in pairs])
     print(
-        f"{'C':>3} {'server':<14} {'tok/s':>7} {'TTFT p50':>9} {'p95 ms':>7} {'ITL p50':>8} {'p95 ms':>7} "
-        f"{'TPOT p50':>9} {'p95 ms':>7} {'rows/fwd':>8} {'req':>4} {'tok/s ×':>8} {'TTFT95 ×':>9}"
+        f"{'C':>3} {'way':<18} {'tok/s':>7} {'TTFT p50':>9} {'p95 ms':>7} {'ITL p50':>8} {'p95 ms':>7} "
+        f"{'TPOT p50':>9} {'p95 ms':>7} {'rows/fwd':>8} {'req':>4} {'tok/s ×':>8} {'TTFT95 ×':>9} {'× batched':>9}"
     )
     for row in table:
         ratios = ""
         if "tok_s_ratio" in row:
             ratios = f"{shown(row['tok_s_ratio'], digits=2):>8} {shown(row['ttft_p95_ratio'], digits=2):>9}"
+        if "tok_s_vs_batched" in row:
+            ratios += f" {shown(row['tok_s_vs_batched'], digits=2):>9}"
         latencies = [shown(row[key], 1000) for key in keys[1:-1]]  # milliseconds
         print(
-            f"{row['clients']:>3} {row['server']:<14} {shown(row['tok_s'], digits=1):>7} {latencies[0]:>9} "
+            f"{row['clients']:>3} {row['server']:<18} {shown(row['tok_s'], digits=1):>7} {latencies[0]:>9} "
             f"{latencies[1]:>7} {latencies[2]:>8} {latencies[3]:>7} {latencies[4]:>9} {latencies[5]:>7} "
             f"{shown(row['mean_rows'], digits=2):>8} {row['requests']:>4} {ratios}"
         )
-    goal = next((row for row in table if row["clients"] == GOAL_CLIENTS and "tok_s_ratio" in row), None)
+    goal = next((row for row in table if row["clients"] == GOAL_CLIENTS and row["server"] == "batched"), None)
     if goal is None:
         print(f"{GOAL_CLIENTS} clients: not run (the goal is stated for {GOAL_CLIENTS})")
     else:
@@ -429,14 +452,22 @@ def concurrency_part(args) -> dict | None:
             f"(goal ≥ {GOAL_THROUGHPUT}), p95 TTFT ratio {shown(goal['ttft_p95_ratio'], digits=2)} "
             f"(goal ≤ {GOAL_TTFT:g})"
         )
-    settings = {key: getattr(args, key) for key in ("requests", "max_tokens", "speculative", "kv_cache_mb", "distinct")}
+    for row in table:
+        if row["clients"] == GOAL_CLIENTS and "tok_s_vs_batched" in row:
+            print(
+                f"{GOAL_CLIENTS} clients: {row['server']} {shown(row['tok_s_ratio'], digits=2)}× one-at-a-time "
+                f"(goal ≥ {GOAL_SPECULATIVE_VS_ONE}), {shown(row['tok_s_vs_batched'], digits=2)}× batched "
+                f"{args.speculative} (goal ≥ {GOAL_SPECULATIVE_VS_BATCHED})"
+            )
+    keys = ("requests", "max_tokens", "speculative", "batched_speculative", "kv_cache_mb", "distinct")
+    settings = {key: getattr(args, key) for key in keys}
     settings |= {"repeats": repeats, "clients": clients, "prompts": [f"{g}/{n}" for g, n, _ in prompts]}
     return {"settings": settings, "table": table, "runs": {s: {str(c): r for c, r in runs[s].items()} for s in runs}}
 
 
 def plot_concurrency(throughput, latency, table: list[dict]) -> None:
     clients = sorted({row["clients"] for row in table})
-    for server in SERVERS:
+    for server in dict.fromkeys(row["server"] for row in table):
         rows = [row for row in table if row["server"] == server]
         throughput.plot(clients, [row["tok_s"] for row in rows], marker="o", label=server)
         p95 = [math.nan if row["ttft_p95_s"] is None else row["ttft_p95_s"] for row in rows]
@@ -539,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="requests per client in each cell (default 3)")
     parser.add_argument("--groups", type=names, default=["open-ended"], help="bench_speculative prompt groups")
     parser.add_argument("--speculative", default="none", choices=("none", "prompt-lookup", "auto"))
+    parser.add_argument(
+        "--batched-speculative",
+        default=None,
+        help="the concurrency part also runs the batched server's requests with this speculative mode (e.g. auto)",
+    )
     parser.add_argument(
         "--kv-cache-mb", type=int, default=None, help="the concurrency servers' prefix cache (0; 256 with --distinct)"
     )

@@ -73,11 +73,34 @@ def check_two_token_joint(
     verify k drafts (a step never drafts past the last token asked for). `grammar` (a function making a fresh
     `GrammarMatcher`): p is the target's distribution renormalised over the tokens the grammar allows."""
     import numpy as np
-    from support.decode import allowed
     from support.distribution import assert_samples_follow
 
     from doppler_py.sampling import SamplingParams
     from doppler_py.speculative.engine import SpeculativeEngine
+
+    prompt = list(prompt)
+    joint = exact_two_token_joint(target, prompt, grammar)
+    engine = SpeculativeEngine(target, drafter)
+    counts = np.zeros_like(joint)
+    trees = 0
+    for seed in range(trials):
+        seeded = SamplingParams(temperature=1.5, top_k=6, seed=seed)
+        result = engine.generate(prompt, new_tokens, seeded, k=k, grammar=None if grammar is None else grammar())
+        t1, t2 = result.tokens[:2]
+        counts[t1, t2] += 1
+        trees += result.stats.tree_steps
+    engine.close()
+    assert_samples_follow(counts, joint)
+    return trees
+
+
+def exact_two_token_joint(target, prompt: Sequence[int], grammar=None):
+    """The target's exact p(t1) p(t2 | t1) after `prompt` at `check_two_token_joint`'s sampling options (T = 1.5,
+    top-6), renormalised over what `grammar` (a function making a fresh matcher) allows."""
+    import numpy as np
+    from support.decode import allowed
+
+    from doppler_py.sampling import SamplingParams
     from doppler_py.testing.sampling_reference import filtered_probs
 
     prompt = list(prompt)
@@ -98,19 +121,7 @@ def check_two_token_joint(
         cache.truncate(len(prompt))
         joint[t1] = p1[t1] * filtered_probs(masked(target.forward([int(t1)], cache), [int(t1)]), params)
     target.release_cache(cache)
-
-    engine = SpeculativeEngine(target, drafter)
-    counts = np.zeros_like(joint)
-    trees = 0
-    for seed in range(trials):
-        seeded = SamplingParams(temperature=1.5, top_k=6, seed=seed)
-        result = engine.generate(prompt, new_tokens, seeded, k=k, grammar=None if grammar is None else grammar())
-        t1, t2 = result.tokens[:2]
-        counts[t1, t2] += 1
-        trees += result.stats.tree_steps
-    engine.close()
-    assert_samples_follow(counts, joint)
-    return trees
+    return joint
 
 
 def proposal_paths(proposal) -> dict[tuple[int, ...], float]:

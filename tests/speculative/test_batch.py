@@ -9,7 +9,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import pytest
+from speculative.conftest import JOINT_TRIALS, exact_two_token_joint
+from support.distribution import assert_samples_follow
 from support.tiny_specs import TARGET
 
 from doppler_py.model.prefix_cache import PrefixCache
@@ -507,3 +510,39 @@ def test_a_generation_in_a_batch_prices_its_drafts_by_the_batchs_measured_forwar
     expected = SpeculativeEngine(target, PromptLookupDrafter())
     assert outputs == [expected.generate(p, n, GREEDY_PARAMS).tokens for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     expected.close()
+
+
+def test_sampled_generations_with_different_drafters_in_one_batch_each_follow_the_target(models, make_drafter):
+    """An EAGLE head (drafts sampled on the GPU, verified by rejection sampling), prompt lookup (one-hot drafts) and no
+    drafter, each sampling two-token answers over and over in one batch: each one's samples of (t1, t2) follow the
+    target's exact joint p(t1) p(t2 | t1) (T = 1.5, top-6), as alone (`check_two_token_joint`)."""
+    target = models["target"]
+    prompt = [3, 17, 5, 9, 3, 17, 5]  # (17, 5) recurs: lookup drafts [9, 3]
+    joint = exact_two_token_joint(target, prompt)
+    drafters = ["eagle", "prompt-lookup", "none"]
+    batch = StepBatch(target, gather_s=1.0)
+    engines = [engine_for(target, name, batch, make_drafter) for name in drafters]
+    counts = [np.zeros_like(joint) for _ in drafters]
+    drafted = [0] * len(drafters)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for trial in range(JOINT_TRIALS):
+                # Three tokens: the first step may verify two drafts (a step never drafts past the last token asked).
+                params = SamplingParams(temperature=1.5, top_k=6, seed=trial * len(drafters) + i)
+                result = engines[i].generate(prompt, 3, params, k=2)
+                counts[i][result.tokens[0], result.tokens[1]] += 1
+                drafted[i] += result.stats.drafted
+        except BaseException as exc:
+            errors.append(exc)
+
+    join_all(start_all(run, len(drafters)), 600)
+    for engine in engines:
+        engine.close()
+    batch.close()
+    assert not errors, errors
+    assert drafted[0] > 0 and drafted[1] > 0, drafted  # both drafters drafted, so their drafts were verified
+    assert sum(count for size, count in batch.sizes.items() if size > 1) > 0, batch.sizes
+    for count in counts:
+        assert_samples_follow(count, joint)
