@@ -287,7 +287,7 @@ class Engine:
                 self.model.gpu, self.folder, self.weights, max_rows=self.model.max_rows, capacity=engine.capacity
             )
             costs = load_costs(key)
-            engine.on_calibrated = lambda measured: save_costs(key, measured)
+            engine.readiness.on_calibrated = lambda measured: save_costs(key, measured)
         background = self.warmup != "now" if background is None else background
         if self.progress:  # before the first token: a CPU adapter would otherwise sit silent or run slower unsaid
             adapter = self.model.gpu.summary()["adapter"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,8 +29,8 @@ from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
-from doppler_py.speculative.readiness.compile_gate import compile_pays
-from doppler_py.speculative.readiness.warmup import COMPILE_CONTEXT, PipelineWarmup
+from doppler_py.speculative.readiness.state import QUICK_CONTEXT, Readiness
+from doppler_py.speculative.readiness.warmup import PipelineWarmup
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.speculative.step import MAX_PLAIN_STEPS, StepOutcome, Stepper
 from doppler_py.speculative.timing import StepClock, StepTimes
@@ -39,11 +39,6 @@ if TYPE_CHECKING:
     from doppler_py.constraints.matcher import GrammarMatcher
     from doppler_py.model.prefix_cache import PrefixCache
 
-# While pipelines compile in the background: the verified row counts at which speculation steps up when each
-# step up must calibrate first, and the context of calibrations between steps (shorter than the 64 of a full
-# one: the stream pauses less).
-CALIBRATION_STAGES = (3, 5)
-QUICK_CONTEXT = 32
 # Plain decoding: steps per submit (at most MAX_PLAIN_STEPS) sized to take about BATCH_TARGET_S.
 BATCH_TARGET_S = 0.2
 
@@ -81,15 +76,8 @@ class SpeculativeEngine:
         self.steps = Stepper(target, drafter, self.policy, self.capacity)
         self.clock = StepClock(target.gpu)
         self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
-        # Getting ready to speculate (see `prepare`): pipelines compiling in the background, a calibration due,
-        # and who wants the measured costs (the on-disk cost cache).
-        self.warmup: PipelineWarmup | None = None
-        self.warmup_pending = False  # `prepare(background=True)` before the first token of a generation
-        self.usable_rows = self.capacity + 1  # most rows a step may verify (fewer while `prepare` compiles)
-        self.tokens_generated = 0  # by this engine's generations so far (`readiness.compile_gate`)
-        self.weigh_compile = False  # `prepare(weigh=True)`, until the compile pays (`_weigh_compile`)
-        self.needs_calibration = False
-        self.on_calibrated: Callable[[dict[int, float]], None] | None = None
+        # Getting ready to speculate (see `prepare`): the compile, its gate and the calibration.
+        self.readiness = Readiness(self)
         # Earlier sequences' K/V (`model.prefix_cache`), shared by every engine of the model; None: none kept.
         self.prefix_cache: PrefixCache | None = None
         # Concurrent generations of the target whose steps share forwards (`batch.py`); None: this engine's
@@ -113,103 +101,43 @@ class SpeculativeEngine:
         compile_now: bool = True,
         weigh: bool = False,
     ) -> None:
-        """Make the engine ready to speculate. `costs`: verification costs measured earlier on this device and
-        model (`cost_cache`), so no calibration is needed. `background`: take plain steps while a background
-        thread compiles the verification pipelines (`PipelineWarmup`, started once the next generation's first
-        token is out: before, it would compete with the prefill and the first step for the CPU and the
-        compiler), and speculate with drafts as long as the compiled row counts allow meanwhile; else calibrate
-        now, which compiles them all first. `compile_now=False` (with costs): the pipelines compile elsewhere (a
-        batch's warm-up, `StepBatch.warm_up`) or on first use, so no step runs now. `weigh` (with `background`): start
-        the compile only once it pays for itself (`readiness.compile_gate`)."""
+        """Make the engine ready to speculate (`readiness.state`). `costs`: verification costs measured earlier on
+        this device and model (`cost_cache`), so no calibration is needed. `background`: take plain steps while a
+        background thread compiles the verification pipelines (`PipelineWarmup`, started once the next
+        generation's first token is out), and speculate with drafts as long as the compiled row counts allow
+        meanwhile; else calibrate now, which compiles them all first. `compile_now=False` (with costs): the
+        pipelines compile elsewhere (a batch's warm-up, `StepBatch.warm_up`) or on first use, so no step runs now.
+        `weigh` (with `background`): start the compile only once it pays for itself (`readiness.compile_gate`)."""
         for rows, seconds in (costs or {}).items():
             self.policy.costs.observe_verify(rows, seconds)
-        self.needs_calibration = not costs
-        self.warmup_pending = background
-        self.weigh_compile = background and weigh
-        self.usable_rows = 1
-        if not background:
-            if costs and compile_now:  # nothing to measure, but "now": every step size runs without compiling first
-                self.calibrate(context=COMPILE_CONTEXT, repeats=1, store=False)
-            self._use_rows(max(self.verify_rows()), between_steps=False)
-            self.drafter.compile()
+        self.readiness.prepare(costs=bool(costs), background=background, compile_now=compile_now, weigh=weigh)
 
+    # -- what `Readiness` asks of the engine (`readiness.state.Calibrator`) ---------------------------------
     def verify_rows(self) -> list[int]:
         """Every row count a step may verify: 1 (a plain step) to k_max + 1."""
         return [r for r in range(1, self.policy.k_max + 2) if r <= self.capacity + 1]
 
-    def _weigh_compile(self, max_new_tokens: int, params: SamplingParams, stats: SpecStats) -> bool:
-        """Before a generation of `prepare(weigh=True)`'s engine whose compile has not started: whether it pays now
-        (`readiness.compile_gate`), over this generation's tokens and those generated before. If so the warm-up
-        goes ahead as in background mode; if not, this generation runs plainly without the drafter (no upkeep, no
-        pipelines of its own compiling) and the next one weighs it again."""
-        seeded = not params.greedy and params.seed is not None  # its tokens must not depend on timing
-        if not (self.warmup_pending and self.weigh_compile) or seeded:
-            return True
-        pays, stats.compile_cost_s, stats.compile_gain_s = compile_pays(
+    def limit_drafts(self, rows: int | None) -> None:
+        self.policy.limit = rows
+
+    def compile_drafter(self) -> None:
+        self.drafter.compile()
+
+    def start_warmup(self) -> PipelineWarmup:
+        return PipelineWarmup(
             self.target,
+            lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity),
             self.verify_rows(),
-            tokens=max_new_tokens + self.tokens_generated,
-            plain_token_s=self._plain_token_s,
-            # From verification costs of several rows (cached, or calibrated): live plain steps alone would
-            # extrapolate them linearly from one row, which no device's costs follow.
-            speedup=None if self.needs_calibration else self.policy.best_speedup(),
+            also=self.drafter.compile,
         )
-        self.weigh_compile = not pays
-        return pays
 
-    def _ready(self, ctx: StepContext, first_step: bool) -> bool:
-        """Whether this step may speculate (at most `policy.limit` drafts while pipelines still compile)."""
-        # A seeded sampled generation (the policy's timing-blind mode): which steps speculate decides which
-        # random numbers each token uses, so that must not depend on how long compiling takes.
-        seeded = not self.policy.cost_aware
-        if self.warmup_pending and self.weigh_compile:  # not worth compiling yet (`_weigh_compile`)
-            return False
-        if self.warmup_pending and (not first_step or seeded):
-            self.warmup_pending = False
-            self.warmup = PipelineWarmup(
-                self.target,
-                lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity),
-                self.verify_rows(),
-                also=self.drafter.compile,
-            )
-        if self.warmup_pending:
-            return False
-        warmup = self.warmup
-        if warmup is not None:
-            if seeded:
-                warmup.done.wait()
-            if warmup.done.is_set():
-                self.warmup = None
-                warmup.finish()
-                self._use_rows(max(self.verify_rows()), between_steps=True)
-            elif warmup.compiled_rows > self.usable_rows and self._worth_a_step_up(warmup.compiled_rows):
-                self._use_rows(warmup.compiled_rows, between_steps=True)
-        return self.usable_rows >= 2
+    def measured_costs(self) -> dict[int, float]:
+        return dict(self.policy.costs.verify)
 
-    def _worth_a_step_up(self, rows: int) -> bool:
-        """With cached costs every newly compiled row count is used at once; a step up that must calibrate
-        pauses the stream (~0.8 s on lavapipe), so then only at k = 2 and k = 4 (START_K) drafts. Those quick
-        calibrations run while the thread still compiles, so the final one (`_use_rows`) measures every row
-        count again once it is done, and only that one is stored."""
-        return not self.needs_calibration or any(self.usable_rows < r <= rows for r in CALIBRATION_STAGES)
+    def best_speedup(self) -> float | None:
+        return self.policy.best_speedup()
 
-    def _use_rows(self, rows: int, *, between_steps: bool) -> None:
-        """Steps may now verify up to `rows` rows: calibrate the new row counts if no costs were cached."""
-        full = rows >= max(self.verify_rows())
-        if self.needs_calibration:
-            new_rows = [r for r in self.verify_rows() if self.usable_rows < r <= rows or r == 1 or full]
-            if between_steps:
-                self._calibrate_between_steps(new_rows, quick=not full)
-            else:
-                self.calibrate(new_rows)
-        self.usable_rows = rows
-        self.policy.limit = None if full else rows - 1
-        if full and self.needs_calibration:
-            self.needs_calibration = False
-            if self.on_calibrated is not None:
-                self.on_calibrated(dict(self.policy.costs.verify))
-
-    def _calibrate_between_steps(self, rows: list[int], *, quick: bool) -> None:
+    def calibrate_between_steps(self, rows: list[int], *, quick: bool) -> None:
         """Calibration runs the target on its own KV cache but through the target's activation buffers, where
         drafters read the last verified rows' features (ctx.hidden): those are kept."""
         target = self.target
@@ -272,8 +200,9 @@ class SpeculativeEngine:
         start = time.perf_counter()
         stats.drafter = self.drafter.name
         drafter = self.steps.drafter
-        if not self._weigh_compile(max_new_tokens, params, stats):
-            self.steps.drafter = _NoDrafter()
+        drafts = self.readiness.before_generation(max_new_tokens, params, stats, self._plain_token_s)
+        if self.speculative and not drafts:
+            self.steps.drafter = _NoDrafter()  # not worth compiling for yet: no upkeep, no pipelines of its own
         try:
             ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k, grammar=grammar)
         except BaseException:
@@ -293,7 +222,10 @@ class SpeculativeEngine:
                 remaining = max_new_tokens - produced
                 proposal, speculate = None, True
                 if self.speculative:
-                    speculate = self._ready(ctx, produced == 0) if self.batch is None else self.usable_rows >= 2
+                    if self.batch is None:
+                        speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
+                    else:  # the batch's engines were made ready when leased
+                        speculate = self.readiness.usable_rows >= 2
                     if self.batch is not None:
                         self.policy.shared = self.batch.shared_costs(self.policy.costs)
                     k_step = self.policy.next_k(remaining) if speculate else 0
@@ -327,7 +259,7 @@ class SpeculativeEngine:
                     break
         finally:
             stats.total_s = time.perf_counter() - start
-            self.tokens_generated += produced
+            self.readiness.tokens_generated += produced
             self.steps.logprobs = None
             if self.batch is not None:
                 self.batch.leave()
@@ -635,9 +567,7 @@ class SpeculativeEngine:
         """Free the step buffers and ops (the target and a draft model belong to the caller)."""
         if self.closed:
             return
-        if self.warmup is not None:
-            self.warmup.cancel()
-            self.warmup = None
+        self.readiness.close()
         self.drafter.close()
         self.steps.close()
         self.clock.close()

@@ -17,6 +17,7 @@ from doppler_py.speculative import DraftModelDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy
 from doppler_py.speculative.readiness.cost_cache import cost_key, load_costs, save_costs
+from doppler_py.speculative.readiness.state import Stage
 from doppler_py.testing.tiny import TinySpec
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -35,19 +36,19 @@ def test_background_warmup_streams_plain_tokens_then_speculates(models):
     plain = reference_decode(models["target"], PROMPT, 24, GREEDY)
     engine = draft_engine(models)
     calibrated = []
-    engine.on_calibrated = calibrated.append
+    engine.readiness.on_calibrated = calibrated.append
     engine.prepare(background=True)
     try:
         first = engine.generate(PROMPT, 24, GREEDY)
         assert first.tokens == plain and first.stats.plain_steps >= 1
-        if engine.warmup is not None:
-            assert engine.warmup.done.wait(timeout=300), "the pipelines never finished compiling"
+        if engine.readiness.warmup is not None:
+            assert engine.readiness.warmup.done.wait(timeout=300), "the pipelines never finished compiling"
         second = engine.generate(PROMPT, 24, GREEDY)
     finally:
         engine.close()
     assert second.tokens == plain and second.stats.drafted > 0
     assert first.stats.warmup_steps >= 1 and second.stats.warmup_steps == 0
-    assert engine.policy.limit is None and engine.usable_rows == max(engine.verify_rows())
+    assert engine.policy.limit is None and engine.readiness.usable_rows == max(engine.verify_rows())
     assert len(calibrated) == 1 and sorted(calibrated[0]) == engine.verify_rows()
     assert all(seconds > 0 for seconds in calibrated[0].values())
 
@@ -86,7 +87,7 @@ def test_closing_while_compiling_stops_the_thread(models, monkeypatch):
     engine = draft_engine(models)
     engine.prepare(costs={1: 1.0, 2: 1.5}, background=True)
     engine.generate(PROMPT, 3, GREEDY)  # the first token is out: the thread starts
-    warmup = engine.warmup
+    warmup = engine.readiness.warmup
     assert warmup is not None and started.acquire(timeout=60), "the compile thread never started"
     assert warmup._thread.is_alive()
     # The row count in hand is let go only once closing has asked the thread to stop, so without that request
@@ -95,7 +96,7 @@ def test_closing_while_compiling_stops_the_thread(models, monkeypatch):
     monkeypatch.setattr(warmup._cancel, "set", lambda: (ask_to_stop(), release.set()))
     engine.close()
     assert not warmup._thread.is_alive()
-    assert engine.warmup is None
+    assert engine.readiness.warmup is None
     assert len(compiled) == 1 < len(engine.verify_rows())
 
 
@@ -193,30 +194,28 @@ def test_the_compile_is_weighed_before_it_starts_and_again_with_each_answer(mode
     """`prepare(background=True, weigh=True)`: an answer the compile cannot pay for runs plainly without the drafter
     (never started, so no upkeep) and no compile thread; the next answer weighs it again, counting the tokens
     generated before; once it pays, the drafter runs and the thread starts."""
-    from doppler_py.speculative import engine as engine_module
-
     weighed = []
 
     def pays(target, rows, *, tokens, plain_token_s, speedup):
         weighed.append((tokens, plain_token_s is not None))
         return len(weighed) > 1, 30.0, 0.5
 
-    monkeypatch.setattr(engine_module, "compile_pays", pays)
     plain = reference_decode(models["target"], PROMPT, 12, GREEDY)
     engine = draft_engine(models)
+    engine.readiness.compile_pays = pays
     started = []
     start = engine.drafter.start
     monkeypatch.setattr(engine.drafter, "start", lambda ctx: (started.append(len(ctx.tokens)), start(ctx)))
     engine.prepare(background=True, weigh=True)
     try:
         first = engine.generate(PROMPT, 12, GREEDY)
-        assert engine.warmup is None and engine.warmup_pending and not started
+        assert engine.readiness.warmup is None and engine.readiness.stage is Stage.WEIGHING and not started
         assert first.tokens == plain and first.stats.drafted == 0 and first.stats.warmup_steps == 12
         assert (first.stats.compile_cost_s, first.stats.compile_gain_s) == (30.0, 0.5)
         assert first.stats.drafter == engine.drafter.name
         second = engine.generate(PROMPT, 12, GREEDY)
         assert second.tokens == plain and started == [len(PROMPT)]
-        assert engine.warmup is not None or engine.usable_rows > 1  # started (maybe done already)
+        assert engine.readiness.warmup is not None or engine.readiness.usable_rows > 1  # started (maybe done already)
     finally:
         engine.close()
     # Once per answer until it pays: the answer's tokens plus those generated before; plain tokens timed by then.

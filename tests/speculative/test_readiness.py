@@ -1,0 +1,190 @@
+"""The readiness state machine (`speculative.readiness.state`), each transition on its own, with a stand-in engine
+(no GPU): what is compiled, calibrated and limited at each step, and when speculation may start."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.readiness.state import CALIBRATION_STAGES, Readiness, Stage
+from doppler_py.speculative.stats import SpecStats
+
+ROWS = [1, 2, 3, 4, 5, 6]
+GREEDY = SamplingParams()
+SEEDED = SamplingParams(temperature=1.0, seed=3)
+
+
+class FakeWarmup:
+    def __init__(self):
+        self.compiled_rows = 0
+        self.done = threading.Event()
+        self.finished = self.cancelled = False
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeEngine:
+    """Records what the readiness object asks of an engine."""
+
+    target = None
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.limit: int | None = -1  # never set
+        self.warmups: list[FakeWarmup] = []
+
+    def verify_rows(self) -> list[int]:
+        return list(ROWS)
+
+    def calibrate(self, rows: Sequence[int] | None = None, context: int = 64, repeats: int = 2, *, store=True):
+        self.calls.append(("calibrate", None if rows is None else list(rows), store))
+
+    def calibrate_between_steps(self, rows: list[int], *, quick: bool) -> None:
+        self.calls.append(("between steps", list(rows), quick))
+
+    def limit_drafts(self, rows: int | None) -> None:
+        self.limit = rows
+
+    def compile_drafter(self) -> None:
+        self.calls.append(("compile drafter",))
+
+    def start_warmup(self) -> FakeWarmup:
+        self.warmups.append(FakeWarmup())
+        return self.warmups[-1]
+
+    def measured_costs(self) -> dict[int, float]:
+        return {rows: 0.01 * rows for rows in ROWS}
+
+    def best_speedup(self) -> float | None:
+        return 1.4
+
+
+def readiness(**prepare) -> tuple[Readiness, FakeEngine]:
+    engine = FakeEngine()
+    ready = Readiness(engine)
+    if prepare:
+        ready.prepare(**prepare)
+    return ready, engine
+
+
+def test_an_engine_never_prepared_is_ready_at_full_width():
+    ready, engine = readiness()
+    assert ready.stage is Stage.READY and ready.usable_rows == max(ROWS)
+    assert ready.may_speculate(first_step=True, seeded=False) and not engine.calls
+
+
+def test_prepared_now_without_costs_calibrates_every_row_count_and_is_ready():
+    calibrated = []
+    engine = FakeEngine()
+    ready = Readiness(engine)
+    ready.on_calibrated = calibrated.append
+    ready.prepare(costs=False, background=False)
+    assert ready.stage is Stage.READY and ready.usable_rows == max(ROWS) and engine.limit is None
+    assert engine.calls == [("calibrate", ROWS, True), ("compile drafter",)]
+    assert calibrated == [engine.measured_costs()] and not ready.needs_calibration
+
+
+def test_prepared_now_with_costs_only_compiles():
+    ready, engine = readiness(costs=True, background=False)
+    assert ready.stage is Stage.READY and engine.calls == [("calibrate", None, False), ("compile drafter",)]
+    ready, engine = readiness(costs=True, background=False, compile_now=False)
+    assert ready.stage is Stage.READY and engine.calls == [("compile drafter",)]
+
+
+def test_pending_starts_the_compile_after_the_first_token():
+    ready, engine = readiness(costs=True, background=True)
+    assert ready.stage is Stage.PENDING and ready.usable_rows == 1
+    assert not ready.may_speculate(first_step=True, seeded=False) and not engine.warmups
+    assert not ready.may_speculate(first_step=False, seeded=False)  # started, nothing compiled yet
+    assert ready.stage is Stage.COMPILING and len(engine.warmups) == 1
+
+
+def test_with_cached_costs_each_compiled_row_count_is_used_at_once():
+    ready, engine = readiness(costs=True, background=True)
+    ready.may_speculate(first_step=False, seeded=False)
+    warmup = engine.warmups[0]
+    warmup.compiled_rows = 2
+    assert ready.may_speculate(first_step=False, seeded=False) and ready.usable_rows == 2 and engine.limit == 1
+    warmup.compiled_rows = 4
+    assert ready.may_speculate(first_step=False, seeded=False) and ready.usable_rows == 4 and engine.limit == 3
+    assert not [call for call in engine.calls if call[0] != "compile drafter"]  # nothing measured
+
+
+def test_without_costs_a_step_up_calibrates_first_and_only_at_the_stages():
+    ready, engine = readiness(costs=False, background=True)
+    ready.may_speculate(first_step=False, seeded=False)
+    warmup = engine.warmups[0]
+    warmup.compiled_rows = 2  # below the first stage: not worth pausing the stream for
+    assert not ready.may_speculate(first_step=False, seeded=False) and ready.usable_rows == 1
+    warmup.compiled_rows = CALIBRATION_STAGES[0]
+    assert ready.may_speculate(first_step=False, seeded=False) and ready.usable_rows == CALIBRATION_STAGES[0]
+    assert engine.calls == [("between steps", [1, 2, 3], True)]
+
+
+def test_the_compile_done_makes_every_row_count_usable_and_stores_the_final_calibration():
+    calibrated = []
+    ready, engine = readiness(costs=False, background=True)
+    ready.on_calibrated = calibrated.append
+    ready.may_speculate(first_step=False, seeded=False)
+    warmup = engine.warmups[0]
+    warmup.compiled_rows = max(ROWS)
+    warmup.done.set()
+    assert ready.may_speculate(first_step=False, seeded=False)
+    assert ready.stage is Stage.READY and ready.warmup is None and warmup.finished
+    assert ready.usable_rows == max(ROWS) and engine.limit is None
+    assert engine.calls == [("between steps", ROWS, False)] and len(calibrated) == 1
+
+
+def test_a_seeded_generation_starts_the_compile_at_once_and_waits_for_it():
+    ready, engine = readiness(costs=True, background=True)
+    done_later = threading.Timer(0.05, lambda: engine.warmups[0].done.set())
+    original = engine.start_warmup
+
+    def start():
+        warmup = original()
+        done_later.start()
+        return warmup
+
+    engine.start_warmup = start
+    assert ready.may_speculate(first_step=True, seeded=True)
+    assert ready.stage is Stage.READY and ready.usable_rows == max(ROWS)
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_weighing_holds_the_compile_until_it_pays(pays):
+    asked = []
+
+    def compile_pays(target, rows, *, tokens, plain_token_s, speedup):
+        asked.append((tokens, plain_token_s, speedup))
+        return pays, 12.0, 3.0
+
+    engine = FakeEngine()
+    ready = Readiness(engine, compile_pays=compile_pays)
+    ready.prepare(costs=True, background=True, weigh=True)
+    ready.tokens_generated = 40
+    stats = SpecStats()
+    assert ready.stage is Stage.WEIGHING and not ready.may_speculate(first_step=False, seeded=False)
+    assert ready.before_generation(10, GREEDY, stats, plain_token_s=0.05) is pays
+    assert asked == [(50, 0.05, 1.4)] and (stats.compile_cost_s, stats.compile_gain_s) == (12.0, 3.0)
+    assert ready.stage is (Stage.PENDING if pays else Stage.WEIGHING) and not engine.warmups
+
+
+def test_a_seeded_generation_is_never_held_by_the_weighing():
+    ready, _ = readiness(costs=True, background=True, weigh=True)
+    ready.compile_pays = lambda *args, **kwargs: pytest.fail("a seeded generation must not be weighed")
+    assert ready.before_generation(10, SEEDED, SpecStats(), plain_token_s=None)
+    assert ready.stage is Stage.WEIGHING  # its steps stay plain: which ones speculate must not depend on timing
+
+
+def test_closing_cancels_a_running_compile():
+    ready, engine = readiness(costs=True, background=True)
+    ready.may_speculate(first_step=False, seeded=False)
+    ready.close()
+    assert engine.warmups[0].cancelled and ready.warmup is None
