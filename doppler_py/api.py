@@ -190,6 +190,8 @@ class Engine:
         """Release every GPU buffer this engine owns (weights, KV caches, step buffers)."""
         if self.closed:
             return
+        if self.batch is not None:  # first: its loop may be stepping the engines closed next
+            self.batch.stop()
         for spec in [*self._spec.values(), *(e for idle in self._idle.values() for e in idle)]:
             spec.close()
         if self.batch is not None:
@@ -250,7 +252,7 @@ class Engine:
             idle = self._idle.setdefault(mode, [])
             if idle:
                 return idle.pop()
-        with self.batch.gpu_lock:
+        with self.batch.gpu():
             engine = SpeculativeEngine(self.model, self._drafter(mode))
             try:
                 engine.prefix_cache = self.prefix_cache

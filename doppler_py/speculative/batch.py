@@ -1,58 +1,62 @@
-"""Concurrent generations batched on the GPU: their steps, and the prefills of those joining, share target forwards.
+"""The loop that runs concurrent generations: one thread owns the GPU and every running sequence, and their steps,
+and the prefills of those joining, share target forwards.
 
-Each generation runs on its own thread with its own `SpeculativeEngine` (its stepper, drafter, policy and KV
-cache). When a batch is attached (`SpeculativeEngine.batch`), a step does not run alone: it waits here until
-every generation in the batch has its next step ready (or `gather_s` passed since the first arrived, or since the
-batch before ended), and the last to arrive runs them all; steps that arrive meanwhile wait for the next batch:
+Each generation is a coroutine (`SpeculativeEngine._generation`) with its own engine (stepper, drafter, policy, KV
+cache): it decides its next turn (a step of k drafts, plain steps, a prefill) and yields it, and is sent it back
+done. Its consumer's thread opens it (waits for KV room, restores a cached prefix, compiles the prompt's pipelines)
+up to its first turn, hands it to the loop (`run`) and then only reads its tokens from a queue. The loop:
 
-    for each step:  begin (proposal, masks, uploads to its own stepper's buffers)
-    ONE forward over every step's rows, stacked: step b's k_b + 1 rows at row0_b, each attending over its
-                    own KV cache (`Transformer.record_batch`; Σ(k_b + 1) ≤ the model's logit rows and
-                    `rows_alone`, else more forwards in turn), then the rows of prefill chunks waiting to go
-                    (no logits) as far as rows are left
-    for each step:  its logits rows moved to rows 0.. of target.logits, then its masks, verification and
-                    log-probs, as when it runs alone (`Stepper.record_checks`)
-    ONE submit; each step's readback and commit (`Stepper.finish`)
+    step():  every running generation resumed with its finished turn until it yields its next one
+             plan_forwards(...)   pure: which steps and prefill chunks go into which forward
+             for each step:  begin (proposal, masks, uploads to its own stepper's buffers)
+             ONE forward over every step's rows, stacked: step b's k_b + 1 rows at row0_b, each attending over its
+                 own KV cache (`Transformer.record_batch`; Σ(k_b + 1) ≤ the model's logit rows and `rows_alone`,
+                 else more forwards in turn), then the rows of prefill chunks waiting to go (no logits)
+             for each step:  its logits rows moved to rows 0.. of target.logits, then its masks, verification and
+                 log-probs, as when it runs alone (`Stepper.record_checks`)
+             ONE submit; each step's readback and commit (`Stepper.finish`)
 
-A step with nothing else waiting runs as it would without the batch (`Stepper.step`); while its generation is the
-only member, its plain steps run several per submit, as they do alone (`SpeculativeEngine`'s plain runs), so a
-server that batches loses nothing to one that does not while a single client uses it.
+A step with nothing else to run runs as it would without the loop (`Stepper.step`); while its generation is the
+only one running, its plain steps run several per submit, as they do alone, so a server that batches loses nothing
+to one that does not while a single client uses it.
 
-A generation that starts while others step prefills its prompt here too (`prefill`), in the chunks of its solo
-prefill (so each row meets the same kernels and attention plan): each forward of their steps takes the chunks it
-has room for after their rows, so the others keep stepping while it prefills instead of waiting for its whole
-prompt, and the forward's matmuls serve both; a chunk that fits no such forward gets one of its own. With no step
-waiting, its chunks run at once in forwards of their own.
+A generation that starts while others step prefills its prompt here too (a `PrefillTurn`), in the chunks of its
+solo prefill (so each row meets the same kernels and attention plan): each forward of their steps takes the chunks
+it has room for after their rows, so the others keep stepping while it prefills instead of waiting for its whole
+prompt, and the forward's matmuls serve both; a chunk that fits no such forward gets one of its own.
 
 The generations' KV caches are runs of the batch's arena (`model/kv_arena.py`): the steps whose caches sit in one
 slab attend in one dispatch per layer, each through its own cache's blocks (`ops.attention.BatchedAttention`);
 other rows (prefill chunks, caches in another slab) one call each. A step's tokens are those of its solo run: its
 rows see only its own cache, attention computes each row as its own call would and each matmul row alone, whatever
-the other rows hold, and its random numbers come from its own seeded stream. Generations join after their prefill
-and leave before their KV cache is freed, so a batch changes between any two steps (continuous batching).
+the other rows hold, and its random numbers come from its own seeded stream. Generations join after their first
+turn and leave once ended, so the set changes between any two steps (continuous batching).
 
 A member's draft length is priced from the batch's own measured forwards (`shared_costs`): its plain step takes
 the shared forward's time, and each row it drafts delays every member's step by that row's cost, so it drafts only
 where the batch as a whole makes more tokens per second (`policy.draft_length.SharedStepCosts`).
 
-Only drafters that propose from the host without touching the target's buffers (`Drafter.batches`) take part:
-another's GPU drafting or feature reads would use activation rows that other sequences' rows now fill.
+Every drafter takes part. A drafter whose hooks read the rows its last step left in the target's feature buffers
+(`Drafter.reads_step_rows`) gets its own sequence's rows back as rows 0.. before they run (`_place`): each forward
+keeps every step's rows in its stepper (`Stepper.save_rows`).
 
-Everything else that records GPU work on the shared model (prefix-cache copies, calibration, new engines) holds
-`gpu_lock`, which the running batch holds too.
+Everything else that records GPU work on the shared model (prefix-cache copies, calibration, new engines) does so
+inside `gpu()`, which the loop waits for between its steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from doppler_py.errors import InternalError
+from doppler_py.errors import DopplerError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
@@ -62,35 +66,44 @@ from doppler_py.speculative.contract import Proposal, StepContext
 from doppler_py.speculative.policy.draft_length import CostModel, SharedStepCosts
 from doppler_py.speculative.step import PendingStep, StepOutcome, Stepper
 
-# How long the first step of a batch waits for the others: they are normally only a token's host work away
-# (detokenising, stop strings), so this only bounds how long a stalled generation holds the others back.
-GATHER_S = 0.05
 FORWARD_EMA = 0.3  # weight of the newest forward in the running means `shared_costs` prices with
 
 
 @dataclass(eq=False, kw_only=True)
-class _Turn:
-    """A piece of work waiting for a batch's forward."""
+class Turn:
+    """What a generation asks of the loop next; `error`: its work failed (thrown back into the generation)."""
 
-    taken: bool = False  # a leader took it into a batch
-    done: bool = False
     error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        raise NotImplementedError
 
 
 @dataclass(eq=False, kw_only=True)
-class _Step(_Turn):
+class StepTurn(Turn):
+    """One step of k drafts (`proposal`: drafts made already, the grammar's), or `plain_steps` plain ones when it
+    runs alone. Done: `outcome`, whether it ran `alone` (as without the batch), the `seconds` its run took, and
+    `made` where whoever ran it also timed and accounted it (a generation without a batch)."""
+
     stepper: Stepper
     ctx: StepContext
     k: int
-    proposal: Proposal | None
-    plain_steps: int = 1  # plain steps (k = 0) it may take in one submit when it steps alone
-    alone: bool = False  # it ran as without the batch: its wall time is its own
+    proposal: Proposal | None = None
+    plain_steps: int = 1
     outcome: StepOutcome | None = None
+    alone: bool = False
+    seconds: float = 0.0
+    made: list[int] | None = None
     pending: PendingStep | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None or self.made is not None or self.error is not None
 
 
 @dataclass(eq=False, kw_only=True)
-class _Prefill(_Turn):
+class PrefillTurn(Turn):
     """A joining generation's prompt (but its last token): its K/V written at positions start_pos.., no logits."""
 
     cache: KVCache
@@ -102,24 +115,107 @@ class _Prefill(_Turn):
     def rows_left(self) -> int:
         return self.ids.size - self.rows_done
 
+    @property
+    def finished(self) -> bool:
+        return self.rows_left == 0 or self.error is not None
 
-def _rows(steps: list[_Step], pieces: list[tuple[_Prefill, int]]) -> int:
-    return sum(request.pending.rows for request in steps) + sum(n for _, n in pieces)
+
+Generation = Generator[Turn, Turn, None]
+_END = object()  # a sequence's last queue item when its generation ended by itself
+
+
+class _Sequence:
+    """A generation in the loop: its coroutine, the turn it waits on, and the queue its consumer reads (token lists,
+    then _END or the exception it ended with)."""
+
+    def __init__(self):
+        self.tokens: queue.SimpleQueue = queue.SimpleQueue()
+        self.generation: Generation | None = None
+        self.turn: Turn | None = None
+        self.cancelled = False  # its consumer left: close it at the next step
+        self.ended = threading.Event()
+
+    def advance(self) -> tuple[Turn | None, object]:
+        """(its next turn, None) — the one in hand while unfinished (a prefill with rows left), else its generation
+        resumed with the finished one, or with its error thrown in; (None, how it ended) once it ended."""
+        turn = self.turn
+        if self.cancelled:
+            try:
+                self.generation.close()  # its cleanup (KV cache freed) runs now, on the loop's thread
+            except Exception as exc:
+                return None, exc
+            return None, _END
+        if not turn.finished:
+            return turn, None
+        try:
+            self.turn = self.generation.throw(turn.error) if turn.error is not None else self.generation.send(turn)
+        except StopIteration:
+            return None, _END
+        except Exception as exc:  # its own error: it reaches its consumer, and the others go on
+            return None, exc
+        return self.turn, None
+
+    def end(self, last: object) -> None:
+        self.tokens.put(last)
+        self.ended.set()
+
+
+def plan_forwards(
+    steps: Sequence[tuple[int, bool]], prefills: Sequence[int], *, max_rows: int, logit_rows: int, rows_alone: int
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Which forwards one turn of the loop runs: per forward, the steps it holds (indices into `steps`, each (rows,
+    whether a token tree)) and the prefill chunks after them ((index into `prefills`, whose items are the prompt rows
+    left, rows)). Steps go in order, a forward holding at most `logit_rows` and `rows_alone` rows (past that a row's
+    result would differ from its solo one) and one token tree (its layout has one home, which its verification
+    reads). A prompt goes in the chunks its solo prefill takes (max_rows rows from its start), so each chunk's rows
+    meet the same kernels and attention plan as alone: whole chunks beside the steps where they fit. Without steps,
+    prefills run whole in forwards of their own; with steps, a prefill that found no room gets one forward of its own,
+    and one that did waits for the next turn with its rest."""
+    forwards: list[tuple[list[int], list[tuple[int, int]]]] = []
+    used: list[int] = []  # rows per forward
+    trees: list[bool] = []
+    for index, (rows, tree) in enumerate(steps):
+        if not forwards or used[-1] + rows > min(logit_rows, rows_alone) or (tree and trees[-1]):
+            forwards.append(([], []))
+            used.append(0)
+            trees.append(False)
+        forwards[-1][0].append(index)
+        used[-1] += rows
+        trees[-1] = trees[-1] or tree
+    for index, left in enumerate(prefills):
+        taken = 0
+        while taken < left:
+            n = min(max_rows, left - taken)
+            # Only a prompt's last chunk can be short enough to go beside steps, and with steps a chunk of its own
+            # ends the prompt's turn: its chunks still run in order.
+            room = next((f for f, (held, _) in enumerate(forwards) if held and used[f] + n <= rows_alone), None)
+            if room is None and steps and taken:
+                break  # the rest rides with the next steps
+            if room is not None:
+                forwards[room][1].append((index, n))
+                used[room] += n
+            else:  # no steps, or none with room: a forward of its own
+                forwards.append(([], [(index, n)]))
+                used.append(n)
+                trees.append(False)
+            taken += n
+            if room is None and steps:
+                break  # with steps, one forward of its own per turn: the rest waits for the next
+    return forwards
 
 
 class StepBatch:
-    """The meeting point of the concurrent generations of one target model."""
+    """The loop of the concurrent generations of one target model (module docstring)."""
 
-    def __init__(self, target: Transformer, *, gather_s: float = GATHER_S, kv_limit_bytes: int | None = None):
+    def __init__(self, target: Transformer, *, kv_limit_bytes: int | None = None):
         self.target = target
-        self.gather_s = gather_s
         self.arena = target.new_arena(kv_limit_bytes)  # the members' KV caches (`new_cache(arena=)`)
-        self.gpu_lock = threading.RLock()
+        self.gpu_lock = threading.RLock()  # held by the loop while it steps, and by `gpu()`
         self._cond = threading.Condition()
-        self._members = 0  # generations between `join` and `leave`
-        self._arrived: list[_Turn] = []
-        self._running = False  # a batch's forwards are running
-        self._run_ended = 0.0  # when the last one ended (time.monotonic)
+        self._sequences: list[_Sequence] = []  # running: the loop's own (only its thread changes the list)
+        self._arrivals: list[_Sequence] = []  # handed over by their consumers, running from the next step on
+        self._gpu_waiters = 0  # threads waiting in `gpu()`: the loop lets them go first
+        self._loop_thread: threading.Thread | None = None
         self.sizes: Counter[int] = Counter()  # steps per batch run, over the batch's life (`/metrics`)
         self.paged_forwards = 0  # forwards whose attention ran once per layer for several steps (`record_batch`)
         self.prefill_rows_beside_steps = 0  # prompt rows prefilled in the forwards of running generations' steps
@@ -134,37 +230,105 @@ class StepBatch:
 
     @property
     def members(self) -> int:
-        return self._members
+        """Generations running in the loop."""
+        return len(self._sequences)
 
-    def join(self) -> None:
-        """A generation's first step is next (its prefill is done)."""
+    @contextlib.contextmanager
+    def gpu(self) -> Iterator[None]:
+        """GPU work on the shared model from outside the loop (or from a generation's own code inside it): between
+        the loop's steps."""
         with self._cond:
-            self._members += 1
+            self._gpu_waiters += 1
+        try:
+            with self.gpu_lock:
+                yield
+        finally:
+            with self._cond:
+                self._gpu_waiters -= 1
+                self._cond.notify_all()
 
-    def leave(self) -> None:
-        """A generation took its last step (or failed): the others no longer wait for it."""
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def run(self, make: Callable[[Callable[[list[int]], None]], Generation]) -> Iterator[list[int]]:
+        """Run a generation in the loop: `make(emit)` is its coroutine (`SpeculativeEngine._generation`), which
+        passes its tokens to `emit`. It is opened here, on the caller's thread, up to its first turn; the loop runs
+        every turn after. Yields its tokens as they come, raises what it failed with; closing this iterator early
+        cancels it and returns once the loop has closed it (its KV cache freed)."""
+        sequence = _Sequence()
+        sequence.generation = make(sequence.tokens.put)
+        try:
+            sequence.turn = next(sequence.generation)
+        except StopIteration:
+            return
         with self._cond:
-            self._members -= 1
+            if self._stop.is_set():
+                sequence.generation.close()
+                raise DopplerError("the engine was closed", advice="load the model again")
+            self._arrivals.append(sequence)
+            if self._loop_thread is None:
+                self._loop_thread = threading.Thread(target=self._loop, name="doppler-loop", daemon=True)
+                self._loop_thread.start()
             self._cond.notify_all()
+        try:
+            while True:
+                item = sequence.tokens.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not sequence.ended.is_set():
+                sequence.cancelled = True
+                with self._cond:
+                    self._cond.notify_all()
+                sequence.ended.wait()
 
-    def step(
-        self, stepper: Stepper, ctx: StepContext, k: int, proposal: Proposal | None = None, *, plain_steps: int = 1
-    ) -> tuple[StepOutcome, bool]:
-        """`stepper.step(ctx, k, proposal=proposal)`, run together with the other members' next steps; and whether
-        it ran alone, as without the batch. A generation that steps alone (the only member, nothing else waiting)
-        takes `plain_steps` plain steps in one submit as it would without the batch; beside others, one."""
-        request = _Step(stepper=stepper, ctx=ctx, k=k, proposal=proposal, plain_steps=plain_steps)
-        self._take_turn(request)
-        if request.outcome is None:
-            raise InternalError("a batched step ended without an outcome")
-        return request.outcome, request.alone
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop.is_set() and (self._gpu_waiters or not (self._sequences or self._arrivals)):
+                    self._cond.wait()
+                if self._stop.is_set():
+                    return
+                self._sequences += self._arrivals
+                self._arrivals = []
+            try:
+                with self.gpu_lock:
+                    self.step()
+            except BaseException as exc:  # a bug in the loop itself: no generation may wait for it forever
+                self._end_all(exc)
+                raise
+
+    def step(self) -> None:
+        """One turn of the loop: every running generation resumed with its finished turn until it asks for its next
+        one; those turns run together (`_run`); each step's wall time is the turn's."""
+        turns: list[Turn] = []
+        for sequence in list(self._sequences):
+            turn, ended = sequence.advance()
+            if turn is None:
+                self._sequences.remove(sequence)
+                sequence.end(ended)
+            else:
+                turns.append(turn)
+        if not turns:
+            return
+        start = time.perf_counter()
+        try:
+            self._run(turns)
+        except Exception as exc:  # outside any one generation's work: every unfinished one fails with it
+            for turn in turns:
+                if not turn.finished:
+                    turn.error = exc
+        seconds = time.perf_counter() - start
+        for turn in turns:
+            if isinstance(turn, StepTurn):
+                turn.seconds = seconds
 
     def shared_costs(self, alone: CostModel) -> SharedStepCosts | None:
         """What a member's next step is priced with (`CostModel.shared`), given the device's costs measured alone:
         None while fewer than two generations step or no forward of steps was timed yet. A plain step takes the
         measured forwards' time less their draft rows, priced as `alone` prices them."""
-        with self._cond:
-            members, measured = self._members, self._forwards_measured
+        members, measured = len(self._sequences), self._forwards_measured
         plain = alone.verify_cost(1)
         if members < 2 or measured is None or plain is None:
             return None
@@ -173,132 +337,52 @@ class StepBatch:
         return alone.shared(max(wall - drafts_s, plain), members)
 
     def _observe_forward(self, steps: int, rows: int, seconds: float) -> None:
-        with self._cond:
-            old = self._forwards_measured
-            if old is None:
-                self._forwards_measured = (seconds, float(steps), float(rows))
-            else:
-                wall, mean_steps, mean_rows = ((1 - FORWARD_EMA) * value for value in old)
-                self._forwards_measured = (
-                    wall + FORWARD_EMA * seconds,
-                    mean_steps + FORWARD_EMA * steps,
-                    mean_rows + FORWARD_EMA * rows,
-                )
+        old = self._forwards_measured
+        if old is None:
+            self._forwards_measured = (seconds, float(steps), float(rows))
+        else:
+            wall, mean_steps, mean_rows = ((1 - FORWARD_EMA) * value for value in old)
+            self._forwards_measured = (
+                wall + FORWARD_EMA * seconds,
+                mean_steps + FORWARD_EMA * steps,
+                mean_rows + FORWARD_EMA * rows,
+            )
 
-    def prefill(self, cache: KVCache, start_pos: int, ids: Sequence[int]) -> None:
-        """Write the K/V of `ids` at positions start_pos.. of `cache`: as many rows as fit beside the members' next
-        steps in each of their forwards (in forwards of its own when no step waits, or when none has room);
-        returns once the last rows' forward is submitted."""
-        prompt = self.target.check_ids(ids)
-        if prompt.size:
-            self._take_turn(_Prefill(cache=cache, start_pos=start_pos, ids=prompt))
-
-    def _take_turn(self, request: _Turn) -> None:
-        """Queue `request` for the next batch; the arrival that completes a batch runs it (module docstring). A
-        prefill whose rows did not all fit goes back into the queue for the next batch."""
-        with self._cond:
-            self._arrived.append(request)
-            self._cond.notify_all()
-            arrived_at = time.monotonic()
-        while True:
-            batch = None
-            with self._cond:
-                while not request.done:
-                    # One batch at a time: steps that arrive while one runs wait for it, and for its members, which
-                    # come back together, so the generations keep stepping in one batch rather than in turns.
-                    if self._running or request.taken:
-                        self._cond.wait()
-                        continue
-                    left = max(arrived_at, self._run_ended) + self.gather_s - time.monotonic()
-                    steps = sum(isinstance(turn, _Step) for turn in self._arrived)
-                    if steps >= self._members or left <= 0:
-                        batch, self._arrived = self._arrived, []
-                        for member in batch:
-                            member.taken = True
-                        self._running = True
-                        break
-                    self._cond.wait(left)
-            if batch is None:
-                break
-            try:
-                with self.gpu_lock:
-                    self._run(batch)
-            except Exception as exc:  # outside any one request's work: every unfinished one fails with it
-                for member in batch:
-                    unfinished = member.outcome is None if isinstance(member, _Step) else member.rows_left > 0
-                    if member.error is None and unfinished:
-                        member.error = exc
-            finally:
-                with self._cond:
-                    for member in batch:
-                        if isinstance(member, _Prefill) and member.rows_left and member.error is None:
-                            member.taken = False
-                            self._arrived.append(member)
-                        else:
-                            member.done = True
-                    self._running = False
-                    self._run_ended = time.monotonic()
-                    self._cond.notify_all()
-        if request.error is not None:
-            raise request.error
-
-    def _run(self, batch: list[_Turn]) -> None:
-        """Begin every step, run them in forwards of at most the model's logit rows with prefill rows where rows
-        are left, finish each step. Without steps, prefills run whole in forwards of their own; with steps, a prefill
-        that found no room gets one forward of its own, and one that did waits for the next batch with its rest.
-        A step alone runs as without the batch (`_alone`)."""
-        if len(batch) == 1 and isinstance(batch[0], _Step):
-            self._alone(batch[0])
+    def _run(self, turns: list[Turn]) -> None:
+        """Begin every step, run the forwards `plan_forwards` plans, finish each step. A step alone runs as without
+        the batch (`_alone`)."""
+        if len(turns) == 1 and isinstance(turns[0], StepTurn):
+            self._alone(turns[0])
             return
         ready = []
-        for request in batch:
-            if not isinstance(request, _Step):
+        for turn in turns:
+            if not isinstance(turn, StepTurn):
                 continue
             try:
-                self._place(request.stepper, request.ctx.hidden_rows)
-                request.pending = request.stepper.begin(request.ctx, request.k, proposal=request.proposal)
-                ready.append(request)
+                self._place(turn.stepper, turn.ctx.hidden_rows)
+                turn.pending = turn.stepper.begin(turn.ctx, turn.k, proposal=turn.proposal)
+                ready.append(turn)
             except Exception as exc:  # this generation's error (a drafter's, a grammar's), not the others'
-                request.error = exc
+                turn.error = exc
         if ready:
             self.sizes[len(ready)] += 1
         target = self.target
-        # A step's rows share a forward only as far as each row's result stays its solo one (`rows_alone`).
-        alone = target.rows_alone
-        forwards: list[tuple[list[_Step], list[tuple[_Prefill, int]]]] = []
-        for request in ready:
-            rows = request.pending.rows
-            full = not forwards or _rows(forwards[-1][0], []) + rows > min(target.max_logit_rows, alone)
-            # One token tree per forward: its layout has one home (`Transformer.tree`), which its verification reads.
-            if full or (request.pending.tree and any(step.pending.tree for step in forwards[-1][0])):
-                forwards.append(([], []))
-            forwards[-1][0].append(request)
-        # A prompt goes in the chunks its solo prefill takes (max_rows rows from its start), so each chunk's rows
-        # meet the same kernels and attention plan as alone: whole chunks beside the steps where they fit.
-        for prefill in (turn for turn in batch if isinstance(turn, _Prefill)):
-            taken = 0
-            while taken < prefill.rows_left:
-                n = min(target.max_rows, prefill.rows_left - taken)
-                # Only a prompt's last chunk can be short enough to go beside steps, and with steps a chunk of
-                # its own ends the prompt's turn: its chunks still run in order.
-                room = next((pieces for steps, pieces in forwards if steps and _rows(steps, pieces) + n <= alone), None)
-                if room is None and ready and taken:
-                    break  # the rest rides with the next steps
-                if room is not None:
-                    room.append((prefill, n))
-                else:  # no steps, or none with room: a forward of its own
-                    forwards.append(([], [(prefill, n)]))
-                taken += n
-                if room is None and ready:
-                    break  # with steps, one forward of its own per batch: the rest waits for the next
-        for steps, pieces in forwards:
-            self._forward(steps, pieces)
+        prefills = [turn for turn in turns if isinstance(turn, PrefillTurn)]
+        plan = plan_forwards(
+            [(turn.pending.rows, turn.pending.tree) for turn in ready],
+            [turn.rows_left for turn in prefills],
+            max_rows=target.max_rows,
+            logit_rows=target.max_logit_rows,
+            rows_alone=target.rows_alone,
+        )
+        for steps, pieces in plan:
+            self._forward([ready[i] for i in steps], [(prefills[i], n) for i, n in pieces])
 
-    def _alone(self, request: _Step) -> None:
-        """A step with no other work waiting: `Stepper.step` itself, which the batched forward equals for one step;
-        while the generation is the only member, its plain steps several per submit. A member that joins meanwhile
-        waits for that submit (its prefill's first turn)."""
-        plain_steps = request.plain_steps if request.k == 0 and self._members == 1 else 1
+    def _alone(self, request: StepTurn) -> None:
+        """A step with no other work in its turn: `Stepper.step` itself, which the batched forward equals for one step;
+        while the generation is the only one running, its plain steps several per submit (one that arrives meanwhile
+        joins after that submit)."""
+        plain_steps = request.plain_steps if request.k == 0 and len(self._sequences) == 1 else 1
         stepper = request.stepper
         start = time.perf_counter()
         try:
@@ -316,7 +400,7 @@ class StepBatch:
         request.outcome, request.alone = outcome, True
         self._observe_forward(1, outcome.drafted + 1, (time.perf_counter() - start) / plain_steps)
 
-    def _forward(self, steps: list[_Step], pieces: list[tuple[_Prefill, int]]) -> None:
+    def _forward(self, steps: list[StepTurn], pieces: list[tuple[PrefillTurn, int]]) -> None:
         """One forward: the steps' rows, then each prefill piece's next n rows (no logits)."""
         target = self.target
         start = time.perf_counter()
@@ -417,9 +501,25 @@ class StepBatch:
         )
         self._warmup.start()
 
-    def close(self) -> None:
-        if self._warmup is not None:
+    def stop(self) -> None:
+        """Stop the loop (after the step in hand) and the warm-up; generations still running end with an error."""
+        with self._cond:
             self._stop.set()
+            self._cond.notify_all()
+        if self._loop_thread is not None:
+            self._loop_thread.join()
+            self._loop_thread = None
+        self._end_all(DopplerError("the engine was closed during this generation", advice="load the model again"))
+
+    def _end_all(self, error: BaseException) -> None:
+        with self._cond:
+            sequences, self._sequences, self._arrivals = [*self._sequences, *self._arrivals], [], []
+        for sequence in sequences:
+            sequence.end(error)
+
+    def close(self) -> None:
+        self.stop()
+        if self._warmup is not None:
             self._warmup.join()
             self._warmup = None
         if self._logits_scratch is not None:

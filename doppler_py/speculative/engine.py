@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,7 +25,7 @@ from doppler_py.ops.logprobs import check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.batch import StepBatch
+from doppler_py.speculative.batch import Generation, PrefillTurn, StepBatch, StepTurn
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
@@ -197,6 +197,48 @@ class SpeculativeEngine:
         step's rows masked by it, its forced tokens drafted; `step.py`), at no committed token yet.
         """
         check_top_logprobs(logprobs)
+
+        def generation(emit: Callable[[list[int]], None]) -> Generation:
+            return self._generation(prompt_ids, max_new_tokens, params, stats, k, stop_ids, logprobs, grammar, emit)
+
+        yield from self._run_alone(generation, stats) if self.batch is None else self.batch.run(generation)
+
+    def _run_alone(self, make: Callable[[Callable[[list[int]], None]], Generation], stats: SpecStats):
+        """A generation with no batch, on the caller's thread: each of its turns runs as soon as it is asked for,
+        timed and priced (`_measured_step`); its tokens are yielded before the next turn runs."""
+        emitted: list[list[int]] = []
+        generation = make(emitted.append)
+        try:
+            turn = next(generation)
+            while True:
+                try:
+                    turn.made = self._measured_step(turn.ctx, turn.k, stats, turn.plain_steps, turn.proposal)
+                except Exception as exc:
+                    generation.throw(exc)  # its cleanup runs, and the error comes back out
+                turn = generation.send(turn)
+                yield from emitted
+                emitted.clear()
+        except StopIteration:
+            yield from emitted
+        finally:
+            generation.close()
+
+    def _generation(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        stats: SpecStats,
+        k: int | None,
+        stop_ids: Sequence[int],
+        logprobs: int | None,
+        grammar: GrammarMatcher | None,
+        emit: Callable[[list[int]], None],
+    ) -> Generation:
+        """One generation as a coroutine: it opens (`open_context`), then asks for one turn at a time (a prefill
+        beside other generations, a step), yielding it and taken back done, and passes each step's new tokens to
+        `emit`; it ends at max_new_tokens or a stop id, closing its context either way (completed, failed or
+        cancelled). Whoever drives it runs the turns: `_run_alone`, or a batch's loop (`StepBatch.run`)."""
         start = time.perf_counter()
         stats.drafter = self.drafter.name
         drafter = self.steps.drafter
@@ -208,16 +250,16 @@ class SpeculativeEngine:
         except BaseException:
             self.steps.drafter = drafter
             raise
-        stats.prefill_s = time.perf_counter() - start
-        stats.cached_tokens = ctx.cached
-        self.steps.logprobs = logprobs
         produced = 0
-        # Plain steps several per submit; not under a grammar (each step's masks come from the tokens before it).
-        # In a batch only while the generation steps alone (`StepBatch.step`): otherwise each step meets the others'.
-        multi_step = grammar is None
-        if self.batch is not None:
-            self.batch.join()
         try:
+            if self.batch is not None:
+                yield from self._prefill_in_batch(ctx)
+            stats.prefill_s = time.perf_counter() - start
+            stats.cached_tokens = ctx.cached
+            self.steps.logprobs = logprobs
+            # Plain steps several per submit; not under a grammar (each step's masks come from the tokens before
+            # it). In a batch only while the generation steps alone (`StepBatch._alone`).
+            multi_step = grammar is None
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
                 proposal, speculate = None, True
@@ -226,7 +268,6 @@ class SpeculativeEngine:
                         speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
                     else:  # the batch's engines were made ready when leased
                         speculate = self.readiness.usable_rows >= 2
-                    if self.batch is not None:
                         self.policy.shared = self.batch.shared_costs(self.policy.costs)
                     k_step = self.policy.next_k(remaining) if speculate else 0
                     spelled, forced = grammar.forced_run() if speculate and grammar is not None else ([], 0)
@@ -242,7 +283,10 @@ class SpeculativeEngine:
                 else:
                     k_step = 0
                     plain_steps = self._batch_size(remaining, first=produced == 0) if multi_step else 1
-                made = self._measured_step(ctx, k_step, stats, plain_steps, proposal)
+                self._check_open()
+                turn = StepTurn(stepper=self.steps, ctx=ctx, k=k_step, proposal=proposal, plain_steps=plain_steps)
+                yield turn
+                made = turn.made if turn.made is not None else self._shared_result(turn, stats)
                 if self.speculative and speculate and not k_step:  # next_k took the pause's first step
                     self.policy.pause_steps -= len(made) - 1
                 new = made[:remaining]
@@ -254,18 +298,49 @@ class SpeculativeEngine:
                 stats.warmup_steps += len(new) if not speculate else 0
                 stats.generated = produced
                 stats.total_s = time.perf_counter() - start
-                yield new
+                emit(new)
                 if stats.stopped_by == "eos":
                     break
         finally:
             stats.total_s = time.perf_counter() - start
             self.readiness.tokens_generated += produced
             self.steps.logprobs = None
-            if self.batch is not None:
-                self.batch.leave()
-                self.policy.shared = None
+            self.policy.shared = None
             self.close_context(ctx)
             self.steps.drafter = drafter
+
+    def _prefill_in_batch(self, ctx: StepContext) -> Generation:
+        """Beside other generations, the prompt but its last token: for a drafter that reads none of the target's
+        rows, as a turn of the loop (its chunks ride along with the other generations' steps); for one that reads
+        them, in forwards of its own between the loop's steps, its last chunk's rows kept from the others'. Kept in
+        the prefix cache at once, not only at the end, so a request sharing the prompt while this one still runs (a
+        common system prompt, a request's other choices) prefills only its own tail."""
+        tokens, cache, batch = ctx.tokens, ctx.target_cache, self.batch
+        if ctx.cached >= len(tokens) - 1:
+            return
+        if self.drafter.reads_step_rows:
+            with self._gpu_lock():
+                self._prefill_chunks(ctx)
+                batch.keep_prefill_rows(self.steps, ctx)
+        else:
+            yield PrefillTurn(cache=cache, start_pos=ctx.cached, ids=self.target.check_ids(tokens[ctx.cached : -1]))
+            ctx.hidden_rows = len(tokens) - 1 - ctx.cached
+            self.drafter.prefilled(ctx, ctx.cached)
+        if self.prefix_cache is not None:
+            with self._gpu_lock():
+                self.prefix_cache.store(tokens[:-1], cache)
+
+    def _prefill_chunks(self, ctx: StepContext) -> None:
+        """The prompt but its last token in forwards of the generation's own, chunk by chunk, each chunk's rows handed
+        to the drafter (`Drafter.prefilled`); without a drafter reading the prompt's features, only the layers that
+        write K/V run."""
+        target, tokens = self.target, ctx.tokens
+        layers = None if self.drafter.reads_prompt_features else target.prefill_layers
+        for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):
+            chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
+            target.forward(chunk, ctx.target_cache, begin, logits="none", num_layers=layers)
+            ctx.hidden_rows = len(chunk)
+            self.drafter.prefilled(ctx, begin)
 
     def _forced_proposal(self, ctx: StepContext, spelled: list[int], forced: int, k: int, remaining: int) -> Proposal:
         """The grammar's own drafts: the forced bytes `spelled` (`GrammarMatcher.forced_spelling`), whose first
@@ -348,36 +423,16 @@ class SpeculativeEngine:
                     if entry is not None:
                         self.prefix_cache.restore(entry, ctx.cached, cache)
                 self.drafter.start(ctx)
-            # The prompt but its last token, which step 1 feeds.
+            # The prompt but its last token, which step 1 feeds: here alone; beside other generations, in the loop
+            # (`_prefill_in_batch`).
             target.compile_generation(len(tokens) - 1 - ctx.cached)
-            if batch is not None and not self.drafter.reads_step_rows:
-                # Its rows ride along with the running generations' steps (its drafter reads none of them).
-                if ctx.cached < len(tokens) - 1:
-                    batch.prefill(cache, ctx.cached, tokens[ctx.cached : -1])
-                    ctx.hidden_rows = len(tokens) - 1 - ctx.cached
-                    self.drafter.prefilled(ctx, ctx.cached)
-            else:
-                # Without a drafter reading the prompt's features, only the layers that write K/V need to run.
-                layers = None if self.drafter.reads_prompt_features else target.prefill_layers
-                with self._gpu_lock():  # beside other generations: between their batches' forwards
-                    for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):
-                        chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
-                        target.forward(chunk, cache, begin, logits="none", num_layers=layers)
-                        ctx.hidden_rows = len(chunk)
-                        self.drafter.prefilled(ctx, begin)
-                    if batch is not None:  # its drafter reads the last chunk's rows: kept from the others' forwards
-                        batch.keep_prefill_rows(self.steps, ctx)
-            # Kept now, not only at the end, so that a request sharing the prompt while this one still runs (a common
-            # system prompt, a request's other choices) prefills only its own tail.
-            if batch is not None and self.prefix_cache is not None and ctx.cached < len(tokens) - 1:
-                with self._gpu_lock():
-                    self.prefix_cache.store(tokens[:-1], cache)
+            if batch is None:
+                self._prefill_chunks(ctx)
         except BaseException:
             self.close_context(ctx)
             raise
         # Submits return before the GPU is done: wait, so the prefill is not billed to the first step
-        # (which would also skew the measured plain-step cost the policy relies on). Not beside other generations:
-        # their steps keep the GPU busy, and batched steps are not priced one by one.
+        # (which would also skew the measured plain-step cost the policy relies on).
         if batch is None:
             target.gpu.wait_idle()
         return ctx
@@ -409,7 +464,7 @@ class SpeculativeEngine:
 
     def _gpu_lock(self) -> AbstractContextManager:
         """Held while recording GPU work outside a step when other generations may be stepping (`batch`)."""
-        return self.batch.gpu_lock if self.batch is not None else contextlib.nullcontext()
+        return self.batch.gpu() if self.batch is not None else contextlib.nullcontext()
 
     def _batch_size(self, remaining: int, first: bool) -> int:
         """Plain steps for the next submit: one for a generation's first token (it shows at once), then as many
@@ -435,9 +490,6 @@ class SpeculativeEngine:
     ) -> list[int]:
         """One step (or `plain_steps` plain steps in one submit) with its timing, statistics, pricing, policy update
         and the KV-cache invariant check around it. `proposal`: drafts made here (the grammar's), not the drafter's."""
-        self._check_open()
-        if self.batch is not None:
-            return self._batched_step(ctx, k, stats, proposal, plain_steps)
         pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.steps.step(ctx, k, plain_steps=plain_steps, proposal=proposal, marks=self.clock)
@@ -461,22 +513,18 @@ class SpeculativeEngine:
         self._check_cache(ctx)
         return outcome.new
 
-    def _batched_step(
-        self, ctx: StepContext, k: int, stats: SpecStats, proposal: Proposal | None, plain_steps: int
-    ) -> list[int]:
-        """One step run together with the other generations' (`batch`), or `plain_steps` plain ones when it steps
-        alone. A shared step's wall time is the batch's, which says nothing of what this step's rows cost alone, so
-        it is not priced: the policy keeps the costs measured when the engine was prepared, and prices its steps
-        from them and the batch's measured forwards (`StepBatch.shared_costs`, set before each step's k is chosen).
-        Plain steps alone are timed as without a batch, to size the next runs of them."""
-        start = time.perf_counter()
-        outcome, alone = self.batch.step(self.steps, ctx, k, proposal, plain_steps=plain_steps)
-        seconds = time.perf_counter() - start
-        if alone and not k:
+    def _shared_result(self, turn: StepTurn, stats: SpecStats) -> list[int]:
+        """A step the batch's loop ran: together with the other generations', or `plain_steps` plain ones when it
+        stepped alone. A shared step's wall time is the batch's, which says nothing of what this step's rows cost
+        alone, so it is not priced: the policy keeps the costs measured when the engine was prepared, and prices its
+        steps from them and the batch's measured forwards (`StepBatch.shared_costs`, set before each step's k is
+        chosen). Plain steps alone are timed as without a batch, to size the next runs of them."""
+        outcome, seconds = turn.outcome, turn.seconds
+        if turn.alone and not turn.k:
             if len(outcome.new) > 1:
-                return self._plain_run(ctx, outcome, stats, seconds)
+                return self._plain_run(turn.ctx, outcome, stats, seconds)
             self._observe_plain(seconds)
-        return self._account(ctx, outcome, stats, StepTimes(0.0, seconds, None, None))
+        return self._account(turn.ctx, outcome, stats, StepTimes(0.0, seconds, None, None))
 
     def _account(self, ctx: StepContext, outcome: StepOutcome, stats: SpecStats, times: StepTimes) -> list[int]:
         """A step's statistics, the drafter's acceptance for the policy, and the KV-cache invariant check."""

@@ -144,7 +144,10 @@ class CostModel:
     def shared(self, step_s: float, members: int) -> SharedStepCosts:
         """These costs as one of `members` generations whose steps share forwards taking `step_s` seconds with
         plain rows only (speculative/batch.py): see `SharedStepCosts`."""
-        return SharedStepCosts(alone=self, step_s=step_s, members=members, draft_per_token=self.draft_per_token)
+        # Drafting on the GPU runs in the loop's turn, one generation's after another's: each draft delays every
+        # member's step, as a verified row does.
+        draft = None if self.draft_per_token is None else members * self.draft_per_token
+        return SharedStepCosts(alone=self, step_s=step_s, members=members, draft_per_token=draft)
 
 
 @dataclass
@@ -153,8 +156,9 @@ class SharedStepCosts(CostModel):
 
     Its plain step takes the shared forward's time, `step_s`. Each row it verifies beyond its plain one costs what
     that row costs the device (`alone`'s measured verify_cost(r) - verify_cost(1): the same kernels take the
-    extra rows, alone or beside others), and delays every member's step by that much: priced `members` times, the
-    gain a draft must beat is the whole batch's throughput, not the generation's own. Maximising each member's
+    extra rows, alone or beside others), and delays every member's step by that much (so does each token it drafts on
+    the GPU, `draft_per_token`): priced `members` times, the gain a draft must beat is the whole batch's throughput,
+    not the generation's own. Maximising each member's
     E(k) - (batch tokens/s) x (its extra seconds) maximises the batch's tokens per second (the Dinkelbach argument
     of the module docstring), so a device where extra rows are nearly free (a GPU) keeps drafting in a batch,
     and one where they cost much of a step (a CPU adapter) drafts less. Alone (members 1, step_s the plain cost)
