@@ -9,12 +9,12 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from doppler_py.api import check_stop
 from doppler_py.constraints.grammar import constraint_from_options
 from doppler_py.defaults import TEMPERATURE
 from doppler_py.errors import GenerationOptionError
 from doppler_py.ops.logprobs import MAX_TOP_LOGPROBS
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
+from doppler_py.options import check_stop
 from doppler_py.sampling import SamplingParams
 from doppler_py.server.errors import RequestError
 from doppler_py.speculative.registry import speculative_modes
