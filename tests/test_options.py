@@ -1,4 +1,4 @@
-"""`GenerationOptions`: one request's options, checked in one place.
+"""`GenerationOptions`: one request's options, checked in one place, built alike by the API, the CLI and the server.
 
 No model and no GPU: the checks that need one (the prompt against the context, a drafter the model lacks, k past
 the engine's buffers) stay with the engine and are tested there."""
@@ -13,6 +13,8 @@ import pytest
 from doppler_py import defaults
 from doppler_py.errors import GenerationOptionError
 from doppler_py.options import GenerationOptions, request_options
+from doppler_py.server import RequestError, ServerConfig
+from doppler_py.server.parsing import _options
 
 TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
 
@@ -103,3 +105,29 @@ def test_stream_keywords_and_a_ready_object_give_the_same_options():
         request_options(max_token=8)  # a misspelt keyword, as before
     with pytest.raises(TypeError):
         request_options({"max_tokens": 8})
+
+
+def test_the_server_config_defaults_are_options():
+    assert ServerConfig(defaults={"max_tokens": 12}).defaults == GenerationOptions(max_tokens=12)
+    assert ServerConfig().defaults == GenerationOptions()
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param", "says"),
+    [
+        ({"temperature": "hot"}, False, "temperature", "'temperature' must be a number"),
+        ({"max_tokens": 2.5}, False, "max_tokens", "'max_tokens' must be an integer"),
+        ({"max_completion_tokens": 0}, True, "max_completion_tokens", "'max_completion_tokens' must be an integer"),
+        ({"logprobs": 21}, False, "logprobs", "'logprobs' must be"),
+        ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs", "'top_logprobs' must be"),
+        ({"k": 0}, False, "k", "'k' (draft length)"),
+        ({"tree": "yes"}, False, "tree", "the node budget is 'k'"),
+        ({"stop": ["a"] * 5}, True, "stop", "'stop' must hold at most 4"),
+        ({"response_format": {"type": "xml"}}, True, "response_format.type", "xml"),
+        ({"tools": [{"type": "retrieval"}]}, True, "tools[0]", "tools[0]"),
+    ],
+)  # fmt: skip
+def test_the_server_names_the_request_field_of_a_bad_option(body, chat, param, says):
+    with pytest.raises(RequestError) as info:
+        _options(body, GenerationOptions(), chat=chat)
+    assert info.value.status == 400 and info.value.param == param and says in info.value.message
