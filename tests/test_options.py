@@ -10,11 +10,11 @@ import math
 
 import pytest
 
-from doppler_py import defaults
+from doppler_py import cli, defaults
 from doppler_py.errors import GenerationOptionError
 from doppler_py.options import GenerationOptions, request_options
 from doppler_py.server import RequestError, ServerConfig
-from doppler_py.server.parsing import _options
+from doppler_py.server.parsing import _options, parse_request
 
 TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
 
@@ -105,6 +105,37 @@ def test_stream_keywords_and_a_ready_object_give_the_same_options():
         request_options(max_token=8)  # a misspelt keyword, as before
     with pytest.raises(TypeError):
         request_options({"max_tokens": 8})
+
+
+def test_the_api_the_cli_and_the_server_build_equal_options_for_one_request():
+    flags = ["--max-tokens", "20", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "3"]
+    flags += ["--speculative", "prompt-lookup", "--k", "4", "--tree", "off", "--stop", "END", "--regex", "[a-z]+"]
+    from_cli = cli._generation_options(cli.build_parser().parse_args(["generate", "hi", *flags]))
+    body = {"prompt": "hi", "max_tokens": 20, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3}
+    body |= {"speculative": "prompt-lookup", "k": 4, "tree": False, "stop": ["END"], "regex": "[a-z]+"}
+    from_server = parse_request(body, ServerConfig().defaults, chat=False).options
+    from_api = request_options(
+        max_tokens=20,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        seed=3,
+        speculative="prompt-lookup",
+        k=4,
+        tree=False,
+        stop="END",
+        regex="[a-z]+",
+        chat=False,
+    )
+    assert dataclasses.replace(from_cli, chat=False) == from_server == from_api
+
+
+def test_the_serve_flags_are_the_defaults_a_request_leaves_out():
+    served = cli._generation_options(cli.build_parser().parse_args(["serve", "--max-tokens", "9", "--regex", "a+"]))
+    options = _options({"temperature": 1.0}, served, chat=True)
+    assert (options.max_tokens, options.regex, options.temperature, options.chat) == (9, "a+", 1.0, True)
+    assert options.shorten_to_fit  # without max_tokens the default is a ceiling
+    assert _options({"tools": [TOOL]}, served, chat=True).regex is None  # tools replace the default constraint
 
 
 def test_the_server_config_defaults_are_options():
