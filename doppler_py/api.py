@@ -17,10 +17,10 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from doppler_py import defaults
 from doppler_py.errors import DopplerError, GenerationOptionError, VocabularyMismatchError
@@ -31,26 +31,25 @@ from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
 from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
-from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
-from doppler_py.sampling import SamplingParams
+from doppler_py.ops.logprobs import TokenLogprob
+from doppler_py.options import GenerationOptions, check_speculative, request_options
 from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import Drafter
 from doppler_py.speculative.drafters.best_of import BestOfDrafter
 from doppler_py.speculative.drafters.draft_model import check_vocabularies
 from doppler_py.speculative.drafters.heads.files import head_kind
-from doppler_py.speculative.engine import SpeculativeEngine, check_fits, check_max_tokens
+from doppler_py.speculative.engine import SpeculativeEngine, check_fits
 from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.speculative.policy.draft_length import trees_pay
 from doppler_py.speculative.readiness.cost_cache import cost_key, load_costs, save_costs
-from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DraftSources, speculative_modes
+from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DraftSources
 from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
-from doppler_py.tool_calls import ToolPlan, chat_messages, parse_answer, tool_plan
+from doppler_py.tool_calls import ToolPlan, chat_messages, parse_answer
 
 if TYPE_CHECKING:
     from doppler_py.constraints.matcher import GrammarMatcher
 
-MAX_STOP_SEQUENCES = 4  # as OpenAI
 Messages = Sequence[dict]
 
 
@@ -210,12 +209,9 @@ class Engine:
 
     # -- speculative engines ----------------------------------------------------------------------------
     def _resolve_mode(self, speculative: str | None) -> str:
-        if speculative in (None, "none", "off", False):
+        """The mode a checked `speculative` (`GenerationOptions`) runs here: "none", "auto"'s choice, or itself."""
+        if speculative is None:
             return "none"
-        if speculative not in speculative_modes():
-            raise GenerationOptionError(
-                f"speculative must be one of None, {', '.join(speculative_modes())}; got {speculative!r}"
-            )
         if speculative == "auto":  # an explicitly loaded draft model, else a head with lookup, else lookup
             if self.draft is not None:
                 return "draft-model"
@@ -310,7 +306,7 @@ class Engine:
 
     def should_speculate(self, speculative: str = "auto") -> bool:
         """Whether `speculative` is predicted to pay here, from measured costs and acceptance so far."""
-        mode = self._resolve_mode(speculative)
+        mode = self._resolve_mode(check_speculative(speculative))
         return mode != "none" and self.speculative_engine(mode).policy.should_speculate()
 
     # -- generation --------------------------------------------------------------------------------------
@@ -338,107 +334,35 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(
-        self,
-        prompt: str | Messages,
-        *,
-        max_tokens: int = defaults.MAX_TOKENS,
-        temperature: float = defaults.TEMPERATURE,
-        top_k: int = defaults.TOP_K,
-        top_p: float = defaults.TOP_P,
-        seed: int | None = None,
-        speculative: str | None = defaults.SPECULATIVE,
-        k: int | None = defaults.K,
-        chat: bool | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        tree: bool | None = defaults.TREE,
-        response_format: Mapping[str, Any] | None = None,
-        regex: str | None = None,
-        grammar: str | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        parallel_tool_calls: bool = True,
-        shorten_to_fit: bool = False,
-    ) -> Iterator[str]:
+    def stream(self, prompt: str | Messages, *, options: GenerationOptions | None = None, **keywords) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `last_result` holds the record when the stream ends.
-        Defaults (`doppler_py.defaults`, the same in the CLI and the server): speculative "auto", greedy.
 
-        speculative: "auto" (per model: a loaded draft model, else a trained head with prompt lookup, else prompt
-        lookup), a drafter's name (`registry.DRAFTERS`), or None / "none" for plain decoding.
+        The options are `GenerationOptions`' fields, given as keywords (`max_tokens=64, stop="\\n"`), or made once
+        and passed as `options=` (keywords given beside it replace its fields); what they mean and their defaults
+        (`doppler_py.defaults`, the same in the CLI and the server: speculative "auto", greedy) are there. A bad
+        value raises `GenerationOptionError` naming the option when the stream starts.
 
-        k: the draft tokens (nodes) one step may verify, whatever their shape (a chain's length, a tree's node
-        budget, lookahead's nodes; for a drafter that ends its chains by its confidence, the most it may draft);
-        None: the policy chooses per step from measured costs and acceptance.
-
-        max_tokens: the most new tokens; a prompt that leaves less room in the model's context is refused
-        (CapacityError), unless `shorten_to_fit`: then max_tokens is only a ceiling and the answer gets the room there
-        is (finish_reason "length" where it runs out), as for a server's default when a request names none.
-
-        stop: up to 4 strings (or one string); generation ends at the first occurrence of any of them, which is
-        not part of the text (finish_reason "stop"). Text that could be the start of a stop string is held back
-        until it is known not to be one. Closing the iterator early cancels the generation and frees its KV
-        caches; a matched stop string does the same at once.
-
-        logprobs: None (off) or N in 0..20: `last_result.logprobs` then holds, per returned token, its
-        log-probability and the N most likely tokens of its position. They are log_softmax(logits / T) of the
-        target model's raw logits over the whole vocabulary, T the request's temperature (1 when greedy, so
-        greedy requests report the model's own probabilities, as OpenAI does), before top-k/top-p filtering;
-        computed on the GPU from the rows each step already verified (no extra forward). While streaming,
-        `piece_logprobs` holds the entries of the tokens whose text each yielded piece completes (tokens with
-        no text of their own, like an end-of-sequence token, come with the last piece or only in the result).
-
-        tree: token trees of prompt-lookup drafts (several earlier continuations verified in one forward), of
-        draft-model drafts (the greedy chain plus each row's second-best token as a leaf) or of Medusa heads
-        (each head's best tokens), whose nodes are chosen by measured acceptance per depth and rank
-        (`speculative.trees.ranked`), or of an EAGLE head (EAGLE-2's dynamic tree: the head expands its
-        likeliest nodes depth by depth and the tree keeps the nodes of highest draft probability,
-        `speculative.trees.dynamic`). None: used when this device's measured verification costs say extra
-        rows are nearly free (`policy.trees_pay`: GPUs, not CPU adapters); True: used, with the policy's draft
-        length as the node budget (a step the policy gives one draft proposes a chain of one) and, for
-        model-drafted trees, only the nodes worth their verification cost (`policy.tree_budget`); with k
-        given, k nodes; False: chains only. Sampled trees are verified exactly (recursive
-        rejection over each node's children), so trees keep the target's distribution at any temperature.
-
-        response_format / regex / grammar (at most one): the output follows a constraint. OpenAI's shapes
-        ({"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema",
-        "strict"}}), a regular expression, or a Lark grammar (llguidance's dialect). Every token is sampled from
-        the model's distribution renormalised over the tokens the constraint allows (masked on the GPU), with
-        any drafter; tokens the constraint forces are drafted for free (`stats["forced_tokens"]`). The answer
-        ends when the constraint is complete (or at max_tokens, finish_reason "length", possibly unfinished).
-
-        tools / tool_choice / parallel_tool_calls: OpenAI's function calling (`doppler_py.tool_calls`), for chat
-        prompts. The tools are shown to the model (through its chat template when it takes `tools`, else in the
-        system message) and the answer is constrained to `<tool_call>` blocks of valid calls: tool_choice
-        "required" or {"type": "function", "function": {"name": ...}} forces a call, "auto" (the default) allows
-        plain text instead, "none" neither shows nor calls them. The stream yields the answer as written;
-        `last_result.tool_calls` holds the parsed calls and finish_reason is "tool_calls" when the answer made
-        calls and ended by itself. Not combined with response_format, regex or grammar.
+        Closing the iterator early cancels the generation and frees its KV caches; a matched stop string does the
+        same at once. With logprobs, `piece_logprobs` holds, while streaming, the entries of the tokens whose text
+        each yielded piece completes (tokens with no text of their own, like an end-of-sequence token, come with the
+        last piece or only in the result). With tools, the stream yields the answer as written;
+        `last_result.tool_calls` holds the parsed calls and finish_reason is "tool_calls" when the answer made calls
+        and ended by itself.
         """
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
-        check_max_tokens(max_tokens)
-        stops = check_stop(stop)
-        check_top_logprobs(logprobs)
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        plan = tool_plan(tools, tool_choice, parallel_tool_calls)
-        if plan is not None:
-            if response_format is not None or regex is not None or grammar is not None:
-                raise GenerationOptionError("tools are not combined with response_format, regex or grammar")
-            grammar = plan.grammar  # the calls' own constraint
-        constraint = self._constraint(response_format, regex, grammar)
-        ids = self.encode_prompt(prompt, chat, tools=plan)
+        options = request_options(options, **keywords)
+        constraint = self._constraint(options)
+        ids = self.encode_prompt(prompt, options.chat, tools=options.tool_plan)
         self.model.check_ids(ids)
-        if shorten_to_fit:
-            check_max_tokens(max_tokens)
+        max_tokens = options.max_tokens
+        if options.shorten_to_fit:
             max_tokens = max(1, min(max_tokens, self.model.max_positions - len(ids)))  # no room: refused below
         check_fits(len(ids), max_tokens, self.model.max_positions)
-        mode = self._resolve_mode(speculative)
+        mode = self._resolve_mode(options.speculative)
         engine = self._lease(mode)
         try:
-            yield from self._stream(
-                engine, mode, ids, max_tokens, params, k, stops, logprobs, tree, constraint, plan, tools is not None
-            )
+            yield from self._stream(engine, mode, ids, max_tokens, options, constraint)
         finally:
             self._give_back(mode, engine)
 
@@ -448,21 +372,16 @@ class Engine:
         mode: str,
         ids: list[int],
         max_tokens: int,
-        params: SamplingParams,
-        k: int | None,
-        stops: tuple[str, ...],
-        logprobs: int | None,
-        tree: bool | None,
+        options: GenerationOptions,
         constraint: GrammarMatcher | None,
-        plan: ToolPlan | None,
-        tools_given: bool,
     ) -> Iterator[str]:
-        """`stream`'s generation with the engine leased for it."""
-        engine.policy.check_k(k)
-        use_trees(engine, tree, logprobs)
+        """`stream`'s generation with the engine leased for it (`max_tokens`: the options', or what fits)."""
+        logprobs = options.logprobs
+        engine.policy.check_k(options.k)  # the engine's buffers
+        use_trees(engine, options.tree, logprobs)
         stats = SpecStats()
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        matcher = StopMatcher(stops)
+        matcher = StopMatcher(options.stop)
         eos_ids = tuple(self.tokenizer.eos_token_ids) + tuple(self.model.config.eos_token_ids)
         tokens: list[int] = []
         token_logprobs: list[TokenLogprob] = []
@@ -479,7 +398,14 @@ class Engine:
 
         start = time.perf_counter()
         steps = engine.iter_generate(
-            ids, max_tokens, params, stats=stats, k=k, stop_ids=eos_ids, logprobs=logprobs, grammar=constraint
+            ids,
+            max_tokens,
+            options.sampling,
+            stats=stats,
+            k=options.k,
+            stop_ids=eos_ids,
+            logprobs=logprobs,
+            grammar=constraint,
         )
         try:
             for new in self.plain_costs.watch(steps, stats):
@@ -514,15 +440,18 @@ class Engine:
         self.last_result = self._result(tokens, ids, stats, mode, elapsed=time.perf_counter() - start, stop=matcher)
         if logprobs is not None:
             self.last_result.logprobs = token_logprobs
-        if tools_given:
-            self.last_result.tool_calls = parse_answer(self.last_result.text)[1] if plan is not None else []
+        if options.tools is not None:
+            called = options.tool_plan is not None
+            self.last_result.tool_calls = parse_answer(self.last_result.text)[1] if called else []
             if self.last_result.tool_calls and self.last_result.finish_reason == "stop":
                 self.last_result.finish_reason = "tool_calls"
 
-    def _constraint(
-        self, response_format: Mapping[str, Any] | None, regex: str | None, grammar: str | None
-    ) -> GrammarMatcher | None:
-        """A matcher for the constraint asked for, or None (llguidance is imported only when one is)."""
+    def _constraint(self, options: GenerationOptions) -> GrammarMatcher | None:
+        """A matcher for the constraint asked for (the tools' calls are one), or None (llguidance is imported only
+        when one is)."""
+        plan = options.tool_plan
+        response_format, regex = options.response_format, options.regex
+        grammar = plan.grammar if plan is not None else options.grammar
         if response_format is None and regex is None and grammar is None:
             return None
         from doppler_py.constraints.grammar import constraint_from_options
@@ -535,9 +464,11 @@ class Engine:
         )
         return None if constraint is None else GrammarMatcher(ll, constraint, self.model.config.vocab_size)
 
-    def generate(self, prompt: str | Messages, **options) -> GenerationResult:
-        """Generate to completion; same options as `stream`."""
-        for _ in self.stream(prompt, **options):
+    def generate(
+        self, prompt: str | Messages, *, options: GenerationOptions | None = None, **keywords
+    ) -> GenerationResult:
+        """Generate to completion; the same options as `stream`."""
+        for _ in self.stream(prompt, options=options, **keywords):
             pass
         return self.last_result
 
@@ -574,20 +505,6 @@ class Engine:
             stats=stats.as_dict(),
             cached_tokens=stats.cached_tokens,
         )
-
-
-def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    """The stop strings of a request: None, one string, or a list of at most 4 non-empty strings."""
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise GenerationOptionError(f"stop must be a string or a list of strings, got {stop!r}")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise GenerationOptionError(f"at most {MAX_STOP_SEQUENCES} stop strings are allowed, got {len(stops)}")
-    if any(not s for s in stops):
-        raise GenerationOptionError("stop strings must not be empty")
-    return tuple(stops)
 
 
 class StopMatcher:
@@ -795,12 +712,8 @@ def check_parallel(parallel: int) -> None:
 def use_trees(engine: SpeculativeEngine, tree: bool | None, logprobs) -> None:
     """Set the engine's drafter to propose trees or chains for this generation (see `stream`)."""
     # Drafters that can branch (prompt lookup, a draft model, an EAGLE or Medusa head) declare how many ways
-    # when trees are on (`tree_branches` > 1); "auto"'s head + lookup pair declares chains.
-    if not (tree is None or isinstance(tree, bool)):
-        raise GenerationOptionError(
-            f"tree is the shape of the drafts (None: where it pays, True: trees, False: chains), got {tree!r}; "
-            "how many nodes one step verifies is k"
-        )
+    # when trees are on (`tree_branches` > 1); "auto"'s head + lookup pair declares chains. `GenerationOptions`
+    # checked tree's type and refused trees with logprobs.
     if engine.fixed_nodes is not None:  # lookahead: every step is a tree of its shape
         if tree is not None:
             raise GenerationOptionError(
@@ -825,8 +738,6 @@ def use_trees(engine: SpeculativeEngine, tree: bool | None, logprobs) -> None:
                 f"(speculative='prompt-lookup', 'draft-model', 'eagle' or 'medusa'); this generation drafts "
                 f"with {engine.drafter.name!r}"
             )
-        if logprobs is not None:
-            raise GenerationOptionError("log-probs are not given for token trees: use tree=False with logprobs")
         wanted = True
     if brancher is not None:
         brancher.branches = brancher.tree_branches if wanted else 1

@@ -23,10 +23,14 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from doppler_py import defaults
 from doppler_py.errors import DopplerError
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, speculative_modes
+
+if TYPE_CHECKING:
+    from doppler_py.options import GenerationOptions
 
 EXIT_USAGE = 2  # argparse's own status for bad usage; our errors share it
 BENCHES = ("speculative", "kernels", "model")
@@ -128,12 +132,10 @@ def _tree_option(text: str) -> bool | None:
 
 
 def _load(args: argparse.Namespace, parallel: int = 1, kv_budget_mb: int | None = None):
-    """The engine for the model flags, after checking the sampling flags (a bad value fails before loading);
+    """The engine for the model flags (the generation flags are checked before, by `_generation_options`);
     `parallel`: streams it may run at once and `kv_budget_mb` the KV memory they share (the server's)."""
     from doppler_py.api import load
-    from doppler_py.sampling import SamplingParams
 
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return load(
         args.model,
         args.weights,
@@ -159,48 +161,52 @@ def _read_text(path: str, flag: str) -> str:
         raise GenerationOptionError(f"{flag} {path}: cannot be read ({exc})") from None
 
 
-def constraint_options(args: argparse.Namespace) -> dict:
-    """response_format / regex / grammar from --json-schema, --json-object, --regex, --grammar, checked (so a bad
-    file or pattern fails before the model loads); {} when none is given."""
-    from doppler_py.constraints.grammar import constraint_from_options
+def _constraint_flags(args: argparse.Namespace) -> dict:
+    """response_format / regex / grammar from --json-schema, --json-object, --regex, --grammar (files read); {} when
+    none is given."""
     from doppler_py.errors import GenerationOptionError
 
-    options: dict = {}
-    if getattr(args, "json_schema", None):
+    if args.json_schema:
         text = _read_text(args.json_schema, "--json-schema")
         try:
             schema = json.loads(text)
         except ValueError as exc:
             raise GenerationOptionError(f"--json-schema {args.json_schema}: not valid JSON ({exc})") from None
         spec = {"name": Path(args.json_schema).stem or "schema", "schema": schema, "strict": True}
-        options["response_format"] = {"type": "json_schema", "json_schema": spec}
-    elif getattr(args, "json_object", False):
-        options["response_format"] = {"type": "json_object"}
-    elif getattr(args, "regex", None) is not None:
-        options["regex"] = args.regex
-    elif getattr(args, "grammar", None):
-        options["grammar"] = _read_text(args.grammar, "--grammar")
-    if options:
-        try:
-            constraint_from_options(**options)
-        except GenerationOptionError as exc:
-            source = args.json_schema or args.grammar
-            raise GenerationOptionError(f"{source}: {exc}" if source else str(exc)) from None
-    return options
+        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+    if args.json_object:
+        return {"response_format": {"type": "json_object"}}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar:
+        return {"grammar": _read_text(args.grammar, "--grammar")}
+    return {}
 
 
-def _generation_options(args: argparse.Namespace) -> dict:
-    return constraint_options(args) | {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "speculative": args.speculative,
-        "k": args.k,
-        "tree": args.tree,
-        "stop": getattr(args, "stop", None),
-    }
+def _generation_options(args: argparse.Namespace) -> GenerationOptions:
+    """The generation flags as a `GenerationOptions`, checked (so a bad value, file or pattern fails before the
+    model loads); a constraint file's error names the file."""
+    from doppler_py.errors import GenerationOptionError
+    from doppler_py.options import CONSTRAINTS, GenerationOptions
+
+    try:
+        return GenerationOptions(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            speculative=args.speculative,
+            k=args.k,
+            tree=args.tree,
+            stop=args.stop,
+            **_constraint_flags(args),
+        )
+    except GenerationOptionError as exc:
+        source = args.json_schema or args.grammar
+        if source and exc.option in CONSTRAINTS:
+            raise GenerationOptionError(f"{source}: {exc}", option=exc.option) from None
+        raise
 
 
 def format_stats(result) -> str:
@@ -256,10 +262,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with _load(args) as engine:
         chat = not args.raw and engine.tokenizer.chat_template is not None
         if args.json:
-            result = engine.generate(args.prompt, chat=chat, **options)
+            result = engine.generate(args.prompt, options=options, chat=chat)
             print(json.dumps(result.as_dict() | {"model": engine.name, "weights": engine.weights}))
             return 0
-        _stream_to_stdout(engine.stream(args.prompt, chat=chat, **options))
+        _stream_to_stdout(engine.stream(args.prompt, options=options, chat=chat))
         print(format_stats(engine.last_result), file=sys.stderr)
     return 0
 
@@ -299,14 +305,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if not command:
                 continue
             history.append({"role": "user", "content": line})
-            dropped = fit_history(engine, history, len(system), options["max_tokens"])
+            dropped = fit_history(engine, history, len(system), options.max_tokens)
             if dropped:
                 print(
                     f"(the oldest {dropped} messages no longer fit the context of {engine.model.max_positions} tokens "
                     "beside the answer: dropped)",
                     file=sys.stderr,
                 )
-            pieces = engine.stream(history, **options)
+            pieces = engine.stream(history, options=options)
             try:
                 _stream_to_stdout(pieces)
             except KeyboardInterrupt:

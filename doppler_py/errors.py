@@ -72,7 +72,15 @@ class CapacityError(DopplerError):
 
 
 class GenerationOptionError(DopplerError, ValueError):
-    """A generation option is out of range (temperature, top_p, top_k, draft length, token ids, ...)."""
+    """A generation option is out of range (temperature, top_p, top_k, draft length, token ids, ...).
+
+    `option`: the request option to blame (a field of `doppler_py.options.GenerationOptions`, which sets it), or
+    None; the server names it as the 400's `param`.
+    """
+
+    def __init__(self, message: str = "", *, option: str | None = None, advice: str | None = None):
+        super().__init__(message, advice=advice)
+        self.option = option
 
 
 class NumericalError(DopplerError):

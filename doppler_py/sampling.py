@@ -33,7 +33,7 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, Real) or not (0.0 <= t <= _F32_MAX):
             raise GenerationOptionError(
-                f"temperature must be a finite number >= 0 (0 = greedy, 1 = the model's distribution), got {t!r}"
+                f"temperature must be a number >= 0 and finite (0 = greedy, 1 = the model's distribution), got {t!r}"
             )
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, Integral) or k < 0:

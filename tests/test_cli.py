@@ -225,10 +225,10 @@ def test_bad_constraint_files_fail_before_loading_naming_the_file(tmp_path, caps
 def test_constraint_flags_give_the_generation_options(tmp_path):
     parse = lambda *args: cli._generation_options(cli.build_parser().parse_args(["generate", "hi", *args]))  # noqa: E731
     (tmp_path / "person.json").write_text(json.dumps(PERSON))
-    format_ = parse("--json-schema", str(tmp_path / "person.json"))["response_format"]
+    format_ = parse("--json-schema", str(tmp_path / "person.json")).response_format
     assert format_ == {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    assert parse("--json-object")["response_format"] == {"type": "json_object"}
-    assert parse("--regex", "a+")["regex"] == "a+" and "regex" not in parse()
+    assert parse("--json-object").response_format == {"type": "json_object"}
+    assert parse("--regex", "a+").regex == "a+" and parse().regex is None
     with pytest.raises(SystemExit):  # one constraint at most
         parse("--json-object", "--regex", "a+")
 
@@ -472,7 +472,7 @@ def test_serve_parallel_and_kv_budget_reach_the_engine(monkeypatch):
 @pytest.mark.parametrize(("text", "value"), [("auto", None), ("on", True), ("off", False)])
 def test_tree_flag_values(text, value):
     args = cli.build_parser().parse_args(["generate", "hi", "--tree", text])
-    assert repr(cli._generation_options(args)["tree"]) == repr(value)
+    assert repr(cli._generation_options(args).tree) == repr(value)
 
 
 @pytest.mark.parametrize("text", ["6", "1", "yes", "-3"])

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from doppler_py.api import StopMatcher, check_stop, load
+from doppler_py.api import StopMatcher, load
 from doppler_py.errors import GenerationOptionError
+from doppler_py.options import check_stop
 from doppler_py.testing.tiny import TinySpec
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"

@@ -12,12 +12,13 @@ Every response carries `usage` and a `doppler` object with the speculation figur
 text never shows it. Extra request fields: `top_k`, `seed`, `speculative` ("auto", "none" or a drafter's name from
 `speculative.registry.DRAFTERS`), `k` (pinned draft length) and
 `tree` (true, false or "auto": token trees of lookup, draft-model, EAGLE or Medusa drafts, `k` nodes each,
-`Engine.stream`'s `tree`).
-Options a request leaves out take the server's defaults (the `serve` command's flags); without `max_tokens` a
-prompt that leaves less room in the context than the default gets the room there is (finish_reason "length"), as
-OpenAI's API does, where a request's own `max_tokens` that does not fit is refused (400). Features that would
-silently change results (`best_of`, penalties, `logit_bias`, legacy `functions`) are refused with 400 rather than
-ignored.
+`GenerationOptions.tree`).
+A request's options are one `doppler_py.options.GenerationOptions` (checked there, 400 naming the field), built
+over the server's defaults: options a request leaves out take them (the `serve` command's flags); without
+`max_tokens` a prompt that leaves less room in the context than the default gets the room there is (finish_reason
+"length"), as OpenAI's API does, where a request's own `max_tokens` that does not fit is refused (400). Features
+that would silently change results (`best_of`, penalties, `logit_bias`, legacy `functions`) are refused with 400
+rather than ignored.
 
 `n` (1..16) asks for several choices, each a generation of its own (`index` i in `choices` and in every streamed
 chunk): sampled with seed + i when the request has a seed (choice 0 is then the answer of the same request with
@@ -37,7 +38,7 @@ call's id, type and name, then pieces of its arguments); see `doppler_py.tool_ca
 Log-probabilities: chat `"logprobs": true` with `top_logprobs` 0..20, completions `"logprobs": N` (0..20),
 answered in OpenAI's shapes, streamed chunks included (each carries its own tokens' entries). They are the
 target model's log_softmax(logits / T) at the request's temperature (T = 1 when greedy), before top-k/top-p
-filtering (see `Engine.stream`); a log-probability of -inf is sent as -9999.0, as OpenAI does.
+filtering (see `GenerationOptions`); a log-probability of -inf is sent as -9999.0, as OpenAI does.
 
 With an API key (`serve --api-key KEY`, or the DOPPLER_API_KEY environment variable), every /v1/* request
 needs `Authorization: Bearer KEY` (compared in constant time; otherwise 401 with an OpenAI-style error body);

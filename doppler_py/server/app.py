@@ -8,7 +8,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from doppler_py.api import Engine, GenerationResult
 from doppler_py.model.catalog import KNOWN_MODELS
+from doppler_py.options import GenerationOptions
 from doppler_py.server.errors import RequestError, _engine_error, _error_body
 from doppler_py.server.jobs import Event, GenerationQueue, Job, _cancel, _JobEvents
 from doppler_py.server.metrics import kv_status, prometheus_text
@@ -38,8 +39,12 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     model_id: str | None = None  # the name clients use; default: derived from the engine's model
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
-    # Engine.stream options for requests that leave them out, over `doppler_py.defaults` (which Engine.stream has).
-    defaults: dict[str, Any] = field(default_factory=dict)
+    # The options of requests that leave them out: a GenerationOptions, or a dict of its fields (made into one).
+    defaults: GenerationOptions | Mapping[str, Any] = field(default_factory=GenerationOptions)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.defaults, GenerationOptions):
+            object.__setattr__(self, "defaults", GenerationOptions(**self.defaults))
 
 
 def default_model_id(name: str) -> str:

@@ -70,7 +70,7 @@ class Job:
 
     def _generate(self, engine: Engine) -> str:
         request = self.request
-        with contextlib.closing(engine.stream(request.prompt, chat=request.chat, **request.options)) as pieces:
+        with contextlib.closing(engine.stream(request.prompt, options=request.options)) as pieces:
             for piece in pieces:
                 if self.cancel_requested.is_set():
                     return "cancelled"

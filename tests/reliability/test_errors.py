@@ -295,7 +295,7 @@ OPTIONS = [
     option("empty chat", ("no chat messages",), generate(prompt=[])),
     option("chat message without content", ("'role' and 'content'",), generate(prompt=[{"role": "user"}])),
     option("empty token ids", ("prompt is empty",), generate_ids([])),
-    option("max_tokens 0", ("max_tokens", "positive integer", "got 0"), max_tokens(0)),
+    option("max_tokens 0", ("max_tokens", "integer >= 1", "got 0"), max_tokens(0)),
     option("negative max_tokens", ("max_tokens", "got -3"), max_tokens(-3)),
     option("fractional max_tokens", ("max_tokens", "got 2.5"), max_tokens(2.5)),
     option("boolean max_tokens", ("max_tokens", "got True"), max_tokens(True)),

@@ -10,6 +10,7 @@ import pytest
 
 from doppler_py import cli, router, server
 from doppler_py.api import load
+from doppler_py.options import GenerationOptions
 from doppler_py.speculative import NoOpHooks, Proposal
 from doppler_py.speculative.drafters.heads.files import HEAD_NAMES
 from doppler_py.speculative.registry import DRAFTERS, HEAD_KINDS, DrafterSpec, DraftSources
@@ -36,7 +37,7 @@ def test_a_drafter_added_to_the_table_alone_runs_by_its_name_in_the_api_cli_and_
         echoed = engine.generate(PROMPT, max_tokens=12, chat=False, speculative="echo", k=3)
     assert echoed.tokens == plain.tokens and echoed.drafted > 0 and echoed.speculative == "echo"
     assert cli.build_parser().parse_args(["generate", "hi", "--speculative", "echo"]).speculative == "echo"
-    assert server._options({"speculative": "echo"}, {}, chat=True)["speculative"] == "echo"
+    assert server._options({"speculative": "echo"}, GenerationOptions(), chat=True).speculative == "echo"
 
 
 def test_every_drafter_is_made_under_its_own_name_and_every_head_kind_can_be_loaded_and_trained(models):
@@ -59,4 +60,4 @@ def test_an_unknown_name_is_refused_with_the_registered_ones():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "hi", "--speculative", "echo"])
     with pytest.raises(server.RequestError, match="prompt-lookup"):
-        server._options({"speculative": "echo"}, {}, chat=True)
+        server._options({"speculative": "echo"}, GenerationOptions(), chat=True)
