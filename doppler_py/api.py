@@ -405,12 +405,11 @@ class Engine:
             k=options.k,
             stop_ids=eos_ids,
             logprobs=logprobs,
+            logprob_entries=token_logprobs,
             grammar=constraint,
         )
         try:
             for new in self.plain_costs.watch(steps, stats):
-                if logprobs is not None:
-                    token_logprobs.extend(engine.steps.last_logprobs[: len(new)])
                 piece = ""
                 for token in new:
                     tokens.append(token)

@@ -21,7 +21,7 @@ from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
-from doppler_py.ops.logprobs import check_top_logprobs
+from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
@@ -187,19 +187,24 @@ class SpeculativeEngine:
         k: int | None = None,
         stop_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        logprob_entries: list[TokenLogprob] | None = None,
         grammar: GrammarMatcher | None = None,
     ) -> Iterator[list[int]]:
         """Yield each step's new tokens as soon as they are verified; `stats` is filled in as it goes.
 
-        logprobs: top alternatives per token (0..20; None: off); each step's log-probs are then in
-        `last_logprobs` when its tokens are yielded (`doppler_py.ops.logprobs`). Closing the generator early
-        (a cancelled stream) releases the step's KV caches. grammar: the constraint the output follows (every
-        step's rows masked by it, its forced tokens drafted; `step.py`), at no committed token yet.
+        logprobs: top alternatives per token (0..20; None: off); each step's log-probs are appended to
+        `logprob_entries` (one per token, `doppler_py.ops.logprobs`) before its tokens are yielded: beside other
+        generations the batch's loop may run this one's next steps before the caller reads them. Closing the
+        generator early (a cancelled stream) releases the step's KV caches. grammar: the constraint the output
+        follows (every step's rows masked by it, its forced tokens drafted; `step.py`), at no committed token yet.
         """
         check_top_logprobs(logprobs)
+        entries = logprob_entries if logprobs is not None else None
 
         def generation(emit: Callable[[list[int]], None]) -> Generation:
-            return self._generation(prompt_ids, max_new_tokens, params, stats, k, stop_ids, logprobs, grammar, emit)
+            return self._generation(
+                prompt_ids, max_new_tokens, params, stats, k, stop_ids, logprobs, grammar, emit, entries
+            )
 
         yield from self._run_alone(generation, stats) if self.batch is None else self.batch.run(generation)
 
@@ -234,6 +239,7 @@ class SpeculativeEngine:
         logprobs: int | None,
         grammar: GrammarMatcher | None,
         emit: Callable[[list[int]], None],
+        logprob_entries: list[TokenLogprob] | None,
     ) -> Generation:
         """One generation as a coroutine: it opens (`open_context`), then asks for one turn at a time (a prefill
         beside other generations, a step), yielding it and taken back done, and passes each step's new tokens to
@@ -298,6 +304,8 @@ class SpeculativeEngine:
                 stats.warmup_steps += len(new) if not speculate else 0
                 stats.generated = produced
                 stats.total_s = time.perf_counter() - start
+                if logprob_entries is not None:
+                    logprob_entries.extend(self.steps.last_logprobs[: len(new)])
                 emit(new)
                 if stats.stopped_by == "eos":
                     break
@@ -490,6 +498,7 @@ class SpeculativeEngine:
     ) -> list[int]:
         """One step (or `plain_steps` plain steps in one submit) with its timing, statistics, pricing, policy update
         and the KV-cache invariant check around it. `proposal`: drafts made here (the grammar's), not the drafter's."""
+        self._check_open()  # a stream still iterated after its engine was closed
         pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
         outcome = self.steps.step(ctx, k, plain_steps=plain_steps, proposal=proposal, marks=self.clock)

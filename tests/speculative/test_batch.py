@@ -18,7 +18,7 @@ from support.tiny_specs import TARGET
 from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import engine as engine_module
-from doppler_py.speculative.batch import StepBatch
+from doppler_py.speculative.batch import StepBatch, plan_forwards
 from doppler_py.speculative.contract import Drafter
 from doppler_py.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
@@ -550,3 +550,58 @@ def test_sampled_generations_with_different_drafters_in_one_batch_each_follow_th
     assert sum(count for size, count in batch.sizes.items() if size > 1) > 0, batch.sizes
     for count in counts:
         assert_samples_follow(count, joint)
+
+
+@pytest.mark.parametrize(
+    ("steps", "prefills", "expected"),
+    [
+        # Steps in order, a forward holding at most 8 rows (logit rows here).
+        ([(4, False), (3, False), (2, False)], [], [([0, 1], []), ([2], [])]),
+        # One token tree per forward, chains beside it.
+        ([(4, True), (2, True), (1, False)], [], [([0], []), ([1, 2], [])]),
+        # A prompt's short last chunk rides beside the steps; with steps, a full chunk takes a forward of its own and
+        # the rest of that prompt waits for the next turn.
+        ([(2, False)], [5], [([0], [(0, 5)])]),
+        ([(2, False)], [20], [([0], []), ([], [(0, 16)])]),
+        # Without steps, prompts run whole, a chunk (16 rows) per forward.
+        ([], [20, 3], [([], [(0, 16)]), ([], [(0, 4)]), ([], [(1, 3)])]),
+    ],
+    ids=["rows", "trees", "beside", "own-forward", "no-steps"],
+)
+def test_a_turn_of_the_loop_is_planned_as_its_forwards(steps, prefills, expected):
+    assert plan_forwards(steps, prefills, max_rows=16, logit_rows=8, rows_alone=16) == expected
+
+
+def test_a_generation_cancelled_mid_batch_frees_its_cache_and_leaves_the_others_unchanged(models):
+    """Three generations in one loop; the consumer of one stops reading after two pieces and closes its stream: by the
+    time the close returns, the loop has closed it (its KV blocks back in the arena), and the other two answer as
+    alone."""
+    target = models["target"]
+    batch = StepBatch(target)
+    engines = [engine_for(target, "prompt-lookup", batch) for _ in range(3)]
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    outputs: dict[int, list[int]] = {}
+    running = [threading.Event(), threading.Event()]
+
+    def run(i: int) -> None:
+        out: list[int] = []
+        for new in engines[i].iter_generate(prompts[i], 200, GREEDY_PARAMS, stats=SpecStats(), k=3):
+            out.extend(new)
+            running[i].set()
+        outputs[i] = out
+
+    threads = start_all(run, 2)
+    assert all(event.wait(60) for event in running)
+    stream = engines[2].iter_generate(PROMPTS[2], 120, GREEDY_PARAMS, stats=SpecStats(), k=3)
+    taken = [next(stream), next(stream)]
+    before, members = batch.arena.used_blocks, batch.members
+    stream.close()  # the consumer leaves mid-generation
+    assert members == 3 and batch.arena.used_blocks < before  # it was beside the others; its blocks are back
+    join_all(threads, 120)
+    for engine in engines:
+        engine.close()
+    batch.close()
+    solo = engine_for(target, "prompt-lookup")
+    assert [outputs[0], outputs[1]] == [solo.generate(prompt, 200, GREEDY_PARAMS, k=3).tokens for prompt in prompts]
+    solo.close()
+    assert sum(len(new) for new in taken) >= 2 and batch.members == 0 and not batch.arena.slabs
