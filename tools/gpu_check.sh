@@ -85,8 +85,11 @@ stage smollm2-spec-tests 100 "$py" -m pytest "${pytest_args[@]}" --junitxml="$ou
   tests/speculative/test_smollm2_speculative.py "${smollm2_tests[@]}"
 stage profile 50 "$doppler" profile --weights q4_1 --no-progress "${profile_args[@]}" --json "$out/profile.json"
 # Issue 50's open question: how far batching concurrent clients scales where a forward of several rows costs about
-# one of a single row (on lavapipe 4 clients gave ~2.1-2.2x one-at-a-time serving).
-stage bench-serve 60 "$py" tools/bench_serve.py --parts concurrency "${serve_args[@]}" --json "$out/bench-serve.json"
+# one of a single row (on lavapipe 4 clients gave ~2.1-2.2x one-at-a-time serving). Issue 62's: speculation inside
+# the batch (`auto`'s head in every generation) against the batch without it, which on a GPU should approach the
+# drafters' tokens per forward (on lavapipe it lost: 0.78-0.80x at 4 clients).
+stage bench-serve 60 "$py" tools/bench_serve.py --parts concurrency "${serve_args[@]}" --batched-speculative auto \
+  --json "$out/bench-serve.json"
 stage bench-host 60 "$py" tools/bench_host.py --weights q4_1 "${host_args[@]}" --json "$out/bench-host.json"
 stage bench-model 60 "$py" tools/bench_model.py --no-peers --max-seq 512 "${model_args[@]}" --json "$out/bench-model.json"
 stage bench-speculative 80 "$py" tools/bench_speculative.py --weights q4_1 --repeats 1 --sampled-temperature 0 \
