@@ -135,11 +135,12 @@ class Engine:
         self.heads = dict(heads or {})
         self._spec: dict[str, SpeculativeEngine] = {}
         self.plain_costs = PlainStepCosts()
-        # Concurrent streams' steps share forwards (`speculative.batch`); each stream leases an engine of its mode.
+        # The loop every stream's generation runs in (`speculative.batch`). With `parallel` > 1 concurrent streams'
+        # steps share its forwards, their caches paged in its arena, each stream leasing an engine of its mode.
         self.parallel = parallel
         kv_limit = self.kv_budget.limit if self.kv_budget is not None else None
-        self.batch = StepBatch(model, kv_limit_bytes=kv_limit) if parallel > 1 else None
-        if self.batch is not None:
+        self.batch = StepBatch(model, paged=parallel > 1, kv_limit_bytes=kv_limit)
+        if parallel > 1:
             self.batch.warm_up(background=warmup != "now")
         self._idle: dict[str, list[SpeculativeEngine]] = {}  # leased engines back from their streams
         self._leases = threading.Lock()
@@ -189,12 +190,10 @@ class Engine:
         """Release every GPU buffer this engine owns (weights, KV caches, step buffers)."""
         if self.closed:
             return
-        if self.batch is not None:  # first: its loop may be stepping the engines closed next
-            self.batch.stop()
+        self.batch.stop()  # first: its loop may be stepping the engines closed next
         for spec in [*self._spec.values(), *(e for idle in self._idle.values() for e in idle)]:
             spec.close()
-        if self.batch is not None:
-            self.batch.close()
+        self.batch.close()
         self.prefix_cache.clear()
         for head in self.heads.values():
             head.close()
@@ -231,7 +230,7 @@ class Engine:
     def speculative_engine(self, mode: str) -> SpeculativeEngine:
         """The (cached) engine for a drafter; its cost model and acceptance estimate persist across calls."""
         if mode not in self._spec:
-            engine = SpeculativeEngine(self.model, self._drafter(mode))
+            engine = SpeculativeEngine(self.model, self._drafter(mode), batch=self.batch)
             engine.prefix_cache = self.prefix_cache
             engine.kv_budget = self.kv_budget
             if mode != "none":
@@ -241,15 +240,15 @@ class Engine:
 
     def _lease(self, mode: str) -> SpeculativeEngine:
         """The engine a stream of `mode` generates with: the cached one, or with `parallel` > 1 one of its own
-        (an idle one, or a new one made ready now) whose steps join the batch."""
-        if self.batch is None:
+        (an idle one, or a new one made ready now), so that concurrent streams' generations are each their own."""
+        if self.parallel == 1:
             return self.speculative_engine(mode)
         with self._leases:
             idle = self._idle.setdefault(mode, [])
             if idle:
                 return idle.pop()
         with self.batch.gpu():
-            engine = SpeculativeEngine(self.model, self._drafter(mode))
+            engine = SpeculativeEngine(self.model, self._drafter(mode), batch=self.batch)
             try:
                 engine.prefix_cache = self.prefix_cache
                 engine.kv_budget = self.kv_budget
@@ -258,11 +257,10 @@ class Engine:
             except BaseException:
                 engine.close()
                 raise
-            engine.batch = self.batch
             return engine
 
     def _give_back(self, mode: str, engine: SpeculativeEngine) -> None:
-        if self.batch is not None:
+        if self.parallel > 1:
             with self._leases:
                 self._idle[mode].append(engine)
 

@@ -127,7 +127,7 @@ class GenerationQueue:
             )
         loop = asyncio.get_running_loop()
         jobs: list[Job] = []
-        stagger = self.engine.batch is not None and self.engine.prefix_cache.budget_bytes > 0
+        stagger = self.engine.parallel > 1 and self.engine.prefix_cache.budget_bytes > 0
         for generation in generations:
             job = Job(loop, generation, jobs[0].prefilled if jobs and stagger else None)
             jobs.append(job)

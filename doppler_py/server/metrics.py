@@ -42,7 +42,7 @@ def prometheus_text(queue: GenerationQueue, engine: Engine) -> str:
         metric(f"{name}_total", "counter", help_text, [("", totals[name])])
     metric("running", "gauge", "Generations running (their steps batched).", [("", status["running"])])
     metric("parallel", "gauge", "Generations that may run at once.", [("", status["parallel"])])
-    if engine.batch is not None:
+    if engine.parallel > 1:
         sizes = engine.batch.sizes
         samples = [(f'{{le="{le}"}}', sum(n for size, n in sizes.items() if size <= le)) for le in (1, 2, 4, 8, 16)]
         samples += [('{le="+Inf"}', sum(sizes.values()))]

@@ -1,5 +1,5 @@
-"""The loop that runs concurrent generations: one thread owns the GPU and every running sequence, and their steps,
-and the prefills of those joining, share target forwards.
+"""The loop that runs generations: one thread owns the GPU and every running sequence, and their steps, and the
+prefills of those joining, share target forwards. A lone generation is a batch of one.
 
 Each generation is a coroutine (`SpeculativeEngine._generation`) with its own engine (stepper, drafter, policy, KV
 cache): it decides its next turn (a step of k drafts, plain steps, a prefill) and yields it, and is sent it back
@@ -16,17 +16,20 @@ up to its first turn, hands it to the loop (`run`) and then only reads its token
                  log-probs, as when it runs alone (`Stepper.record_checks`)
              ONE submit; each step's readback and commit (`Stepper.finish`)
 
-A step with nothing else to run runs as it would without the loop (`Stepper.step`); while its generation is the
-only one running, its plain steps run several per submit, as they do alone, so a server that batches loses nothing
-to one that does not while a single client uses it.
+A step with nothing else to run has the forward to itself (`Stepper.step`), timed and priced by its engine
+(`StepTurn.measure`); while its generation is the only one running, its plain steps run several per submit, so a
+server that batches loses nothing to one that does not while a single client uses it. A prompt with nothing beside
+it prefills in the chunks of a forward of its own (`Transformer.forward`, only the layers that write K/V when no
+drafter reads its rows), and the loop waits for it, so its time is not billed to the first step.
 
 A generation that starts while others step prefills its prompt here too (a `PrefillTurn`), in the chunks of its
 solo prefill (so each row meets the same kernels and attention plan): each forward of their steps takes the chunks
 it has room for after their rows, so the others keep stepping while it prefills instead of waiting for its whole
 prompt, and the forward's matmuls serve both; a chunk that fits no such forward gets one of its own.
 
-The generations' KV caches are runs of the batch's arena (`model/kv_arena.py`): the steps whose caches sit in one
-slab attend in one dispatch per layer, each through its own cache's blocks (`ops.attention.BatchedAttention`);
+A loop made `paged` (a server's, for concurrent clients) gives the generations' KV caches as runs of its arena
+(`model/kv_arena.py`), else each its own cache (an engine's own loop): the steps whose caches sit in one slab
+attend in one dispatch per layer, each through its own cache's blocks (`ops.attention.BatchedAttention`);
 other rows (prefill chunks, caches in another slab) one call each. A step's tokens are those of its solo run: its
 rows see only its own cache, attention computes each row as its own call would and each matmul row alone, whatever
 the other rows hold, and its random numbers come from its own seeded stream. Generations join after their first
@@ -83,16 +86,17 @@ class Turn:
 @dataclass(eq=False, kw_only=True)
 class StepTurn(Turn):
     """One step of k drafts (`proposal`: drafts made already, the grammar's), or `plain_steps` plain ones when it
-    runs alone. Done: `outcome`, whether it ran `alone` (as without the batch), the `seconds` its run took, and
-    `made` where whoever ran it also timed and accounted it (a generation without a batch)."""
+    runs alone. `measure(turn, plain_steps, keep_rows)` runs it with the forward to itself, timed and priced by its
+    engine, and returns its new tokens. Done: `outcome`, the `seconds` its turn of the loop took, and `made` where it
+    was measured (it ran alone)."""
 
     stepper: Stepper
     ctx: StepContext
     k: int
+    measure: Callable[[StepTurn, int, bool], list[int]]
     proposal: Proposal | None = None
     plain_steps: int = 1
     outcome: StepOutcome | None = None
-    alone: bool = False
     seconds: float = 0.0
     made: list[int] | None = None
     pending: PendingStep | None = field(default=None, repr=False)
@@ -104,11 +108,13 @@ class StepTurn(Turn):
 
 @dataclass(eq=False, kw_only=True)
 class PrefillTurn(Turn):
-    """A joining generation's prompt (but its last token): its K/V written at positions start_pos.., no logits."""
+    """A generation's prompt (but its last token): its K/V written at positions start_pos.., no logits. `layers`:
+    the layers its forwards of its own must run (None: all)."""
 
     cache: KVCache
     start_pos: int
     ids: np.ndarray
+    layers: int | None = None
     rows_done: int = 0  # rows whose forward was submitted
 
     @property
@@ -207,9 +213,10 @@ def plan_forwards(
 class StepBatch:
     """The loop of the concurrent generations of one target model (module docstring)."""
 
-    def __init__(self, target: Transformer, *, kv_limit_bytes: int | None = None):
+    def __init__(self, target: Transformer, *, paged: bool = True, kv_limit_bytes: int | None = None):
         self.target = target
-        self.arena = target.new_arena(kv_limit_bytes)  # the members' KV caches (`new_cache(arena=)`)
+        # The members' KV caches (`new_cache(arena=)`); None: each its own.
+        self.arena = target.new_arena(kv_limit_bytes) if paged else None
         self.gpu_lock = threading.RLock()  # held by the loop while it steps, and by `gpu()`
         self._cond = threading.Condition()
         self._sequences: list[_Sequence] = []  # running: the loop's own (only its thread changes the list)
@@ -232,6 +239,18 @@ class StepBatch:
     def members(self) -> int:
         """Generations running in the loop."""
         return len(self._sequences)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """A generation's target cache: its own, or in a paged loop a run of the arena, waiting (not holding the GPU)
+        while the arena's limit leaves no run that long (`KVArena.wait_for_room`)."""
+        arena = self.arena
+        if arena is None:
+            return self.target.new_cache(capacity)
+        while True:
+            with self.gpu():  # every take holds it, so room seen here is room taken
+                if arena.has_room(capacity):
+                    return self.target.new_cache(capacity, arena=arena)
+            arena.wait_for_room(capacity)
 
     @contextlib.contextmanager
     def gpu(self) -> Iterator[None]:
@@ -359,7 +378,7 @@ class StepBatch:
             if not isinstance(turn, StepTurn):
                 continue
             try:
-                self._place(turn.stepper, turn.ctx.hidden_rows)
+                self._place(turn.stepper, turn.ctx, turn.ctx.hidden_rows)
                 turn.pending = turn.stepper.begin(turn.ctx, turn.k, proposal=turn.proposal)
                 ready.append(turn)
             except Exception as exc:  # this generation's error (a drafter's, a grammar's), not the others'
@@ -379,29 +398,29 @@ class StepBatch:
             self._forward([ready[i] for i in steps], [(prefills[i], n) for i, n in pieces])
 
     def _alone(self, request: StepTurn) -> None:
-        """A step with no other work in its turn: `Stepper.step` itself, which the batched forward equals for one step;
-        while the generation is the only one running, its plain steps several per submit (one that arrives meanwhile
-        joins after that submit)."""
+        """A step with no other work in its turn: `Stepper.step` itself (which the batched forward equals for one
+        step), measured by its engine; while the generation is the only one running, its plain steps several per
+        submit (one that arrives meanwhile joins after that submit)."""
         plain_steps = request.plain_steps if request.k == 0 and len(self._sequences) == 1 else 1
         stepper = request.stepper
         start = time.perf_counter()
         try:
-            self._place(stepper, request.ctx.hidden_rows)
-            keep = stepper.drafter.reads_step_rows
-            outcome = stepper.step(
-                request.ctx, request.k, plain_steps=plain_steps, proposal=request.proposal, keep_rows=keep
-            )
+            self._place(stepper, request.ctx, request.ctx.hidden_rows)
+            keep = request.ctx.drafter.reads_step_rows
+            request.made = request.measure(request, plain_steps, keep)
         except Exception as exc:
             request.error = exc
             return
         if keep:
             self._in_place = (stepper, self.target.forwards)
         self.sizes[1] += 1
-        request.outcome, request.alone = outcome, True
-        self._observe_forward(1, outcome.drafted + 1, (time.perf_counter() - start) / plain_steps)
+        self._observe_forward(1, request.outcome.drafted + 1, (time.perf_counter() - start) / plain_steps)
 
     def _forward(self, steps: list[StepTurn], pieces: list[tuple[PrefillTurn, int]]) -> None:
         """One forward: the steps' rows, then each prefill piece's next n rows (no logits)."""
+        if not steps:
+            self._prefill_alone(pieces)
+            return
         target = self.target
         start = time.perf_counter()
         rec = target.registry.recorder()
@@ -425,7 +444,7 @@ class StepBatch:
             if target.record_batch(rec, segments, logit_rows, tree=tree):
                 self.paged_forwards += 1
             for request, row0 in zip(steps, firsts, strict=True):
-                if request.stepper.drafter.reads_step_rows:
+                if request.ctx.drafter.reads_step_rows:
                     request.stepper.save_rows(rec, request.pending.rows, row0)
             copy = self._logits_copy() if len(steps) > 1 else None
             row_bytes = 4 * target.config.vocab_size
@@ -436,7 +455,7 @@ class StepBatch:
                 if row0:
                     rec.copy(copy, target.logits, rows * row_bytes, src_offset=row0 * row_bytes)
                 request.stepper.record_checks(rec, request.pending)
-                if copy is not None and request.stepper.drafter.reads_verified_logits:  # as its checks left them
+                if copy is not None and request.ctx.drafter.reads_verified_logits:  # as its checks left them
                     rec.copy(target.logits, copy, rows * row_bytes, dst_offset=row0 * row_bytes)
             rec.submit()
         except Exception as exc:
@@ -448,8 +467,8 @@ class StepBatch:
             self._in_place = (steps[0].stepper, target.forwards)
         for n, (request, row0) in enumerate(zip(steps, firsts, strict=True)):
             try:
-                self._place(request.stepper, request.pending.rows)
-                if n != len(steps) - 1 and request.stepper.drafter.reads_verified_logits:
+                self._place(request.stepper, request.ctx, request.pending.rows)
+                if n != len(steps) - 1 and request.ctx.drafter.reads_verified_logits:
                     rows = request.pending.rows
                     rec = target.registry.recorder()
                     rec.copy(copy, target.logits, rows * row_bytes, src_offset=row0 * row_bytes)
@@ -460,10 +479,27 @@ class StepBatch:
         if steps and not pieces and all(request.error is None for request in steps):
             self._observe_forward(len(steps), logit_rows, time.perf_counter() - start)
 
-    def _place(self, stepper: Stepper, rows: int) -> None:
+    def _prefill_alone(self, pieces: list[tuple[PrefillTurn, int]]) -> None:
+        """Prompt rows with no step beside them: as the generation's solo prefill runs them (`Transformer.forward`,
+        its `layers`), waited for, so that their time is not billed to the next step (nor skews the plain-step cost
+        the draft-length policy prices with)."""
+        target = self.target
+        try:
+            for prefill, n in pieces:
+                ids = prefill.ids[prefill.rows_done : prefill.rows_done + n]
+                target.forward(
+                    ids, prefill.cache, prefill.start_pos + prefill.rows_done, logits="none", num_layers=prefill.layers
+                )
+                prefill.rows_done += n
+            target.gpu.wait_idle()
+        except Exception as exc:
+            for prefill, _ in pieces:
+                prefill.error = exc
+
+    def _place(self, stepper: Stepper, ctx: StepContext, rows: int) -> None:
         """Before a member's drafter hooks run: its kept feature rows (`Stepper.save_rows`) back as rows 0.. of the
         target's feature buffers, unless they are still there (no forward since they were put there)."""
-        if not stepper.drafter.reads_step_rows or rows == 0 or self._in_place == (stepper, self.target.forwards):
+        if not ctx.drafter.reads_step_rows or rows == 0 or self._in_place == (stepper, self.target.forwards):
             return
         rec = self.target.registry.recorder()
         stepper.restore_rows(rec, rows)
@@ -473,7 +509,7 @@ class StepBatch:
     def keep_prefill_rows(self, stepper: Stepper, ctx: StepContext) -> None:
         """After a member's prefill in forwards of its own (its drafter reads the rows): its last chunk's final rows
         kept as its step rows (at most a tree's worth: enough for every drafter's hooks, which read the newest)."""
-        if not stepper.drafter.reads_step_rows or ctx.hidden_rows == 0:
+        if not ctx.drafter.reads_step_rows or ctx.hidden_rows == 0:
             return
         keep = min(ctx.hidden_rows, MAX_TREE_ROWS)
         rec = self.target.registry.recorder()
@@ -525,4 +561,5 @@ class StepBatch:
         if self._logits_scratch is not None:
             self.target.registry.release_tensors(self._logits_scratch)
             self._logits_scratch = None
-        self.target.release_arena(self.arena)
+        if self.arena is not None:
+            self.target.release_arena(self.arena)

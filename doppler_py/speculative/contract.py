@@ -28,7 +28,7 @@ others (`BestOfDrafter`) declares for the whole, from its parts.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from doppler_py.gpu.tensor import Tensor
@@ -68,6 +68,10 @@ class StepContext:
     grammar         the generation's constraint (`constraints.GrammarMatcher`, at the committed tokens), or None.
                     The step masks every verified row by it and the engine drafts the tokens it forces; a
                     drafter may ignore it (a draft the grammar refuses is cut before verification).
+    logprobs        top alternatives per committed token the generation asks for (0..20; None: none): each step's
+                    outcome then carries its tokens' log-probs (`StepOutcome.logprobs`)
+    drafter         the generation's drafter, whose hooks its steps run (`PlainDecoding` where it does not draft:
+                    no upkeep, no pipelines of its own)
     """
 
     tokens: list[int]
@@ -80,6 +84,8 @@ class StepContext:
     worth_drafting: Callable[[Sequence[float]], bool] | None = None
     cached: int = 0
     grammar: GrammarMatcher | None = None
+    logprobs: int | None = None
+    drafter: Drafter = field(default_factory=lambda: PlainDecoding())
 
     @property
     def hidden(self) -> Tensor:
@@ -233,3 +239,13 @@ class NoOpHooks:
 
     def close(self) -> None:
         pass
+
+
+class PlainDecoding(NoOpHooks):
+    """No drafting: nothing is ever proposed, so every step is the verifier's n = 0 step."""
+
+    name = "none"
+    reads_step_rows = False
+
+    def propose(self, ctx: StepContext, k: int) -> Proposal:
+        return NO_PROPOSAL

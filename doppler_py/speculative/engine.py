@@ -3,30 +3,32 @@ what measures and decides around it. Each step is timed (`timing.StepClock`), re
 priced: its time says what verifying its rows and drafting cost on this device, which the draft-length policy
 (`policy/`) weighs against the drafter's acceptance to choose the next step's k, or a pause of plain steps.
 Plain steps are batched several per submit, sized by their measured cost. Before a generation can speculate at
-full width, the verification pipelines are compiled and their costs measured (`prepare`, `readiness/`). With a
-`batch` attached, each step meets the other running generations' and shares their forward (`batch.py`).
+full width, the verification pipelines are compiled and their costs measured (`prepare`, `readiness/`).
+
+Every generation runs in a loop (`batch.py`): a coroutine that yields its turns (a prefill, a step), which the loop
+runs, alone or in forwards shared with the loop's other generations. An engine made without one has a loop of its
+own, whose caches are plain (not paged): a lone generation is a batch of one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError, InternalError
 from doppler_py.gpu.tensor import Tensor
-from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.batch import Generation, PrefillTurn, StepBatch, StepTurn
-from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, PlainDecoding, Proposal, StepContext
 from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
 from doppler_py.speculative.readiness.state import QUICK_CONTEXT, Readiness
@@ -57,7 +59,14 @@ class SpeculativeEngine:
     length within it is the policy's, or a user's pinned `k` per generation.
     """
 
-    def __init__(self, target: Transformer, drafter: Drafter | None, *, capacity: int = MAX_DRAFT_TOKENS):
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter | None,
+        *,
+        capacity: int = MAX_DRAFT_TOKENS,
+        batch: StepBatch | None = None,
+    ):
         self.target = target
         self.speculative = drafter is not None
         self.registry = target.registry
@@ -67,30 +76,28 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(capacity=self.capacity)
         # What the drafter declares (contract.Drafter): a fixed step shape (policy: fixed mode), chains ended by
         # its own confidence (policy: k is only the ceiling), the target layers it reads.
-        drafter = drafter if drafter is not None else _NoDrafter()
+        drafter = drafter if drafter is not None else PlainDecoding()
+        self.drafter = drafter
         self.fixed_nodes: int | None = drafter.fixed_nodes
         self.policy.gated = drafter.gates_chains
         target.tap_layers(drafter.feature_taps)
         if self.fixed_nodes is not None:
             self.policy.reset(fixed=self.fixed_nodes)
-        self.steps = Stepper(target, drafter, self.policy, self.capacity)
+        self.steps = Stepper(target, self.policy, self.capacity)
         self.clock = StepClock(target.gpu)
         self._plain_token_s: float | None = None  # measured seconds per plain token, for the batch size
         # Getting ready to speculate (see `prepare`): the compile, its gate and the calibration.
         self.readiness = Readiness(self)
         # Earlier sequences' K/V (`model.prefix_cache`), shared by every engine of the model; None: none kept.
         self.prefix_cache: PrefixCache | None = None
-        # Concurrent generations of the target whose steps share forwards (`batch.py`); None: this engine's
-        # generations run alone.
-        self.batch: StepBatch | None = None
+        # The loop that runs this engine's generations (`batch.py`): shared with the target's other engines, whose
+        # generations then share forwards, or one of its own.
+        self._own_batch = batch is None
+        self.batch = StepBatch(target, paged=False) if batch is None else batch
         # The KV memory concurrent generations share (`kv_budget.py`), shared by every engine of the model; None:
         # no limit of our own.
         self.kv_budget: KVBudget | None = None
         self.closed = False
-
-    @property
-    def drafter(self) -> Drafter:
-        return self.steps.drafter
 
     # -- getting ready ------------------------------------------------------------------------------------
     def prepare(
@@ -206,27 +213,7 @@ class SpeculativeEngine:
                 prompt_ids, max_new_tokens, params, stats, k, stop_ids, logprobs, grammar, emit, entries
             )
 
-        yield from self._run_alone(generation, stats) if self.batch is None else self.batch.run(generation)
-
-    def _run_alone(self, make: Callable[[Callable[[list[int]], None]], Generation], stats: SpecStats):
-        """A generation with no batch, on the caller's thread: each of its turns runs as soon as it is asked for,
-        timed and priced (`_measured_step`); its tokens are yielded before the next turn runs."""
-        emitted: list[list[int]] = []
-        generation = make(emitted.append)
-        try:
-            turn = next(generation)
-            while True:
-                try:
-                    turn.made = self._measured_step(turn.ctx, turn.k, stats, turn.plain_steps, turn.proposal)
-                except Exception as exc:
-                    generation.throw(exc)  # its cleanup runs, and the error comes back out
-                turn = generation.send(turn)
-                yield from emitted
-                emitted.clear()
-        except StopIteration:
-            yield from emitted
-        finally:
-            generation.close()
+        yield from self.batch.run(generation)
 
     def _generation(
         self,
@@ -241,40 +228,32 @@ class SpeculativeEngine:
         emit: Callable[[list[int]], None],
         logprob_entries: list[TokenLogprob] | None,
     ) -> Generation:
-        """One generation as a coroutine: it opens (`open_context`), then asks for one turn at a time (a prefill
-        beside other generations, a step), yielding it and taken back done, and passes each step's new tokens to
-        `emit`; it ends at max_new_tokens or a stop id, closing its context either way (completed, failed or
-        cancelled). Whoever drives it runs the turns: `_run_alone`, or a batch's loop (`StepBatch.run`)."""
+        """One generation as a coroutine: it opens (`_open`), then asks for one turn at a time (its prefill, a
+        step), yielding it and taken back done, and passes each step's new tokens to `emit`; it ends at
+        max_new_tokens or a stop id, closing its context either way (completed, failed or cancelled). The loop
+        (`StepBatch.run`) runs the turns."""
         start = time.perf_counter()
         stats.drafter = self.drafter.name
-        drafter = self.steps.drafter
         drafts = self.readiness.before_generation(max_new_tokens, params, stats, self._plain_token_s)
-        if self.speculative and not drafts:
-            self.steps.drafter = _NoDrafter()  # not worth compiling for yet: no upkeep, no pipelines of its own
-        try:
-            ctx = self.open_context(prompt_ids, max_new_tokens, params, k=k, grammar=grammar)
-        except BaseException:
-            self.steps.drafter = drafter
-            raise
+        # Where the compile does not pay yet, plainly: no upkeep, no pipelines of its own.
+        drafter = self.drafter if drafts else PlainDecoding()
+        ctx = self._open(prompt_ids, max_new_tokens, params, k=k, grammar=grammar, drafter=drafter)
+        ctx.logprobs = logprobs
         produced = 0
         try:
-            if self.batch is not None:
-                yield from self._prefill_in_batch(ctx)
+            yield from self._prefill(ctx)
             stats.prefill_s = time.perf_counter() - start
             stats.cached_tokens = ctx.cached
-            self.steps.logprobs = logprobs
             # Plain steps several per submit; not under a grammar (each step's masks come from the tokens before
-            # it). In a batch only while the generation steps alone (`StepBatch._alone`).
-            multi_step = grammar is None
+            # it) nor with log-probs (read per step). Beside others only while the generation steps alone
+            # (`StepBatch._alone`).
+            multi_step = grammar is None and logprobs is None
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
                 proposal, speculate = None, True
                 if self.speculative:
-                    if self.batch is None:
-                        speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
-                    else:  # the batch's engines were made ready when leased
-                        speculate = self.readiness.usable_rows >= 2
-                        self.policy.shared = self.batch.shared_costs(self.policy.costs)
+                    speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
+                    self.policy.shared = self.batch.shared_costs(self.policy.costs)
                     k_step = self.policy.next_k(remaining) if speculate else 0
                     spelled, forced = grammar.forced_run() if speculate and grammar is not None else ([], 0)
                     if spelled:
@@ -290,7 +269,14 @@ class SpeculativeEngine:
                     k_step = 0
                     plain_steps = self._batch_size(remaining, first=produced == 0) if multi_step else 1
                 self._check_open()
-                turn = StepTurn(stepper=self.steps, ctx=ctx, k=k_step, proposal=proposal, plain_steps=plain_steps)
+                turn = StepTurn(
+                    stepper=self.steps,
+                    ctx=ctx,
+                    k=k_step,
+                    proposal=proposal,
+                    plain_steps=plain_steps,
+                    measure=functools.partial(self._measured_step, stats=stats),
+                )
                 yield turn
                 made = turn.made if turn.made is not None else self._shared_result(turn, stats)
                 if self.speculative and speculate and not k_step:  # next_k took the pause's first step
@@ -305,35 +291,35 @@ class SpeculativeEngine:
                 stats.generated = produced
                 stats.total_s = time.perf_counter() - start
                 if logprob_entries is not None:
-                    logprob_entries.extend(self.steps.last_logprobs[: len(new)])
+                    logprob_entries.extend(turn.outcome.logprobs[: len(new)])
                 emit(new)
                 if stats.stopped_by == "eos":
                     break
         finally:
             stats.total_s = time.perf_counter() - start
             self.readiness.tokens_generated += produced
-            self.steps.logprobs = None
             self.policy.shared = None
             self.close_context(ctx)
-            self.steps.drafter = drafter
 
-    def _prefill_in_batch(self, ctx: StepContext) -> Generation:
-        """Beside other generations, the prompt but its last token: for a drafter that reads none of the target's
-        rows, as a turn of the loop (its chunks ride along with the other generations' steps); for one that reads
-        them, in forwards of its own between the loop's steps, its last chunk's rows kept from the others'. Kept in
-        the prefix cache at once, not only at the end, so a request sharing the prompt while this one still runs (a
-        common system prompt, a request's other choices) prefills only its own tail."""
+    def _prefill(self, ctx: StepContext) -> Generation:
+        """The prompt but its last token: for a drafter that reads none of the target's rows, as a turn of the loop
+        (beside other generations its chunks ride along with their steps; alone, forwards of its own); for one that
+        reads them, in forwards of its own between the loop's steps, its last chunk's rows kept from the others'.
+        Kept in the prefix cache at once, not only at the end, so a request sharing the prompt while this one still
+        runs (a common system prompt, a request's other choices) prefills only its own tail."""
         tokens, cache, batch = ctx.tokens, ctx.target_cache, self.batch
         if ctx.cached >= len(tokens) - 1:
             return
-        if self.drafter.reads_step_rows:
+        if ctx.drafter.reads_step_rows:
             with self._gpu_lock():
                 self._prefill_chunks(ctx)
                 batch.keep_prefill_rows(self.steps, ctx)
         else:
-            yield PrefillTurn(cache=cache, start_pos=ctx.cached, ids=self.target.check_ids(tokens[ctx.cached : -1]))
+            layers = None if ctx.drafter.reads_prompt_features else self.target.prefill_layers
+            ids = self.target.check_ids(tokens[ctx.cached : -1])
+            yield PrefillTurn(cache=cache, start_pos=ctx.cached, ids=ids, layers=layers)
             ctx.hidden_rows = len(tokens) - 1 - ctx.cached
-            self.drafter.prefilled(ctx, ctx.cached)
+            ctx.drafter.prefilled(ctx, ctx.cached)
         if self.prefix_cache is not None:
             with self._gpu_lock():
                 self.prefix_cache.store(tokens[:-1], cache)
@@ -343,12 +329,12 @@ class SpeculativeEngine:
         to the drafter (`Drafter.prefilled`); without a drafter reading the prompt's features, only the layers that
         write K/V run."""
         target, tokens = self.target, ctx.tokens
-        layers = None if self.drafter.reads_prompt_features else target.prefill_layers
+        layers = None if ctx.drafter.reads_prompt_features else target.prefill_layers
         for begin in range(ctx.cached, len(tokens) - 1, target.max_rows):
             chunk = tokens[begin : min(begin + target.max_rows, len(tokens) - 1)]
             target.forward(chunk, ctx.target_cache, begin, logits="none", num_layers=layers)
             ctx.hidden_rows = len(chunk)
-            self.drafter.prefilled(ctx, begin)
+            ctx.drafter.prefilled(ctx, begin)
 
     def _forced_proposal(self, ctx: StepContext, spelled: list[int], forced: int, k: int, remaining: int) -> Proposal:
         """The grammar's own drafts: the forced bytes `spelled` (`GrammarMatcher.forced_spelling`), whose first
@@ -361,7 +347,7 @@ class SpeculativeEngine:
         tokens = spelled[:n]
         room = min(k, self.capacity - n, remaining - 1 - n)
         while n == len(spelled) and room > 0:
-            more = self.drafter.continue_tokens([*ctx.tokens, *tokens], room)[:room]
+            more = ctx.drafter.continue_tokens([*ctx.tokens, *tokens], room)[:room]
             valid, then_spelled = ctx.grammar.walk([*tokens, *more])
             more = more[: max(0, valid - len(tokens))]  # up to the first draft the grammar refuses
             if not more:
@@ -384,10 +370,33 @@ class SpeculativeEngine:
         k: int | None = None,
         grammar: GrammarMatcher | None = None,
     ) -> StepContext:
-        """A generation's start: the checks, the policy reset (`k` pins the draft length), a KV cache, the
-        drafter started, and the prefill of every prompt token but the last (the first step feeds it), after
-        the longest prefix the prefix cache holds (`ctx.cached`). Steps (`steps.step`) follow; `close_context`
-        ends it. Under a KV budget it first waits until the cache fits beside the running generations' caches."""
+        """A generation's start for steps taken by hand (`steps.step`, as the router's `generate_draft` does):
+        `_open`, then the prefill of every prompt token but the last (the first step feeds it), after the longest
+        prefix the prefix cache holds (`ctx.cached`); `close_context` ends it."""
+        ctx = self._open(prompt_ids, max_new_tokens, params, k=k, grammar=grammar, drafter=self.drafter)
+        try:
+            with self._gpu_lock():
+                self._prefill_chunks(ctx)
+        except BaseException:
+            self.close_context(ctx)
+            raise
+        self.target.gpu.wait_idle()
+        return ctx
+
+    def _open(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        *,
+        k: int | None,
+        grammar: GrammarMatcher | None,
+        drafter: Drafter,
+    ) -> StepContext:
+        """A generation's start: the checks, the policy reset (`k` pins the draft length), a KV cache, the prefix
+        cache's longest hit restored (`ctx.cached`), `drafter` (the engine's, or `PlainDecoding`) started and the
+        prompt's pipelines compiled; its prefill follows. Under a KV budget it first waits until the cache fits
+        beside the running generations'."""
         tokens = self.target.check_ids(prompt_ids).tolist()
         check_fits(len(tokens), max_new_tokens, self.target.max_positions)
         reserved = 0
@@ -395,7 +404,7 @@ class SpeculativeEngine:
             reserved = self.target.cache_bytes(self._capacity(len(tokens), max_new_tokens))
             self.kv_budget.reserve(reserved)
         try:
-            return self._open_context(tokens, max_new_tokens, params, k, grammar)
+            return self._open_context(tokens, max_new_tokens, params, k, grammar, drafter)
         except BaseException:
             if self.kv_budget is not None:
                 self.kv_budget.release(reserved)
@@ -412,56 +421,38 @@ class SpeculativeEngine:
         params: SamplingParams,
         k: int | None,
         grammar: GrammarMatcher | None,
+        drafter: Drafter,
     ) -> StepContext:
-        target, batch = self.target, self.batch
+        target = self.target
         self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
         capacity = self._capacity(len(tokens), max_new_tokens)
-        cache = self._new_cache(capacity)
+        cache = self.batch.new_cache(capacity)
         # An unseeded sampled generation draws from a stream of its own, so two answers to one prompt differ.
         seed = params.seed if params.seed is not None else secrets.randbits(32)
-        ctx = StepContext(tokens, target, cache, params, Mulberry32(seed), capacity, grammar=grammar)
+        ctx = StepContext(tokens, target, cache, params, Mulberry32(seed), capacity, grammar=grammar, drafter=drafter)
         if self.policy.adaptive and self.policy.cost_aware:
             ctx.worth_drafting = lambda values: worth_drafting(values, self.policy.costs)
         try:
             with self._gpu_lock():
                 # A seeded sampled generation's tokens follow its drafts' draws: the same with a hit or without.
                 seeded = not self.policy.cost_aware
-                if self.prefix_cache is not None and not (seeded and self.drafter.reads_prompt_features):
+                if self.prefix_cache is not None and not (seeded and ctx.drafter.reads_prompt_features):
                     entry, ctx.cached = self.prefix_cache.lookup(tokens)
                     if entry is not None:
                         self.prefix_cache.restore(entry, ctx.cached, cache)
-                self.drafter.start(ctx)
-            # The prompt but its last token, which step 1 feeds: here alone; beside other generations, in the loop
-            # (`_prefill_in_batch`).
+                ctx.drafter.start(ctx)
+            # The prompt but its last token (which step 1 feeds) is the generation's first turn (`_prefill`).
             target.compile_generation(len(tokens) - 1 - ctx.cached)
-            if batch is None:
-                self._prefill_chunks(ctx)
         except BaseException:
             self.close_context(ctx)
             raise
-        # Submits return before the GPU is done: wait, so the prefill is not billed to the first step
-        # (which would also skew the measured plain-step cost the policy relies on).
-        if batch is None:
-            target.gpu.wait_idle()
         return ctx
-
-    def _new_cache(self, capacity: int) -> KVCache:
-        """The generation's target cache: its own, or beside other generations a run of their arena, waiting (not
-        holding the GPU) while the arena's limit leaves no run that long (`KVArena.wait_for_room`)."""
-        if self.batch is None:
-            return self.target.new_cache(capacity)
-        arena = self.batch.arena
-        while True:
-            with self._gpu_lock():  # every take holds it, so room seen here is room taken
-                if arena.has_room(capacity):
-                    return self.target.new_cache(capacity, arena=arena)
-            arena.wait_for_room(capacity)
 
     def close_context(self, ctx: StepContext) -> None:
         """A generation's end (completed, failed or cancelled): its committed tokens' K/V kept in the prefix
         cache, the drafter's state and the KV cache freed."""
         with self._gpu_lock():
-            self.drafter.finish()
+            ctx.drafter.finish()
             cache = ctx.target_cache
             # Not after a step cut short, nor once the engine (and so the model's buffers) was closed.
             if self.prefix_cache is not None and cache.length == len(ctx.tokens) - 1 and not self.closed:
@@ -470,15 +461,15 @@ class SpeculativeEngine:
         if self.kv_budget is not None:
             self.kv_budget.release(self.target.cache_bytes(ctx.capacity))
 
-    def _gpu_lock(self) -> AbstractContextManager:
-        """Held while recording GPU work outside a step when other generations may be stepping (`batch`)."""
-        return self.batch.gpu() if self.batch is not None else contextlib.nullcontext()
+    def _gpu_lock(self) -> contextlib.AbstractContextManager:
+        """Held while recording GPU work outside the loop's steps (`StepBatch.gpu`)."""
+        return self.batch.gpu()
 
     def _batch_size(self, remaining: int, first: bool) -> int:
         """Plain steps for the next submit: one for a generation's first token (it shows at once), then as many
         as take about BATCH_TARGET_S by the measured cost per token, so the stream still moves several times a
-        second; one when log-probs are asked for (they are read per step)."""
-        if first or self.steps.logprobs is not None or self._plain_token_s is None:
+        second."""
+        if first or self._plain_token_s is None:
             return 1
         most = min(remaining, MAX_PLAIN_STEPS, self.target.max_rows)  # target.x keeps every step's row
         return max(1, min(most, int(BATCH_TARGET_S / self._plain_token_s)))
@@ -493,15 +484,18 @@ class SpeculativeEngine:
         """A plain token's measured cost, for sizing plain batches."""
         self._plain_token_s = seconds if self._plain_token_s is None else 0.7 * self._plain_token_s + 0.3 * seconds
 
-    def _measured_step(
-        self, ctx: StepContext, k: int, stats: SpecStats, plain_steps: int = 1, proposal: Proposal | None = None
-    ) -> list[int]:
-        """One step (or `plain_steps` plain steps in one submit) with its timing, statistics, pricing, policy update
-        and the KV-cache invariant check around it. `proposal`: drafts made here (the grammar's), not the drafter's."""
+    def _measured_step(self, turn: StepTurn, plain_steps: int, keep_rows: bool, *, stats: SpecStats) -> list[int]:
+        """A step the loop runs with the forward to itself (`StepTurn.measure`; or `plain_steps` plain steps in one
+        submit), with its timing, statistics, pricing, policy update and the KV-cache invariant check around it.
+        `keep_rows`: see `Stepper.step`."""
         self._check_open()  # a stream still iterated after its engine was closed
+        ctx, k = turn.ctx, turn.k
         pipelines = self.registry.cache_sizes["pipelines"]
         self.clock.start(self.registry.recorder(), drafting=k > 0)
-        outcome = self.steps.step(ctx, k, plain_steps=plain_steps, proposal=proposal, marks=self.clock)
+        outcome = self.steps.step(
+            ctx, k, plain_steps=plain_steps, proposal=turn.proposal, marks=self.clock, keep_rows=keep_rows
+        )
+        turn.outcome = outcome
         times = self.clock.stop()
         if plain_steps > 1:
             return self._plain_run(ctx, outcome, stats, times.total_s)
@@ -523,17 +517,11 @@ class SpeculativeEngine:
         return outcome.new
 
     def _shared_result(self, turn: StepTurn, stats: SpecStats) -> list[int]:
-        """A step the batch's loop ran: together with the other generations', or `plain_steps` plain ones when it
-        stepped alone. A shared step's wall time is the batch's, which says nothing of what this step's rows cost
-        alone, so it is not priced: the policy keeps the costs measured when the engine was prepared, and prices its
-        steps from them and the batch's measured forwards (`StepBatch.shared_costs`, set before each step's k is
-        chosen). Plain steps alone are timed as without a batch, to size the next runs of them."""
-        outcome, seconds = turn.outcome, turn.seconds
-        if turn.alone and not turn.k:
-            if len(outcome.new) > 1:
-                return self._plain_run(turn.ctx, outcome, stats, seconds)
-            self._observe_plain(seconds)
-        return self._account(turn.ctx, outcome, stats, StepTimes(0.0, seconds, None, None))
+        """A step the loop ran together with other generations'. Its wall time is the forward's, which says nothing
+        of what this step's rows cost alone, so it is not priced: the policy keeps the costs measured alone, and
+        prices its steps from them and the loop's measured forwards (`StepBatch.shared_costs`, set before each
+        step's k is chosen)."""
+        return self._account(turn.ctx, turn.outcome, stats, StepTimes(0.0, turn.seconds, None, None))
 
     def _account(self, ctx: StepContext, outcome: StepOutcome, stats: SpecStats, times: StepTimes) -> list[int]:
         """A step's statistics, the drafter's acceptance for the policy, and the KV-cache invariant check."""
@@ -599,10 +587,8 @@ class SpeculativeEngine:
         context = min(context, target.max_positions - max(rows) - 1)
         cache = target.new_cache(context + max(rows) + 1)
         tokens = [0] * (context + 1)
-        ctx = StepContext(tokens, target, cache, SamplingParams(), Mulberry32(0), cache.max_seq)
+        ctx = StepContext(tokens, target, cache, SamplingParams(), Mulberry32(0), cache.max_seq, drafter=_Replay())
         steps = self.steps
-        drafter, steps.drafter = steps.drafter, _Replay()
-        logprobs, steps.logprobs = steps.logprobs, None  # between two steps of a generation that asked for them
         try:
             target.forward(tokens[:-1], cache, 0, logits="none")
             target.gpu.wait_idle()  # else the first row count's first step would wait for this prefill too
@@ -617,13 +603,14 @@ class SpeculativeEngine:
                 if store:
                     self.policy.costs.verify[n] = best  # a deliberate measurement replaces what steps estimated
         finally:
-            steps.drafter, steps.logprobs = drafter, logprobs
             target.release_cache(cache)
 
     def close(self) -> None:
         """Free the step buffers and ops (the target and a draft model belong to the caller)."""
         if self.closed:
             return
+        if self._own_batch:
+            self.batch.close()
         self.readiness.close()
         self.drafter.close()
         self.steps.close()
@@ -631,17 +618,7 @@ class SpeculativeEngine:
         self.closed = True
 
 
-class _NoDrafter(NoOpHooks):
-    """Plain decoding: nothing is ever proposed, so every step is the verifier's n = 0 step."""
-
-    name = "none"
-    reads_step_rows = False
-
-    def propose(self, ctx: StepContext, k: int) -> Proposal:
-        return NO_PROPOSAL
-
-
-class _Replay(_NoDrafter):
+class _Replay(PlainDecoding):
     """Calibration's drafter: proposes k zeros from the host, so a step verifies exactly k + 1 rows."""
 
     name = "calibration"

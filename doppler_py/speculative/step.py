@@ -48,7 +48,7 @@ from doppler_py.ops.token_mask import TokenMask
 from doppler_py.ops.tree import MAX_TREE_ROWS, check_parents, compaction_moves, is_chain, layout_words
 from doppler_py.ops.tree_verify import TreeVerify, random_words, result_words
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, Proposal, StepContext
+from doppler_py.speculative.contract import NO_PROPOSAL, Proposal, StepContext
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy
 
 # Plain steps one submit may hold (`Stepper.step`'s plain_steps).
@@ -65,6 +65,7 @@ class StepOutcome:
     made: int = 0  # drafts made, verified or not (more than `drafted` where the policy trimmed the proposal)
     forced: int = 0  # leading drafts a grammar forced (the engine's, not the drafter's)
     spelled: int = 0  # drafts after those spelling the rest of the grammar's forced bytes (the engine's too)
+    logprobs: list[TokenLogprob] | None = None  # the committed tokens' (where the generation asks for them)
 
 
 class StepMarks(Protocol):
@@ -122,14 +123,12 @@ class PendingStep:
 
 
 class Stepper:
-    """The step for one target: its GPU buffers and verification ops, the drafter and the policy that trims
-    proposals. `capacity` bounds the drafts of one step."""
+    """The step for one target: its GPU buffers and verification ops, and the policy that trims proposals (each
+    generation's drafter is its context's, `StepContext.drafter`). `capacity` bounds the drafts of one step."""
 
-    def __init__(self, target: Transformer, drafter: Drafter, policy: DraftLengthPolicy, capacity: int):
-        self.target, self.drafter, self.policy, self.capacity = target, drafter, policy, capacity
+    def __init__(self, target: Transformer, policy: DraftLengthPolicy, capacity: int):
+        self.target, self.policy, self.capacity = target, policy, capacity
         self.registry = target.registry
-        self.logprobs: int | None = None  # top alternatives per token while a generation asks for log-probs
-        self.last_logprobs: list[TokenLogprob] | None = None  # the last step's committed tokens' (None: not asked)
         gpu = target.gpu
         self.spec_tokens = Tensor.empty(gpu, capacity + 1, "u32", "spec_tokens")
         self.randoms = Tensor.empty(gpu, 2 * capacity + 1, "f32", "spec_randoms")
@@ -160,7 +159,7 @@ class Stepper:
 
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         """The drafter's proposal of at most k tokens, trimmed to the nodes worth verifying."""
-        return self.policy.trim(self.drafter.propose(ctx, k)) if k else NO_PROPOSAL
+        return self.policy.trim(ctx.drafter.propose(ctx, k)) if k else NO_PROPOSAL
 
     def step(
         self,
@@ -203,7 +202,7 @@ class Stepper:
         proposal = self.propose(ctx, k) if proposal is None else proposal
         if ctx.grammar is not None:
             proposal = self._mask_rows(ctx, proposal)
-        n, tree = self._check(proposal, k, plain_steps, ctx.grammar is not None)
+        n, tree = self._check(proposal, k, plain_steps, ctx)
         pending = PendingStep(ctx, proposal, n, tree, plain_steps, len(ctx.tokens) - 1)
         self._upload(ctx, proposal, tree, plain_steps)
         return pending
@@ -243,8 +242,8 @@ class Stepper:
             self._masks().record(rec, pending.rows)
         verifier = self.tree_verify if pending.tree else self._verifier(pending.proposal.draft_logits)
         verifier.record(rec, pending.rows, pending.ctx.params)
-        if self.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
-            self._logprobs().record(rec, pending.rows, pending.ctx.params, self.logprobs)
+        if pending.ctx.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
+            self._logprobs().record(rec, pending.rows, pending.ctx.params, pending.ctx.logprobs)
         if pending.n == 0:
             self._plain_outputs(rec, j, keep_features=pending.plain_steps > 1)
 
@@ -255,8 +254,7 @@ class Stepper:
         for j, verdict in enumerate(verdicts):
             check_status(verdict.status, pos + j, n)
         accepted = len(verdicts[0].accepted)
-        if self.logprobs is not None:
-            self.last_logprobs = self._logprobs().read(accepted + 1, self.logprobs)
+        logprobs = None if ctx.logprobs is None else self._logprobs().read(accepted + 1, ctx.logprobs)
         moves = compaction_moves(verdicts[0].path) if tree else []
         if moves:
             self._compact(ctx, pos, moves)
@@ -267,17 +265,20 @@ class Stepper:
         if ctx.grammar is not None:
             ctx.grammar.advance(new)
         # The grammar's drafts are none of the drafter's: it catches up as after plain steps.
-        self.drafter.commit(ctx, 0 if proposal.by_grammar else accepted)
+        ctx.drafter.commit(ctx, 0 if proposal.by_grammar else accepted)
         made = proposal.drafts_made
-        return StepOutcome(new, n, accepted, proposal.on_gpu, tree, made, proposal.forced, proposal.spelled)
+        return StepOutcome(
+            new, n, accepted, proposal.on_gpu, tree, made, proposal.forced, proposal.spelled, logprobs=logprobs
+        )
 
-    def _check(self, proposal: Proposal, k: int, plain_steps: int, constrained: bool) -> tuple[int, bool]:
+    def _check(self, proposal: Proposal, k: int, plain_steps: int, ctx: StepContext) -> tuple[int, bool]:
         """The number of drafts and whether they are a tree, after refusing what the verification cannot take."""
-        n, name = proposal.count, self.drafter.name
+        n, name = proposal.count, ctx.drafter.name
         if not 0 <= n <= k:
             raise InternalError(f"drafter {name!r} proposed {n} tokens when asked for at most {k}")
         # Log-probs are read, and a grammar's next mask computed, after each step.
-        one_at_a_time = k or self.logprobs is not None or constrained
+        constrained = ctx.grammar is not None
+        one_at_a_time = k or ctx.logprobs is not None or constrained
         if not 1 <= plain_steps <= MAX_PLAIN_STEPS or (plain_steps > 1 and one_at_a_time):
             raise InternalError(f"{plain_steps} plain steps in one submit (k = {k}, constrained {constrained})")
         if proposal.parents is None:
@@ -289,7 +290,7 @@ class Stepper:
             raise InternalError(f"drafter {name!r} proposed a tree with draft logits; tree nodes are deterministic")
         if proposal.on_gpu:
             raise InternalError(f"drafter {name!r} proposed a tree on the GPU; tree tokens come from the host")
-        if self.logprobs is not None:
+        if ctx.logprobs is not None:
             raise GenerationOptionError(f"drafter {name!r} proposed a token tree; log-probs are not given for trees")
         return n, True
 

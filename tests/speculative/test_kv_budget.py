@@ -65,7 +65,7 @@ def test_a_generation_that_does_not_fit_beside_another_waits_for_it_and_is_uncha
     limit = one + one // 2  # room for one generation's cache, not two
     budget = KVBudget(limit) if bound == "budget" else None
     batch = StepBatch(target, kv_limit_bytes=limit) if bound == "arena" else None
-    engines = [SpeculativeEngine(target, PromptLookupDrafter()) for _ in PROMPTS]
+    engines = [SpeculativeEngine(target, PromptLookupDrafter(), batch=batch) for _ in PROMPTS]
     outputs: list[list[int]] = [[], []]
     started = [0.0, 0.0]  # when each one's first tokens came
     closed: list[float] = []  # when the first one's cache was freed (its consumer may still be reading)
@@ -75,7 +75,6 @@ def test_a_generation_that_does_not_fit_beside_another_waits_for_it_and_is_uncha
 
     def run(i: int) -> None:
         engines[i].kv_budget = budget
-        engines[i].batch = batch
         steps = engines[i].iter_generate(PROMPTS[i], NEW, GREEDY, stats=SpecStats())
         for new in steps:
             if not outputs[i]:

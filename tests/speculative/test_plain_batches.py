@@ -19,18 +19,18 @@ PARAMS = {
 }
 
 
-def batched(target, params, new_tokens, batch, stop_ids=()):
-    """The plain engine's tokens with every batch forced to `batch` steps (the first token too), and its stats."""
+def batched(target, params, new_tokens, batch, stop_ids=(), pieces=None, **options):
+    """The plain engine's tokens with every batch forced to `batch` steps (the first token too), and its stats;
+    `pieces` gets the token lists as they came."""
     engine = SpeculativeEngine(target, None)
     engine._batch_size = lambda remaining, first: min(batch, remaining)
     stats = SpecStats()
+    pieces = [] if pieces is None else pieces
     try:
-        tokens = [
-            t for new in engine.iter_generate(PROMPT, new_tokens, params, stats=stats, stop_ids=stop_ids) for t in new
-        ]
+        pieces += engine.iter_generate(PROMPT, new_tokens, params, stats=stats, stop_ids=stop_ids, **options)
     finally:
         engine.close()
-    return tokens, stats
+    return [t for new in pieces for t in new], stats
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=PARAMS)
@@ -60,11 +60,21 @@ def test_the_batch_size_follows_the_measured_step_cost(models):
         engine._plain_token_s = 1e-6
         assert engine._batch_size(100, first=False) == MAX_PLAIN_STEPS
         assert engine._batch_size(4, first=False) == 4
-        engine.steps.logprobs = 2  # log-probs are read per step
-        assert engine._batch_size(100, first=False) == 1
     finally:
-        engine.steps.logprobs = None
         engine.close()
+
+
+def test_a_generation_with_log_probs_takes_its_plain_steps_one_per_submit(models):
+    """Log-probs are read per step: their generation's tokens come one at a time, each with its entry, whatever
+    the batch size; the same generation without them comes in batches."""
+    params = PARAMS["greedy"]
+    with_logprobs, entries = [], []
+    tokens, _ = batched(models["target"], params, 12, 6, pieces=with_logprobs, logprobs=2, logprob_entries=entries)
+    assert [len(piece) for piece in with_logprobs] == [1] * 12
+    assert [entry.token for entry in entries] == tokens
+    without: list[list[int]] = []
+    assert batched(models["target"], params, 12, 6, pieces=without)[0] == tokens
+    assert [len(piece) for piece in without] == [6, 6]
 
 
 def test_uniform_copies_for_each_step_are_given_back_with_their_ops(models, registry):
