@@ -6,6 +6,7 @@ speculation is the OpenAI routes' tests' business; this route only shapes its an
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from doppler_py.testing.tiny import write_tiny_model
 
 anthropic = pytest.importorskip("anthropic")
 
-MODEL = "tiny-chat0"
+MODEL = "tiny-chat"  # the id the servers are given (the folder's name depends on the tests run before)
 STORY = [{"role": "user", "content": "Tell me a story."}]
 WEATHER = {
     "name": "get_weather",
@@ -95,7 +96,7 @@ def test_sampling_fields_and_tool_choice_map_to_the_engines_options(tool_choice,
         "top_p": 0.9,
         "top_k": 20,
         "stop_sequences": ["\n\n"],
-        "tools": [WEATHER, NOW],
+        "tools": [WEATHER, NOW | {"strict": True}],
     } | ({"tool_choice": tool_choice} if tool_choice else {})
     options = parse_messages(body, GenerationOptions(max_tokens=99)).options
     assert (options.max_tokens, options.temperature, options.top_p, options.top_k) == (7, 0.5, 0.9, 20)
@@ -105,6 +106,7 @@ def test_sampling_fields_and_tool_choice_map_to_the_engines_options(tool_choice,
     if plan is not None:
         assert plan.parallel == parallel and plan.named == (tool_choice or {}).get("name")
         assert plan.functions[0].parameters == WEATHER["input_schema"] or plan.named == "now"
+        assert {f.name: f.strict for f in plan.functions}.items() <= {"get_weather": False, "now": True}.items()
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
@@ -117,7 +119,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    config = ServerConfig(defaults={"max_tokens": 12, "speculative": "none"})
+    config = ServerConfig(model_id=MODEL, defaults={"max_tokens": 12, "speculative": "none"})
     with serving_in_background(OpenAIServer(engine, config).app) as url:
         yield url
 
@@ -264,6 +266,19 @@ def test_a_tool_use_round_trip_with_the_anthropic_client(client):
     assert prompt_tokens("sunny, 21 C, dry") - prompt_tokens("sunny, 21 C") == len(", dry")
 
 
+def test_a_client_leaving_mid_stream_cancels_the_generation(server):
+    before = httpx.get(f"{server}/health").json()
+    request = {"model": MODEL, "max_tokens": 2000, "messages": STORY, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/messages", json=request, timeout=60) as response:
+        lines = response.iter_lines()
+        assert any(line == "event: content_block_delta" for line, _ in zip(lines, range(20), strict=False))
+    deadline = time.monotonic() + 20  # the generation stops long before its 2,000 tokens
+    while (status := httpx.get(f"{server}/health").json())["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status["running"] == 0 and status["cancelled"] == before["cancelled"] + 1
+    assert status["completed"] == before["completed"]
+
+
 # --- refusals, in Anthropic's error shape ----------------------------------------------------------------------
 def user(content) -> list[dict]:
     return [{"role": "user", "content": content}]
@@ -330,7 +345,7 @@ def test_the_anthropic_client_raises_its_own_errors(client, server):
 
 @pytest.fixture(scope="module")
 def keyed_server(engine):
-    config = ServerConfig(api_key=API_KEY, defaults={"max_tokens": 2, "speculative": "none"})
+    config = ServerConfig(model_id=MODEL, api_key=API_KEY, defaults={"max_tokens": 2, "speculative": "none"})
     with serving_in_background(OpenAIServer(engine, config).app) as url:
         yield url
 

@@ -252,8 +252,10 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         if not isinstance(tool.get("input_schema"), dict):
             raise _bad(f"{where}.input_schema", f"{where}.input_schema must be a JSON schema (an object)")
         function = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
+        # strict: the schema is compiled strictly (a keyword the grammar engine lacks is refused, not ignored).
+        for name in ("description", "strict"):
+            if tool.get(name) is not None:
+                function[name] = tool[name]
         functions.append({"type": "function", "function": function})
     return functions
 
