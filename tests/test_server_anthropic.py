@@ -306,7 +306,7 @@ BAD_REQUESTS = {
     "tool-result-without-its-call": (
         BASE | {"messages": [*STORY, {"role": "assistant", "content": "ok"},
                              *user([{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}])]},
-        400, "messages[2].content[0].tool_use_id 'toolu_9' matches no tool_use block",
+        400, "messages[2].content[0].tool_use_id 'toolu_9' matches no tool_use block of the turn before",
     ),
     "tool-use-unanswered": (BASE | {"messages": [*STORY, CALLED, *user("and?")]}, 400, "tool_use ids ['toolu_1']"),
     "stop-sequences-a-string": (BASE | {"stop_sequences": "\n"}, 400, "'stop_sequences' must be a list"),

@@ -173,11 +173,9 @@ def _assistant_message(turn: _Turn) -> dict[str, Any]:
         for _, block in turn.blocks
         if block["type"] == "tool_use"
     ]
-    return (
-        {"role": "assistant", "content": text or None, "tool_calls": calls}
-        if calls
-        else {"role": "assistant", "content": text}
-    )
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": calls}
 
 
 def _user_messages(turn: _Turn, calls: set[str]) -> list[dict[str, Any]]:
@@ -190,13 +188,12 @@ def _user_messages(turn: _Turn, calls: set[str]) -> list[dict[str, Any]]:
             continue
         call = block["tool_use_id"]
         if call not in unanswered:
-            answered = "answers a call already answered" if call in calls else "matches no tool_use block"
-            raise _bad(
-                f"{where}.tool_use_id",
-                f"{where}.tool_use_id {call!r} {answered} of the assistant's turn just before",
+            problem = (
+                "answers a call answered before" if call in calls else "matches no tool_use block of the turn before"
             )
+            raise _bad(f"{where}.tool_use_id", f"{where}.tool_use_id {call!r} {problem}")
         unanswered.discard(call)
-        text = _text_of(f"{where}.content", block.get("content", ""), "a tool_result")
+        text = _text_of(f"{where}.content", block.get("content") or "", "a tool_result")
         # The model is told when the tool failed: Anthropic's is_error has no place of its own in a chat template.
         messages.append(
             {"role": "tool", "tool_call_id": call, "content": f"Error: {text}" if block.get("is_error") else text}
