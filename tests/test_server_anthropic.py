@@ -343,6 +343,17 @@ def test_the_anthropic_client_raises_its_own_errors(client, server):
     assert response.status_code == 405 and response.json()["type"] == "error"
 
 
+def test_a_full_server_answers_429_rate_limit_error(engine):
+    config = ServerConfig(model_id=MODEL, queue_size=0, defaults={"speculative": "none"})  # one generation at a time
+    with serving_in_background(OpenAIServer(engine, config).app) as url:
+        running = {"model": MODEL, "max_tokens": 2000, "messages": STORY, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/messages", json=running, timeout=60) as response:
+            assert response.status_code == 200  # its first event is in: it runs
+            refused = httpx.post(f"{url}/v1/messages", json=BASE, timeout=60)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
 @pytest.fixture(scope="module")
 def keyed_server(engine):
     config = ServerConfig(model_id=MODEL, api_key=API_KEY, defaults={"max_tokens": 2, "speculative": "none"})
