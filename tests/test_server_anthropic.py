@@ -14,7 +14,7 @@ import pytest
 from doppler_py.api import load
 from doppler_py.options import GenerationOptions
 from doppler_py.server import OpenAIServer, ServerConfig, serving_in_background
-from doppler_py.server.anthropic_shapes import chat_messages, parse_messages
+from doppler_py.server.anthropic_parsing import chat_messages, parse_messages
 from doppler_py.testing.tiny import write_tiny_model
 
 anthropic = pytest.importorskip("anthropic")

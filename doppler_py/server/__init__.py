@@ -6,7 +6,7 @@
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both with
 `"stream": true` for server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET /health and GET
 /metrics (Prometheus text); and Anthropic's Messages API, POST /v1/messages (streamed as Anthropic's events) and POST
-/v1/messages/count_tokens, answered in Anthropic's shapes, errors included (`anthropic_shapes`, `messages_route`).
+/v1/messages/count_tokens, answered in Anthropic's shapes, errors included (`messages_route`).
 Every response carries `usage` and a `doppler` object with the speculation figures of the generation.
 
 `stop` (a string or up to 4) ends the text before the first stop string, with finish_reason "stop"; streamed
@@ -54,10 +54,11 @@ cancels its generation, which closes the engine's stream iterator and so frees i
 
 The package, by concern: `parsing` (a request body to a `GenerationRequest`, validated), `errors` (`RequestError`
 and the engine's errors as HTTP answers), `jobs` (a generation on a GPU worker thread, the queue that admits and
-runs them), `openai_shapes` (OpenAI's response and chunk objects), `anthropic_shapes` and `messages_route`
-(Anthropic's Messages API: its request mapping, answers, events and errors; its routes), `disconnect` (waiting on
-work while the client may leave), `metrics` (/health's KV figures and /metrics' Prometheus text), `app`
-(`OpenAIServer`: the Starlette routes) and `serving` (uvicorn: `serve`, `serving_in_background`).
+runs them), `openai_shapes` (OpenAI's response and chunk objects), `anthropic_parsing`, `anthropic_shapes` and
+`messages_route` (Anthropic's Messages API: its requests; its answers, events and errors; its routes),
+`disconnect` (waiting on work while the client may leave), `metrics` (/health's KV figures and /metrics'
+Prometheus text), `app` (`OpenAIServer`: the Starlette routes) and `serving` (uvicorn: `serve`,
+`serving_in_background`).
 """
 
 from doppler_py.server.app import OpenAIServer, ServerConfig

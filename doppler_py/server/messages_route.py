@@ -11,14 +11,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from doppler_py.server.anthropic_shapes import (
-    MessageEvents,
-    error_body,
-    error_response,
-    message_response,
-    parse_messages,
-    sse_event,
-)
+from doppler_py.server.anthropic_parsing import parse_messages
+from doppler_py.server.anthropic_shapes import MessageEvents, error_body, error_response, message_response, sse_event
 from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
 from doppler_py.server.errors import RequestError, _engine_error
 from doppler_py.server.jobs import Event, Job, _cancel, _JobEvents
