@@ -87,6 +87,8 @@ class GenerationResult:
     # With tools: the calls the answer made, in OpenAI's shape ({"id", "type", "function": {"name", "arguments"}});
     # None without tools. `text` stays the answer as written (the <tool_call> blocks, see `doppler_py.tool_calls`).
     tool_calls: list[dict] | None = None
+    # The stop string that ended the text (finish_reason "stop" by a stop string, not by end of sequence), or None.
+    stop_sequence: str | None = None
 
     def as_dict(self) -> dict:
         record = {k: v for k, v in self.__dict__.items() if k not in ("tokens", "logprobs")}
@@ -501,6 +503,7 @@ class Engine:
             time_saved_s_err=saved_err,
             stats=stats.as_dict(),
             cached_tokens=stats.cached_tokens,
+            stop_sequence=stop.matched,
         )
 
 
@@ -514,6 +517,7 @@ class StopMatcher:
         self.text = ""  # everything pushed
         self.released = 0  # text[:released] has been handed out
         self.stop_at: int | None = None  # where the first stop string starts, once found
+        self.matched: str | None = None  # that stop string (the first listed, where several start there)
 
     def push(self, piece: str) -> str:
         """Add a piece; return the text now known to precede any stop string."""
@@ -523,6 +527,7 @@ class StopMatcher:
         hits = [i for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
         if hits:
             self.stop_at = min(hits)
+            self.matched = next(s for s in self.stops if self.text.startswith(s, self.stop_at))
             return self._release(self.stop_at)
         pending = len(self.text) - self.released
         hold = next(

@@ -656,7 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     serve.add_argument("--model-id", help="the model name clients use (default: derived from --model)")
     serve.add_argument(
-        "--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $DOPPLER_API_KEY, else none)"
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* (default: $DOPPLER_API_KEY, else none)",
     )
     _add_model_options(serve)
     _add_generation_options(serve)

@@ -41,6 +41,12 @@ def test_matcher_releases_exactly_the_text_before_the_first_stop_for_any_split(s
     end = first_stop(text, stops)
     assert "".join(released) == (text if end is None else text[:end])
     assert matcher.stop_at == end
+    if end is None:
+        assert matcher.matched is None
+    else:
+        assert text.startswith(matcher.matched, end) and matcher.matched == next(
+            s for s in stops if text.startswith(s, end)
+        )
 
 
 def test_stop_options_are_checked():

@@ -5,7 +5,8 @@
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both with
 `"stream": true` for server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET /health and GET
-/metrics (Prometheus text).
+/metrics (Prometheus text); and Anthropic's Messages API, POST /v1/messages (streamed as Anthropic's events) and POST
+/v1/messages/count_tokens, answered in Anthropic's shapes, errors included (`messages_route`).
 Every response carries `usage` and a `doppler` object with the speculation figures of the generation.
 
 `stop` (a string or up to 4) ends the text before the first stop string, with finish_reason "stop"; streamed
@@ -41,8 +42,9 @@ target model's log_softmax(logits / T) at the request's temperature (T = 1 when 
 filtering (see `GenerationOptions`); a log-probability of -inf is sent as -9999.0, as OpenAI does.
 
 With an API key (`serve --api-key KEY`, or the DOPPLER_API_KEY environment variable), every /v1/* request
-needs `Authorization: Bearer KEY` (compared in constant time; otherwise 401 with an OpenAI-style error body);
-/health stays open. Binding a non-loopback address without a key prints a warning.
+needs `Authorization: Bearer KEY` or `x-api-key: KEY` (compared in constant time; otherwise 401 with an OpenAI-style
+error body, Anthropic's on /v1/messages); /health stays open. Binding a non-loopback address without a key prints a
+warning.
 
 Generations run on the engine's `parallel` worker threads (`serve --parallel N`, default 1): with more than
 one, the running generations decode together, every step of each sharing one forward of the model
@@ -52,7 +54,9 @@ cancels its generation, which closes the engine's stream iterator and so frees i
 
 The package, by concern: `parsing` (a request body to a `GenerationRequest`, validated), `errors` (`RequestError`
 and the engine's errors as HTTP answers), `jobs` (a generation on a GPU worker thread, the queue that admits and
-runs them), `openai_shapes` (OpenAI's response and chunk objects), `metrics` (/health's KV figures and /metrics'
+runs them), `openai_shapes` (OpenAI's response and chunk objects), `anthropic_parsing`, `anthropic_shapes` and
+`messages_route` (Anthropic's Messages API: its requests; its answers, events and errors; its routes),
+`disconnect` (waiting on work while the client may leave), `metrics` (/health's KV figures and /metrics'
 Prometheus text), `app` (`OpenAIServer`: the Starlette routes) and `serving` (uvicorn: `serve`,
 `serving_in_background`).
 """

@@ -8,8 +8,9 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from starlette.routing import Route
 from doppler_py.api import Engine, GenerationResult
 from doppler_py.model.catalog import KNOWN_MODELS
 from doppler_py.options import GenerationOptions
+from doppler_py.server import anthropic_shapes, messages_route
+from doppler_py.server.anthropic_shapes import is_messages_path
+from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
 from doppler_py.server.errors import RequestError, _engine_error, _error_body
 from doppler_py.server.jobs import Event, GenerationQueue, Job, _cancel, _JobEvents
 from doppler_py.server.metrics import kv_status, prometheus_text
@@ -38,7 +42,7 @@ class ServerConfig:
     queue_size: int = 8  # requests that may wait while one generates; one more gets 429
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     model_id: str | None = None  # the name clients use; default: derived from the engine's model
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" or "x-api-key: <api_key>"
     # The options of requests that leave them out: a GenerationOptions, or a dict of its fields (made into one).
     defaults: GenerationOptions | Mapping[str, Any] = field(default_factory=GenerationOptions)
 
@@ -56,42 +60,31 @@ def default_model_id(name: str) -> str:
 
 
 class ApiKeyCheck:
-    """ASGI middleware: /v1/* requests must carry `Authorization: Bearer <key>`; anything else passes."""
+    """ASGI middleware: /v1/* requests must carry the key, as `Authorization: Bearer <key>` (OpenAI's clients) or
+    `x-api-key: <key>` (Anthropic's); anything else passes. A refusal is a 401 in the route's API's error shape."""
 
     def __init__(self, app, key: str):
         self.app = app
         self.expected = f"Bearer {key}".encode()
+        self.key = key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if not hmac.compare_digest(given.strip(), self.expected):
-                message = "missing or incorrect API key: send 'Authorization: Bearer <key>'"
-                body = _error_body(message, "invalid_request_error", code="invalid_api_key")
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path == "/v1" or path.startswith("/v1/"):
+            headers = scope["headers"]
+            bearer = next((value for name, value in headers if name == b"authorization"), b"")
+            api_key = next((value for name, value in headers if name == b"x-api-key"), b"")
+            # Both compared, in constant time, whichever was sent.
+            good = hmac.compare_digest(bearer.strip(), self.expected) | hmac.compare_digest(api_key.strip(), self.key)
+            if not good:
+                message = "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                if is_messages_path(path):
+                    body = anthropic_shapes.error_body(401, message)
+                else:
+                    body = _error_body(message, "invalid_request_error", code="invalid_api_key")
                 await JSONResponse(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-_DISCONNECTED = object()
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """The result of `work`, or _DISCONNECTED when the client goes away first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if task.done() and not task.cancelled() else _DISCONNECTED
 
 
 class OpenAIServer:
@@ -109,6 +102,8 @@ class OpenAIServer:
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/messages", partial(messages_route.messages, self), methods=["POST"]),  # Anthropic's
+                Route("/v1/messages/count_tokens", partial(messages_route.count_tokens, self), methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -131,7 +126,9 @@ class OpenAIServer:
         return exc.response()
 
     @staticmethod
-    async def _http_error(_request: Request, exc: HTTPException) -> Response:
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        if is_messages_path(request.url.path):  # e.g. GET /v1/messages: Anthropic's clients read Anthropic's shape
+            return anthropic_shapes.error_response(RequestError(exc.status_code, str(exc.detail)))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(_error_body(str(exc.detail), kind), exc.status_code, getattr(exc, "headers", None))
 
