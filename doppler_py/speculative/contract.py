@@ -40,6 +40,7 @@ from doppler_py.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from doppler_py.constraints.matcher import GrammarMatcher
+    from doppler_py.ops.penalties import Penalties
 
 
 @dataclass
@@ -68,6 +69,9 @@ class StepContext:
     grammar         the generation's constraint (`constraints.GrammarMatcher`, at the committed tokens), or None.
                     The step masks every verified row by it and the engine drafts the tokens it forces; a
                     drafter may ignore it (a draft the grammar refuses is cut before verification).
+    penalties       the generation's penalties, logit bias and min-p on the GPU (`ops.penalties`: its token counts
+                    and buffers), made by the step at the first step that needs them; None while params set none.
+                    Freed by `close`.
     """
 
     tokens: list[int]
@@ -80,10 +84,17 @@ class StepContext:
     worth_drafting: Callable[[Sequence[float]], bool] | None = None
     cached: int = 0
     grammar: GrammarMatcher | None = None
+    penalties: Penalties | None = None
 
     @property
     def hidden(self) -> Tensor:
         return self.target.x
+
+    def close(self) -> None:
+        """The generation ended: free its own GPU state (the KV cache is the engine's to release)."""
+        if self.penalties is not None:
+            self.penalties.release()
+            self.penalties = None
 
 
 @dataclass(frozen=True)
