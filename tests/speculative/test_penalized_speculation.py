@@ -94,6 +94,29 @@ def test_greedy_trees_with_penalties_equal_plain_decoding_with_host_penalties(mo
     assert result.stats.tree_steps > 0  # accepted drafts: test_rows_after_accepted_drafts_count_them
 
 
+def test_a_bias_counts_before_top_p(models):
+    """Seeded plain decoding draws exactly as the host reference (bias, then min-p, temperature, top-p); a token
+    outside the unbiased top-p set is lifted into it by its bias and gets sampled, which a bias applied after top-p
+    could never do."""
+    target = models["target"]
+    cache = target.new_cache(len(PROMPT))
+    try:
+        target.forward(PROMPT[:-1], cache, 0, logits="none")
+        first = target.forward(PROMPT[-1:], cache)
+    finally:
+        target.release_cache(cache)
+    unbiased = filtered_probs(first, SamplingParams(temperature=1.0, top_p=0.5))
+    outside = int(np.argsort(first)[len(first) // 2])  # a middling token, far outside the top half of the mass
+    assert unbiased[outside] == 0
+    firsts = []
+    for seed in range(12):
+        params = SamplingParams(temperature=1.0, top_p=0.5, logit_bias={outside: 4.0}, min_p=0.01, seed=seed)
+        tokens = generate(target, None, PROMPT, 6, params, None).tokens
+        assert tokens == reference_decode(target, PROMPT, 6, params)
+        firsts.append(tokens[0])
+    assert outside in firsts
+
+
 def test_plain_decoding_with_penalties_and_logprobs_reports_the_penalised_distribution(models):
     """Plain steps (one per submit under penalties) and the log-probs of the distribution after the penalties."""
     target, params = models["target"], SamplingParams(temperature=0.7, frequency_penalty=1.0, min_p=0.1, seed=4)
@@ -119,7 +142,15 @@ def test_plain_decoding_with_penalties_and_logprobs_reports_the_penalised_distri
         target.release_cache(cache)
 
 
-SAMPLED = SamplingParams(temperature=1.5, frequency_penalty=1.5, logit_bias={3: 1.5, 17: -100.0}, min_p=0.08)
+# Negative penalties make a repeat of the first token much likelier: a row that missed its drafts shows at once.
+SAMPLED = SamplingParams(
+    temperature=1.5,
+    top_p=0.95,
+    frequency_penalty=-2.0,
+    presence_penalty=-1.0,
+    logit_bias={3: 1.5, 17: -100.0},
+    min_p=0.08,
+)
 
 
 def exact_penalized_joint(target, prompt, params):
@@ -165,20 +196,20 @@ def test_sampled_chains_with_penalties_bias_and_min_p_keep_the_joint_distributio
     target, prompt = models["target"], [3, 17, 5]
     joint = exact_penalized_joint(target, prompt, SAMPLED)
     counts, accepted, _ = sampled_pairs(target, DraftModelDrafter(models["draft"], 48), prompt, SAMPLED, JOINT)
-    assert accepted > JOINT // 2, "too few drafts accepted to test the rows after them"
     assert_samples_follow(counts, joint)
+    assert accepted > JOINT // 2, "too few drafts accepted to test the rows after them"
 
 
-class LikeliestTree(NoOpHooks):
-    """At the first step, a tree of the 2 likeliest first tokens, each with its likeliest successor (by the exact
-    joint): deterministic nodes, accepted often, so many second tokens come from rows under an accepted node."""
+class RepeatTree(NoOpHooks):
+    """At the first step, a tree of the 3 first tokens likeliest to be repeated (by the exact joint), each with itself
+    as its leaf: deterministic nodes; a leaf is accepted as often as the penalties (negative here) make a repeat
+    likely, which a row that missed its ancestor would not."""
 
-    name = "likeliest-tree"
+    name = "repeat-tree"
 
     def __init__(self, joint: np.ndarray, prompt_len: int):
-        roots = np.argsort(-joint.sum(axis=1), kind="stable")[:2]
-        self.tokens = [int(t) for t in roots] + [int(np.argmax(joint[root])) for root in roots]
-        self.parents = [-1, -1, 0, 1]
+        roots = [int(t) for t in np.argsort(-np.diag(joint), kind="stable")[:3]]
+        self.tokens, self.parents = roots + roots, [-1, -1, -1, 0, 1, 2]
         self.prompt_len = prompt_len
 
     def propose(self, ctx, k):
@@ -188,13 +219,13 @@ class LikeliestTree(NoOpHooks):
 
 
 def test_sampled_trees_with_penalties_bias_and_min_p_keep_the_joint_distribution(models):
-    """Every first step verifies a tree of 4 nodes (two roots, a leaf under each; generations of 5 tokens, so the
-    step may verify 4); each row is penalised with its own ancestors."""
+    """Every first step verifies a tree of 6 nodes (three roots, a leaf under each; generations of 7 tokens, so the
+    step may verify 6); each row is penalised with its own ancestors."""
     target, prompt = models["target"], [3, 17, 5]
     joint = exact_penalized_joint(target, prompt, SAMPLED)
-    counts, accepted, trees = sampled_pairs(target, LikeliestTree(joint, len(prompt)), prompt, SAMPLED, JOINT, k=4)
-    assert trees == JOINT and accepted > JOINT // 4
+    counts, accepted, trees = sampled_pairs(target, RepeatTree(joint, len(prompt)), prompt, SAMPLED, JOINT, k=6)
     assert_samples_follow(counts, joint)
+    assert trees == JOINT and accepted > JOINT // 5
 
 
 def test_a_bias_on_a_token_outside_the_vocabulary_is_refused(models):
