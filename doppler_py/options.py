@@ -23,7 +23,7 @@ from doppler_py import defaults, tool_calls
 from doppler_py.errors import GenerationOptionError
 from doppler_py.ops.logprobs import check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
-from doppler_py.sampling import DEFAULT_REPEAT_LAST_N, SamplingParams
+from doppler_py.sampling import SamplingParams
 from doppler_py.speculative.registry import speculative_modes
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -107,9 +107,9 @@ class GenerationOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
+    repeat_last_n: int = defaults.REPEAT_LAST_N
     logit_bias: Mapping[Any, float] | None = None
-    min_p: float = 0.0
+    min_p: float = defaults.MIN_P
     speculative: str | None = defaults.SPECULATIVE
     k: int | None = defaults.K
     chat: bool | None = None

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from doppler_py import defaults
 from doppler_py.errors import GenerationOptionError
 
 _F32_MAX = float(np.finfo(np.float32).max)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's
-DEFAULT_REPEAT_LAST_N = 64  # the repetition penalty's window, as llama.cpp's
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
+    repeat_last_n: int = defaults.REPEAT_LAST_N
     logit_bias: Mapping[Any, float] | tuple[tuple[int, float], ...] | None = ()
     min_p: float = 0.0
 
