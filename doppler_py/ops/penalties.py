@@ -19,6 +19,7 @@ that is off.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,7 +30,6 @@ from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import require_f32, require_rows
 from doppler_py.ops.tree import MAX_TREE_ROWS
 from doppler_py.sampling import SamplingParams, check_bias_vocab
-from doppler_py.testing.penalty_reference import min_p_offset
 
 _ALL = 0xFFFFFFFF  # the shader's "no occurrence" age and "every token" window
 _FIRST_ENTRIES = 256
@@ -74,7 +74,7 @@ class Penalties:
         self.min_p = None
         if params.filters_min_p:
             kernel = registry.kernel("min_p")
-            offset = min_p_offset(params)
+            offset = float(np.float32(params.temperature * math.log(params.min_p)))  # <= 0: below the max
             self.min_p = registry.bind(kernel, params={"vocab": vocab, "offset": offset}, logits=logits)
 
     def update(self, context: Sequence[int]) -> None:

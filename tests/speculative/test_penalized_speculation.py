@@ -18,6 +18,7 @@ from doppler_py.speculative.contract import NoOpHooks, Proposal
 from doppler_py.speculative.drafters.draft_model import DraftModelDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
 from doppler_py.speculative.stats import SpecStats
+from doppler_py.speculative.step import Stepper
 from doppler_py.testing.penalty_reference import sampler_logits
 from doppler_py.testing.sampling_reference import filtered_probs
 
@@ -115,6 +116,20 @@ def test_a_bias_counts_before_top_p(models):
         assert tokens == reference_decode(target, PROMPT, 6, params)
         firsts.append(tokens[0])
     assert outside in firsts
+
+
+def test_min_p_alone_keeps_plain_steps_several_per_submit(models, monkeypatch):
+    """Min-p depends on no earlier token, so plain decoding still batches its steps (each step's dispatch with the
+    same uniforms), and seeded output is the host reference's, draw for draw."""
+    target, submits = models["target"], []
+    step = Stepper.step
+    monkeypatch.setattr(
+        Stepper, "step", lambda self, *a, **kw: submits.append(kw.get("plain_steps", 1)) or step(self, *a, **kw)
+    )
+    for seed in range(3):
+        params = SamplingParams(temperature=1.3, min_p=0.25, seed=seed)
+        assert generate(target, None, PROMPT, 12, params, None).tokens == reference_decode(target, PROMPT, 12, params)
+    assert max(submits) > 1, submits
 
 
 def test_plain_decoding_with_penalties_and_logprobs_reports_the_penalised_distribution(models):
