@@ -409,7 +409,7 @@ def test_greedy_eagle_with_penalties_equals_plain_decoding_with_host_penalties(h
     target = head_targets("llama")
     folder, head = heads("eagle-1")
     prompt = held_in_prompt(folder.parent / "work", "1")
-    params = SamplingParams(frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={5: 0.5})
+    params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5, repeat_last_n=8, logit_bias={5: 0.5})
     drafter = EagleDrafter(target, head)
     if tree:
         drafter.branches = drafter.tree_branches
