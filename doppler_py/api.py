@@ -33,6 +33,7 @@ from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob
 from doppler_py.options import GenerationOptions, check_speculative, request_options
+from doppler_py.sampling import check_bias_vocab
 from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import Drafter
 from doppler_py.speculative.drafters.best_of import BestOfDrafter
@@ -355,6 +356,7 @@ class Engine:
         constraint = self._constraint(options)
         ids = self.encode_prompt(prompt, options.chat, tools=options.tool_plan)
         self.model.check_ids(ids)
+        check_bias_vocab(options.sampling, self.model.config.vocab_size)
         max_tokens = options.max_tokens
         if options.shorten_to_fit:
             max_tokens = max(1, min(max_tokens, self.model.max_positions - len(ids)))  # no room: refused below

@@ -107,6 +107,43 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=defaults.TEMPERATURE, help="0 = greedy (default)")
     group.add_argument("--top-k", type=int, default=defaults.TOP_K, help="keep the k most likely tokens (0 = all)")
     group.add_argument("--top-p", type=float, default=defaults.TOP_P, help="nucleus mass to keep (1 = all)")
+    group.add_argument(
+        "--min-p",
+        type=float,
+        default=defaults.MIN_P,
+        help="drop tokens less likely than MIN_P x the likeliest (0 = off)",
+    )
+    group.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from the logit of each token generated so far (-2..2)",
+    )
+    group.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this times its count from each generated token's logit (-2..2)",
+    )
+    group.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the positive logits (multiply the negative ones) of recent tokens by this (1 = off)",
+    )
+    group.add_argument(
+        "--repeat-last-n",
+        type=int,
+        default=defaults.REPEAT_LAST_N,
+        help=f"the tokens --repetition-penalty looks at, prompt included ({defaults.REPEAT_LAST_N}; -1 all, 0 off)",
+    )
+    group.add_argument(
+        "--logit-bias",
+        action="append",
+        type=_bias_option,
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable; -100 bans, 100 forces)",
+    )
     group.add_argument("--seed", type=int, help="seed of the sampling random numbers")
     group.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable, up to 4)"
@@ -122,6 +159,14 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     )
     constraint.add_argument("--regex", metavar="PATTERN", help="answer with text that matches PATTERN as a whole")
     constraint.add_argument("--grammar", metavar="FILE", help="answer with text the Lark grammar in FILE derives")
+
+
+def _bias_option(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {text!r}") from None
 
 
 def _tree_option(text: str) -> bool | None:
@@ -195,6 +240,12 @@ def _generation_options(args: argparse.Namespace) -> GenerationOptions:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            min_p=args.min_p,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+            repeat_last_n=args.repeat_last_n,
+            logit_bias=args.logit_bias,
             seed=args.seed,
             speculative=args.speculative,
             k=args.k,

@@ -14,4 +14,6 @@ MAX_TOKENS = 128
 TEMPERATURE = 0.0  # greedy
 TOP_K = 0  # all tokens
 TOP_P = 1.0  # all the mass
+MIN_P = 0.0  # off
+REPEAT_LAST_N = 64  # the tokens the repetition penalty looks at (as llama.cpp); off while that penalty is 1
 KV_CACHE_MB = 256  # GPU memory for earlier sequences' K/V, so shared prompt prefixes are not prefilled again

@@ -43,6 +43,17 @@ class GenerationOptions:
     temperature / top_k / top_p / seed: sampling (`sampling`, a `SamplingParams`); temperature 0 is greedy. A seed
     fixes a sampled answer exactly; without one each sampled generation draws its own.
 
+    presence_penalty / frequency_penalty / repetition_penalty / repeat_last_n / logit_bias / min_p: what changes
+    the logits before temperature, top-k and top-p, in this order, on the GPU (`testing.penalty_reference` is the
+    exact contract): the repetition penalty (logit > 0 ? logit / r : logit * r for each token among the last
+    repeat_last_n tokens, prompt included; r = 1 off, repeat_last_n 64 by default, -1 every token, 0 off), then
+    logit -= frequency_penalty * count + presence_penalty * (count > 0), count = the token's occurrences among the
+    generated tokens (OpenAI's definitions, in [-2, 2]), then logit += logit_bias[token] ({token id: bias in
+    [-100, 100]}; -100 in effect bans a token, +100 in effect forces it), then the constraint's mask (response_format,
+    regex, grammar, tools), then after temperature min_p ([0, 1], 0 off): tokens less likely than min_p times the
+    likeliest are dropped. Under speculation each verified row counts the drafts before it on its own path (a chain's
+    earlier drafts, a tree row's ancestors), so the output is exactly what plain decoding with these options gives.
+
     speculative: "auto" (per model: a loaded draft model, else a trained head with prompt lookup, else prompt
     lookup), a drafter's name (`registry.DRAFTERS`), or None / "none" for plain decoding (kept as None).
 
@@ -93,6 +104,12 @@ class GenerationOptions:
     top_k: int = defaults.TOP_K
     top_p: float = defaults.TOP_P
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = defaults.REPEAT_LAST_N
+    logit_bias: Mapping[Any, float] | None = None
+    min_p: float = defaults.MIN_P
     speculative: str | None = defaults.SPECULATIVE
     k: int | None = defaults.K
     chat: bool | None = None
@@ -117,7 +134,7 @@ class GenerationOptions:
     def _check(self) -> None:
         """Every check, in order; each message starts with the option's name (which `__post_init__` then blames)."""
         _whole("max_tokens", self.max_tokens, 1, None, "")
-        self.sampling  # noqa: B018  (temperature, top_k, top_p, seed: SamplingParams' own checks)
+        self.sampling  # noqa: B018  (temperature .. min_p: SamplingParams' own checks)
         self._keep("speculative", check_speculative(self.speculative))
         _whole("k (draft length)", self.k, 1, MAX_DRAFT_TOKENS, " or None (the policy's choice)")
         _flag("chat", self.chat, optional=True)
@@ -139,7 +156,18 @@ class GenerationOptions:
     @cached_property
     def sampling(self) -> SamplingParams:
         """How each token is picked."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            repeat_last_n=self.repeat_last_n,
+            logit_bias=self.logit_bias,
+            min_p=self.min_p,
+        )
 
     @cached_property
     def tool_plan(self) -> tool_calls.ToolPlan | None:

@@ -233,6 +233,20 @@ def test_constraint_flags_give_the_generation_options(tmp_path):
         parse("--json-object", "--regex", "a+")
 
 
+def test_penalty_flags_give_the_generation_options():
+    parse = lambda *args: cli._generation_options(cli.build_parser().parse_args(["generate", "hi", *args]))  # noqa: E731
+    sampling = parse(
+        "--frequency-penalty", "0.5", "--presence-penalty", "-0.25", "--repetition-penalty", "1.1",
+        "--repeat-last-n", "-1", "--logit-bias", "7=-100", "--logit-bias", "3=2.5", "--min-p", "0.05",
+    ).sampling  # fmt: skip
+    assert (sampling.frequency_penalty, sampling.presence_penalty, sampling.min_p) == (0.5, -0.25, 0.05)
+    assert (sampling.repetition_penalty, sampling.repeat_last_n) == (1.1, -1)
+    assert sampling.logit_bias == ((3, 2.5), (7, -100.0))
+    assert parse().sampling == parse("--repeat-last-n", "64").sampling and not parse().sampling.penalized
+    with pytest.raises(SystemExit):  # not ID=BIAS
+        parse("--logit-bias", "seven")
+
+
 # --- chat ----------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_chat_keeps_history_resets_and_stops_at_exit(runs):
@@ -345,9 +359,10 @@ def test_models_lists_the_known_model_and_converted_ones_with_sizes(tmp_path, en
         (["generate", "hi", "--model", "/no/such/model"], "ModelFormatError: /no/such/model"),
         (["generate", "hi", "--temperature", "-1"], "GenerationOptionError: temperature"),
         (["generate", "hi", "--top-p", "0"], "GenerationOptionError: top_p"),
+        (["generate", "hi", "--frequency-penalty", "3"], "GenerationOptionError: frequency_penalty"),
         (["convert", "/no/such/file.gguf", "--out", "/tmp/never"], "/no/such/file.gguf"),
     ],
-    ids=["unknown-model", "negative-temperature", "zero-top-p", "missing-gguf"],
+    ids=["unknown-model", "negative-temperature", "zero-top-p", "frequency-penalty-3", "missing-gguf"],
 )
 def test_bad_input_exits_2_with_one_line_and_no_traceback(env, args, message):
     run = run_cli(args, env)

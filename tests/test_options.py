@@ -31,6 +31,18 @@ BAD = [
     ("seed", {"seed": "abc"}, "'abc'"),
     ("speculative", {"speculative": "magic"}, "prompt-lookup"),
     ("k", {"k": 0}, "1..16"),
+    ("presence_penalty", {"presence_penalty": 2.5}, "[-2, 2]"),
+    ("frequency_penalty", {"frequency_penalty": float("nan")}, "[-2, 2]"),
+    ("frequency_penalty", {"frequency_penalty": True}, "True"),
+    ("repetition_penalty", {"repetition_penalty": 0}, "> 0"),
+    ("repeat_last_n", {"repeat_last_n": -2}, ">= -1"),
+    ("repeat_last_n", {"repeat_last_n": 1.5}, "1.5"),
+    ("logit_bias", {"logit_bias": {"-1": 5}}, "token ids"),
+    ("logit_bias", {"logit_bias": {"1.5": 5}}, "token ids"),
+    ("logit_bias", {"logit_bias": {3: 100.5}}, "[-100, 100]"),
+    ("logit_bias", {"logit_bias": [1, 2]}, "token id -> bias"),
+    ("min_p", {"min_p": 1.01}, "[0, 1]"),
+    ("min_p", {"min_p": -0.1}, "[0, 1]"),
     ("k", {"k": 17}, "got 17"),
     ("chat", {"chat": "yes"}, "'yes'"),
     ("stop", {"stop": ["a"] * 5}, "at most 4"),
@@ -78,6 +90,9 @@ def test_the_defaults_are_doppler_py_defaults():
 
 
 def test_values_are_kept_in_one_normal_form():
+    # OpenAI's JSON keys are strings; the bias is kept as sorted (id, bias) pairs, so options stay comparable.
+    assert GenerationOptions(logit_bias={"7": 1, 3: -100}).sampling.logit_bias == ((3, -100.0), (7, 1.0))
+    assert GenerationOptions(logit_bias=None).sampling == GenerationOptions(logit_bias={}).sampling
     assert GenerationOptions(stop="x").stop == ("x",) == GenerationOptions(stop=["x"]).stop
     assert GenerationOptions(stop=None).stop == ()
     for plain in (None, "none", "off", False):

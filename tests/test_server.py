@@ -348,6 +348,13 @@ BAD_REQUESTS = {
     # queue_size=1 and one worker: two generations at most, and a sampled request runs one per choice.
     "n-beyond-the-server": (DONE, {"prompt": "hi", "n": 3, "temperature": 1.0}, 400, "'n' asks for 3 generations"),
     "best-of": (DONE, {"prompt": "hi", "best_of": 2}, 400, "'best_of' is not supported"),
+    "presence-penalty-out-of-range": (DONE, {"prompt": "hi", "presence_penalty": 2.5}, 400, "'presence_penalty'"),
+    "frequency-penalty-string": (DONE, {"prompt": "hi", "frequency_penalty": "1"}, 400, "'frequency_penalty'"),
+    "repeat-penalty-zero": (DONE, {"prompt": "hi", "repeat_penalty": 0}, 400, "'repeat_penalty'"),
+    "logit-bias-key": (DONE, {"prompt": "hi", "logit_bias": {"a": 1}}, 400, "'logit_bias' keys"),
+    "logit-bias-out-of-vocab": (DONE, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "below the vocabulary"),
+    "logit-bias-value": (DONE, {"prompt": "hi", "logit_bias": {"1": -101}}, 400, "'logit_bias' values"),
+    "min-p-above-one": (CHAT, {"messages": STORY, "min_p": 1.5}, 400, "'min_p'"),
     "stop-too-many": (CHAT, {"messages": STORY, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
     "stop-not-strings": (DONE, {"prompt": "hi", "stop": [1]}, 400, "'stop'"),
     "unknown-model": (CHAT, {"model": "gpt-4", "messages": STORY}, 404, "gpt-4"),
@@ -585,12 +592,28 @@ def test_response_format_json_object_and_regex(client):
          "tools[0].function.parameters"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "regex": "a"}, "tools"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repeat_penalty": -1}, "repeat_penalty"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"min_p": -0.5}, "min_p"),
     ],
 )  # fmt: skip
 def test_bad_constraints_and_tools_get_400_naming_the_field(client, extra, param):
     response = client.post(CHAT, json={"messages": STORY} | extra)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_penalties_bias_and_min_p_are_honoured(client):
+    """A bias of +100 forces its token at every step (greedy), beside a penalty against repeating it and min_p;
+    the log-probs report the biased distribution (the forced token near-certain)."""
+    request = {"prompt": "hi", "max_tokens": 3, "logit_bias": {"28": 100}, "frequency_penalty": 0.5, "min_p": 0.1}
+    for extra in ({}, {"repeat_penalty": 1.3, "presence_penalty": 1.0}):
+        body = client.post(DONE, json=request | extra | {"logprobs": 0}).json()
+        logprobs = body["choices"][0]["logprobs"]
+        assert len(set(logprobs["tokens"])) == 1 and len(logprobs["tokens"]) == 3, body
+        assert all(lp > -1e-3 for lp in logprobs["token_logprobs"]), body
 
 
 WEATHER = {

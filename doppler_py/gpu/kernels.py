@@ -307,11 +307,15 @@ class KernelRegistry:
         """Take back the slot of an op that is gone (e.g. one bound to a released KV cache) for reuse, and the
         slots of its phase copies.
 
-        Ops bound per generation would otherwise grow the arenas without end in a long-running process.
+        Ops bound per generation would otherwise grow the arenas without end in a long-running process; their bind
+        groups, which name the slot, are forgotten with it (the next holder of the slot binds its own).
         """
-        self._free_slots.append(slot)
-        for _, phased in self._phased.pop(slot.key, {}).values():
-            self._free_slots.append(phased.params)
+        slots = [slot, *(phased.params for _, phased in self._phased.pop(slot.key, {}).values())]
+        for taken in slots:
+            self._free_slots.append(taken)
+            where = (id(taken.arena.buffer), taken.offset)
+            for key in [key for key in self._bind_groups if key[1:3] == where]:
+                self._forget_group(key)
 
     def phased(self, bound: Bound, phase: int) -> Bound:
         """`bound` for phase `phase` of a recorder (`Recorder.phase`): the same kernel and resources with a
@@ -357,14 +361,18 @@ class KernelRegistry:
     def forget_buffer(self, buffer) -> None:
         """Drop cached bind groups that reference `buffer` (call before destroying it)."""
         for key in self._groups_by_buffer.pop(id(buffer), ()):
-            group = self._bind_groups.pop(key, None)
-            if group is not None:
-                for other in group[1]:
-                    keys = self._groups_by_buffer.get(id(other))
-                    if keys is not None:
-                        keys.discard(key)
-                        if not keys:
-                            del self._groups_by_buffer[id(other)]
+            self._forget_group(key)
+
+    def _forget_group(self, key: tuple) -> None:
+        """Drop one cached bind group and its entries in the by-buffer index."""
+        group = self._bind_groups.pop(key, None)
+        if group is not None:
+            for other in group[1]:
+                keys = self._groups_by_buffer.get(id(other))
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self._groups_by_buffer[id(other)]
 
     def flush_uniforms(self) -> None:
         for arena in self._arenas:

@@ -1,14 +1,15 @@
 """Log-probabilities of a step's committed tokens and their top alternatives.
 
-Recorded after the verifier into the same command encoder, as two dispatches: `shaders/softmax.wgsl`'s
-log-softmax of the logits rows the step just verified into a scratch [max_rows, vocab], then
+Recorded into the verification's command encoder, as two dispatches: before the verifier, `shaders/softmax.wgsl`'s
+log-softmax of the logits rows the step verifies into a scratch [max_rows, vocab]; after it,
 `shaders/logprobs.wgsl`, which picks from those rows the token each row committed (the verifier's result vector
 says which) and the top alternatives, and writes one small row per position; `read` fetches the rows that were
 committed, once, after the step's result.
 
-Which distribution: log_softmax(logits / T) of the target's raw logits over the whole vocabulary, T being the
-request's temperature (1 for greedy requests, so they report the model's own probabilities, as OpenAI does),
-before top-k/top-p filtering: a token those filters would never sample still gets its log-probability here.
+Which distribution: log_softmax(logits / T) over the whole vocabulary of the target's logits after the penalties,
+the logit bias and the constraint's mask (`doppler_py.testing.penalty_reference`, steps 1-4), T being the request's
+temperature (1 for greedy requests, so they report the model's own probabilities, as OpenAI does), before min-p,
+top-k and top-p truncate it: a token those filters would never sample still gets its log-probability here.
 """
 
 from __future__ import annotations
@@ -67,12 +68,16 @@ class LogProbs:
         )
         self.registry = registry
 
-    def record(self, rec: Recorder, rows: int, params: SamplingParams, top_n: int) -> None:
-        """Log-probs of the first `rows` rows at the request's temperature, with `top_n` alternatives each."""
+    def record_distribution(self, rec: Recorder, rows: int, params: SamplingParams) -> None:
+        """The log-softmax of the first `rows` rows at the request's temperature, as the logits are now (after the
+        penalties and the constraint's mask, before min-p truncates them: `ops.penalties`)."""
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"LogProbs.record: rows must be in [1, {self.max_rows}], got {rows}")
-        check_top_logprobs(top_n)
         self.log_softmax.record(rec, rows, logprob_temperature(params))
+
+    def record_pick(self, rec: Recorder, rows: int, top_n: int) -> None:
+        """After the verifier: each of the first `rows` rows' committed token and `top_n` alternatives."""
+        check_top_logprobs(top_n)
         self.bound.params.set(top_n=top_n)
         rec.dispatch(self.bound, rows)
 

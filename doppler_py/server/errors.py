@@ -37,7 +37,7 @@ def _error_body(message: str, kind: str, param: str | None = None, code: str | N
 
 def _engine_error(exc: Exception) -> RequestError:
     if isinstance(exc, _CLIENT_ERRORS):
-        return RequestError(400, str(exc), code=type(exc).__name__)
+        return RequestError(400, str(exc), code=type(exc).__name__, param=getattr(exc, "option", None))
     if isinstance(exc, DopplerError):
         return RequestError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code=type(exc).__name__)
     return RequestError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")

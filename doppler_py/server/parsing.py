@@ -18,15 +18,29 @@ _UNSUPPORTED_UNLESS = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
     "functions": ([],),
 }
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only
 # Request fields that are GenerationOptions fields of the same name and shape; max_tokens, logprobs, tree and stop
 # have OpenAI shapes of their own (see `_options`).
-_SAME = ("temperature", "top_p", "top_k", "seed", "speculative", "k", *CONSTRAINTS, *_TOOLS)
+_SAME = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "repeat_last_n",
+    "logit_bias",
+    "speculative",
+    "k",
+    *CONSTRAINTS,
+    *_TOOLS,
+)
+# llama.cpp's names for options of ours: request field -> option.
+_ALIASES = {"repeat_penalty": "repetition_penalty"}
 MAX_CHOICES = 16  # `n`: each choice is a generation of its own
 _FIELD_PATH = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
@@ -95,6 +109,9 @@ def _options(body: dict, defaults: GenerationOptions, *, chat: bool) -> Generati
             raise RequestError(400, f"'{name}' is not supported by this server", param=name)
     given = {name: body[name] for name in _SAME if body.get(name) is not None}
     fields: dict[str, str] = {}  # option -> the request field that gave it, where the names differ
+    for alias, option in _ALIASES.items():
+        if body.get(alias) is not None and option not in given:
+            given[option], fields[option] = body[alias], alias
     if not chat and (tool := next((name for name in _TOOLS if name in given), None)):
         raise RequestError(400, f"'{tool}' is only for /v1/chat/completions", param=tool)
     if chat:  # logprobs: true with top_logprobs: N; max_completion_tokens before max_tokens

@@ -40,6 +40,7 @@ from doppler_py.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from doppler_py.constraints.matcher import GrammarMatcher
+    from doppler_py.ops.penalties import Penalties
 
 
 @dataclass
@@ -72,6 +73,9 @@ class StepContext:
                     outcome then carries its tokens' log-probs (`StepOutcome.logprobs`)
     drafter         the generation's drafter, whose hooks its steps run (`PlainDecoding` where it does not draft:
                     no upkeep, no pipelines of its own)
+    penalties       the generation's penalties, logit bias and min-p on the GPU (`ops.penalties`: its token counts
+                    and buffers), made by the step at the first step that needs them; None while params set none.
+                    Freed by `close`.
     """
 
     tokens: list[int]
@@ -86,10 +90,17 @@ class StepContext:
     grammar: GrammarMatcher | None = None
     logprobs: int | None = None
     drafter: Drafter = field(default_factory=lambda: PlainDecoding())
+    penalties: Penalties | None = None
 
     @property
     def hidden(self) -> Tensor:
         return self.target.x
+
+    def close(self) -> None:
+        """The generation ended: free its own GPU state (the KV cache is the engine's to release)."""
+        if self.penalties is not None:
+            self.penalties.release()
+            self.penalties = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ verifier samples row 0 exactly as the sampler contract says (`doppler_py.testing
 only way a target token is chosen. Several plain steps may share one submit (`plain_steps`): each one's token
 is copied on the GPU into the next one's input, and all come back in one readback.
 
+Penalties, the logit bias and min-p (`ops.penalties`, contract `testing.penalty_reference`) change every verified
+row in place before the verification: row r as if its path's drafts (a chain's earlier drafts, a tree row's
+ancestors) were committed, so acceptance, residuals and bonus tokens all sample the penalised distribution and the
+output is exactly plain decoding's with the same options. A draft's own distribution q is left as its drafter
+sampled it (rejection sampling is exact for any q).
+
 Random numbers come from the generation's seeded mulberry32 stream in a fixed order: one per GPU-sampled draft
 token while drafting (the drafter draws them), then the verification's (a chain: n accept draws and the final
 draw; a sampled tree: one per node and the final draw; a plain step: one). The same seed gives the same tokens.
@@ -43,6 +49,7 @@ from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import LogProbs, TokenLogprob
+from doppler_py.ops.penalties import Penalties
 from doppler_py.ops.speculative import STATUS_DRAFT_NONFINITE, STATUS_TARGET_NONFINITE, SpecVerify
 from doppler_py.ops.token_mask import TokenMask
 from doppler_py.ops.tree import MAX_TREE_ROWS, check_parents, compaction_moves, is_chain, layout_words
@@ -205,6 +212,8 @@ class Stepper:
         n, tree = self._check(proposal, k, plain_steps, ctx)
         pending = PendingStep(ctx, proposal, n, tree, plain_steps, len(ctx.tokens) - 1)
         self._upload(ctx, proposal, tree, plain_steps)
+        if ctx.params.penalized or ctx.params.filters_min_p:
+            self._penalties(ctx).update(ctx.tokens)
         return pending
 
     def record_inputs(self, rec: Recorder, pending: PendingStep, row0: int = 0) -> None:
@@ -236,14 +245,22 @@ class Stepper:
         self._restore_features(rec, rows)
 
     def record_checks(self, rec: Recorder, pending: PendingStep, j: int = 0) -> None:
-        """After the forward, with the step's logits as rows 0.. of target.logits: the grammar's masks, the
-        verification, the log-probs, and (plain step j) the token kept for the readback."""
-        if pending.ctx.grammar is not None:
-            self._masks().record(rec, pending.rows)
+        """After the forward, with the step's logits as rows 0.. of target.logits: the penalties, the grammar's masks,
+        the log-probs' distribution, min-p, the verification, the log-probs' picks, and (plain step j) the token kept
+        for the readback."""
+        ctx, rows = pending.ctx, pending.rows
+        if ctx.penalties is not None:  # before the mask, as `testing.penalty_reference` orders them
+            ctx.penalties.record_penalties(rec, rows, tree=pending.tree)
+        if ctx.grammar is not None:
+            self._masks().record(rec, rows)
+        if ctx.logprobs is not None:
+            self._logprobs().record_distribution(rec, rows, ctx.params)
+        if ctx.penalties is not None:
+            ctx.penalties.record_min_p(rec, rows)
         verifier = self.tree_verify if pending.tree else self._verifier(pending.proposal.draft_logits)
-        verifier.record(rec, pending.rows, pending.ctx.params)
-        if pending.ctx.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
-            self._logprobs().record(rec, pending.rows, pending.ctx.params, pending.ctx.logprobs)
+        verifier.record(rec, rows, ctx.params)
+        if ctx.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
+            self._logprobs().record_pick(rec, rows, ctx.logprobs)
         if pending.n == 0:
             self._plain_outputs(rec, j, keep_features=pending.plain_steps > 1)
 
@@ -276,8 +293,8 @@ class Stepper:
         n, name = proposal.count, ctx.drafter.name
         if not 0 <= n <= k:
             raise InternalError(f"drafter {name!r} proposed {n} tokens when asked for at most {k}")
-        # Log-probs are read, and a grammar's next mask computed, after each step.
-        constrained = ctx.grammar is not None
+        # Log-probs are read, and a grammar's next mask or the penalties' counts computed, after each step.
+        constrained = ctx.grammar is not None or ctx.params.penalized
         one_at_a_time = k or ctx.logprobs is not None or constrained
         if not 1 <= plain_steps <= MAX_PLAIN_STEPS or (plain_steps > 1 and one_at_a_time):
             raise InternalError(f"{plain_steps} plain steps in one submit (k = {k}, constrained {constrained})")
@@ -347,6 +364,21 @@ class Stepper:
             values=values,
             made=proposal.drafts_made,
         )
+
+    def _penalties(self, ctx: StepContext) -> Penalties:
+        """The generation's penalties (`StepContext.penalties`), made at its first step (ctx.tokens: the prompt)."""
+        if ctx.penalties is None:
+            target = self.target
+            ctx.penalties = Penalties(
+                self.registry,
+                ctx.params,
+                ctx.tokens,
+                vocab=target.config.vocab_size,
+                logits=target.logits,
+                tokens=self.spec_tokens,
+                layout=self.tree_layout,
+            )
+        return ctx.penalties
 
     def _masks(self) -> TokenMask:
         if self._token_mask is None:

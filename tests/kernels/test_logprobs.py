@@ -31,7 +31,8 @@ def run_logprobs(gpu, registry, logits, result, *, temperature, top_n):
     )
     try:
         rec = registry.recorder()
-        op.record(rec, rows, SamplingParams(temperature=temperature), top_n)
+        op.record_distribution(rec, rows, SamplingParams(temperature=temperature))
+        op.record_pick(rec, rows, top_n)
         rec.submit()
         return op.read(rows, top_n)
     finally:

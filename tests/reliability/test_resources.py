@@ -171,6 +171,27 @@ def test_memory_stays_flat_across_many_generations(tiny_dir, gpu):
         engine.close()
 
 
+def test_penalised_generations_free_their_counts_and_bind_groups(tiny_dir, gpu):
+    """A generation's penalties (`StepContext.penalties`: its entries buffer, its bound kernels) go at its end,
+    completed or cancelled, however long its answer grew them."""
+    penalties = {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 2}, "min_p": 0.1}
+    engine = load(tiny_dir, gpu)
+    try:
+        exercise(engine, full_batches=True)
+        for mode in MODES:  # the penalty pipelines compiled
+            engine.generate(GOOD_PROMPT, max_tokens=4, speculative=mode, **penalties)
+        warm, groups = buffer_use(), engine.model.registry.cache_sizes["bind_groups"]
+        for mode in MODES:
+            engine.generate(GOOD_PROMPT, max_tokens=40, speculative=mode, temperature=0.8, seed=1, **penalties)
+            stream = engine.stream(GOOD_PROMPT, max_tokens=40, speculative=mode, **penalties)
+            next(stream)
+            stream.close()
+            assert buffer_use() == warm, mode
+        assert engine.model.registry.cache_sizes["bind_groups"] == groups
+    finally:
+        engine.close()
+
+
 def test_a_failed_load_leaves_nothing_behind(tiny_dir, gpu, tmp_path):
     too_long = Path(shutil.copytree(tiny_dir, tmp_path / "too-long"))
     config = json.loads((too_long / "config.json").read_text())

@@ -188,3 +188,19 @@ def test_sampled_constrained_output_keeps_the_renormalised_joint_distribution(mo
     prompt = tuple(tokenizer.encode("abc abd ab", add_special_tokens=False))
     trees = check_two_token_joint(models["target"], DRAFTERS[drafter](models), prompt, new_tokens=4, grammar=grammar)
     assert (trees > 0) == (drafter == "prompt-lookup-tree")
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "prompt-lookup-tree", "draft-model"])
+def test_greedy_constrained_output_with_penalties_equals_the_reference(models, tokenizer, drafter):
+    """Penalties and a bias before the grammar's mask (a bias on an allowed token, a ban on another), on every
+    shape: the reference penalises each row on the host, then masks it."""
+    target, prompt = models["target"], prompt_ids(tokenizer)
+    a, c = tokenizer.encode("a", add_special_tokens=False)[0], tokenizer.encode("c", add_special_tokens=False)[0]
+    params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.3, logit_bias={a: 1.5, c: -100.0})
+    expected = reference_decode(target, prompt, 24, params, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    assert expected != reference_decode(target, prompt, 24, GREEDY, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    engine = SpeculativeEngine(target, DRAFTERS[drafter](models))
+    result = engine.generate(prompt, 24, params, k=4, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    engine.close()
+    assert result.tokens == expected
+    assert c not in result.tokens  # banned, so the grammar's "ab(c|d)" takes d

@@ -11,6 +11,7 @@ import numpy as np
 from doppler_py.model.transformer import Transformer
 from doppler_py.rng import Mulberry32
 from doppler_py.sampling import SamplingParams
+from doppler_py.testing.penalty_reference import sampler_logits
 from doppler_py.testing.sampling_reference import sample_reference
 
 
@@ -25,7 +26,8 @@ def reference_decode(
 ) -> list[int]:
     """Decode one token per forward, stopping after any of `stop_ids` (u drawn as the engine's plain step).
     `grammar` (a fresh `constraints.GrammarMatcher`): each row's disallowed tokens are set to -inf on the host
-    before the pick, and the matcher advanced by it.
+    before the pick, and the matcher advanced by it. The penalties, logit bias and min-p of `params` are applied on
+    the host to each row, token by token (`testing.penalty_reference`).
 
     The prompt is fed as the engine feeds it (all but its last token, then the last token alone), so the same
     kernels produce every logit the engine's plain steps see.
@@ -39,8 +41,8 @@ def reference_decode(
             model.forward(ids[:-1], cache, 0, logits="none")
         logits = model.forward(ids[-1:], cache)
         while True:
-            if grammar is not None:
-                logits = np.where(allowed(grammar.mask(), logits.size), logits, np.float32(-np.inf))
+            mask = allowed(grammar.mask(), logits.size) if grammar is not None else None
+            logits = sampler_logits(logits, ids + out, len(ids), params, mask)
             token = sample_reference(logits, rng.random(), params)
             if grammar is not None:
                 grammar.advance([token])

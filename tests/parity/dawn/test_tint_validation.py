@@ -87,6 +87,8 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     },
     "softmax": {"main": [{"LOG_SOFTMAX": False}, {"LOG_SOFTMAX": True}]},
     "token_mask": {"main": []},
+    "penalties": {"main": []},
+    "min_p": {"main": []},
     "subgroup_size": {"main": []},
     "swiglu": {"main": [{"ACTIVATION": 1}], "sigmoid_gate": [], "per_layer_gate": [{"ACTIVATION": 1}]},
     "kv_compact": {"main": []},

@@ -400,3 +400,22 @@ def test_a_head_made_with_another_tokenizer_is_refused_at_load(head_dir, tiny_fo
     (wrong / "eagle.json").write_text(json.dumps(meta))
     with pytest.raises(VocabularyMismatchError, match="another tokenizer"):
         load(tiny_folder(TARGET), weights="f32", draft_head=wrong, progress=False)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
+def test_greedy_eagle_with_penalties_equals_plain_decoding_with_host_penalties(head_targets, heads, tree):
+    """Penalties and a bias on every row the head's chains or EAGLE-2 trees put before the target (each row with
+    the drafts on its own path), against plain decoding that applies them on the host token by token."""
+    target = head_targets("llama")
+    folder, head = heads("eagle-1")
+    prompt = held_in_prompt(folder.parent / "work", "1")
+    params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5, repeat_last_n=8, logit_bias={5: 0.5})
+    drafter = EagleDrafter(target, head)
+    if tree:
+        drafter.branches = drafter.tree_branches
+    engine = SpeculativeEngine(target, drafter)
+    result = engine.generate(prompt, 40, params, k=4)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, params)
+    assert result.tokens != reference_decode(target, prompt, 40, GREEDY), "the penalties change nothing"
+    assert result.stats.accepted > 0 and (result.stats.tree_steps > 0) == tree
