@@ -7,6 +7,7 @@ renormalised over the allowed tokens (a GPU-sampled chain and a deterministic tr
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 from speculative.conftest import TARGET, check_two_token_joint
@@ -16,11 +17,13 @@ from doppler_py.constraints.grammar import regex_constraint
 from doppler_py.constraints.matcher import GrammarMatcher
 from doppler_py.constraints.tokenizer_bridge import ll_tokenizer
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import NoOpHooks, Proposal, StepContext
 from doppler_py.speculative.drafters.draft_model import DraftModelDrafter
 from doppler_py.speculative.drafters.lookahead import LookaheadDrafter
 from doppler_py.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
+from doppler_py.speculative.stats import SpecStats
 from doppler_py.tokenizer import Tokenizer
 
 GREEDY = SamplingParams()
@@ -204,3 +207,43 @@ def test_greedy_constrained_output_with_penalties_equals_the_reference(models, t
     engine.close()
     assert result.tokens == expected
     assert c not in result.tokens  # banned, so the grammar's "ab(c|d)" takes d
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup"])
+def test_in_one_batch_a_grammar_masks_only_its_own_sequences_rows(models, tokenizer, drafter):
+    """A constrained generation and an unconstrained one on the same prompt, their steps in one forward
+    (`StepBatch`): each equals its solo reference, so the grammar's masks touch only its own sequence's rows (the
+    unconstrained answer writes what the grammar refuses, so a mask on its rows would change it)."""
+    target, prompt = models["target"], prompt_ids(tokenizer)
+    constrained = reference_decode(target, prompt, 20, GREEDY, stop_ids=[EOS], grammar=matcher_for(tokenizer))
+    free = reference_decode(target, prompt, 20, GREEDY)
+    assert not re.fullmatch(r"[a-e !]*", tokenizer.decode(free))  # what the grammar would never allow
+    batch = StepBatch(target)
+    engines = [SpeculativeEngine(target, DRAFTERS[drafter](models), batch=batch) for _ in range(2)]
+    outputs: list[list[int]] = [[], []]
+    errors: list[BaseException] = []
+    both_started = threading.Barrier(2, timeout=60)
+
+    def run(i: int) -> None:
+        grammar, stop = (matcher_for(tokenizer), [EOS]) if i == 0 else (None, [])
+        try:
+            steps = engines[i].iter_generate(prompt, 20, GREEDY, stats=SpecStats(), k=3, stop_ids=stop, grammar=grammar)
+            for n, new in enumerate(steps):
+                if n == 0:
+                    both_started.wait()  # their next steps share forwards
+                outputs[i] += new
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for engine in engines:
+        engine.close()
+    shared = sum(n for size, n in batch.sizes.items() if size > 1)
+    batch.close()
+    assert not errors, errors
+    assert outputs == [constrained, free]
+    assert shared > 0  # their steps did share forwards
