@@ -92,8 +92,8 @@ class SpeculativeEngine:
         self.prefix_cache: PrefixCache | None = None
         # The loop that runs this engine's generations (`batch.py`): shared with the target's other engines, whose
         # generations then share forwards, or one of its own.
-        self._own_batch = batch is None
-        self.batch = StepBatch(target, paged=False) if batch is None else batch
+        self.batch = batch or StepBatch(target, paged=False)
+        self._own_batch = self.batch is not batch
         # The KV memory concurrent generations share (`kv_budget.py`), shared by every engine of the model; None:
         # no limit of our own.
         self.kv_budget: KVBudget | None = None

@@ -41,7 +41,7 @@ class TrainOptions:
     max_new_tokens: int = 128
     answer_batch: int = 32  # prompts answered (and questions written) together, left-padded: on 2 CPU cores
     # SmolLM2-135M makes 59 tokens/s at 8, 101 at 32, 130 at 64
-    sampled_every: int = 4  # every Nth batch is answered by sampling at T = 0.7 (the rest greedily); 0: never
+    sampled_every: int = 4  # every Nth batch gets its answers by sampling at T = 0.7 (the rest greedily); 0: never
     draft_vocab: int = 8192
     steps: int = 1500
     lr: float = 1e-3
