@@ -93,7 +93,7 @@ class SpeculativeEngine:
         # The loop that runs this engine's generations (`batch.py`): shared with the target's other engines, whose
         # generations then share forwards, or one of its own.
         self.batch = batch or StepBatch(target, paged=False)
-        self._own_batch = self.batch is not batch
+        self._own_batch = not batch  # none given: the loop is this engine's own, closed with it
         # The KV memory concurrent generations share (`kv_budget.py`), shared by every engine of the model; None:
         # no limit of our own.
         self.kv_budget: KVBudget | None = None
