@@ -465,10 +465,11 @@ class StepBatch:
         if steps:
             self.prefill_rows_beside_steps += sum(n for _, n in pieces)
             self._in_place = (steps[0].stepper, target.forwards)
-        for n, (request, row0) in enumerate(zip(steps, firsts, strict=True)):
+        for request, row0 in zip(steps, firsts, strict=True):
             try:
                 self._place(request.stepper, request.ctx, request.pending.rows)
-                if n != len(steps) - 1 and request.ctx.drafter.reads_verified_logits:
+                # Even the last step's: an earlier one's put back before its commit would be in their place.
+                if copy is not None and request.ctx.drafter.reads_verified_logits:
                     rows = request.pending.rows
                     rec = target.registry.recorder()
                     rec.copy(copy, target.logits, rows * row_bytes, src_offset=row0 * row_bytes)
