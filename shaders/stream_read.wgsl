@@ -19,6 +19,9 @@
 //                  each invocation one stream of its own (how the register matmuls read a group of 8 rows);
 //   1 interleaved  invocation t reads elements w * span + t + j * WORKGROUP_SIZE, j < per_invocation: neighbouring
 //                  invocations read neighbouring elements (the layout a GPU coalesces).
+//   UNROLL (1 or 4): loads per loop iteration, into that many independent sums (the register matmuls load a
+//   group's 8 rows per iteration); with 4 the last count % 4 elements are read one by one. The partials differ
+//   only in float rounding.
 // Dispatch: (ceil(n / span), 1, 1) workgroups of WORKGROUP_SIZE; the host raises per_invocation until that is at
 // most 65535. Elements past n are never read (invocations whose share starts past n read nothing).
 
@@ -41,6 +44,7 @@ const MAX_WORKGROUP: u32 = 256u;
 
 override WORKGROUP_SIZE: u32 = 64u;
 override PATTERN: u32 = CONTIGUOUS;
+override UNROLL: u32 = 1u;
 
 // Each invocation's sum; only entries below WORKGROUP_SIZE are written, and only those are read.
 var<workgroup> partial_f32: array<f32, MAX_WORKGROUP>;
@@ -102,12 +106,24 @@ fn reduce_u32(t: u32, value: u32) -> u32 {
 @compute @workgroup_size(WORKGROUP_SIZE)
 fn read_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
   let s = share(wid.x, t);
-  var acc = 0.0;
+  var a0 = 0.0;
+  var a1 = 0.0;
+  var a2 = 0.0;
+  var a3 = 0.0;
   var i = s.first;
-  for (var j = 0u; j < s.count; j++) {
-    acc += src_f32[i];
+  let quads = select(0u, s.count / 4u, UNROLL == 4u);
+  for (var j = 0u; j < quads; j++) {
+    a0 += src_f32[i];
+    a1 += src_f32[i + s.step];
+    a2 += src_f32[i + 2u * s.step];
+    a3 += src_f32[i + 3u * s.step];
+    i += 4u * s.step;
+  }
+  for (var j = 4u * quads; j < s.count; j++) {
+    a0 += src_f32[i];
     i += s.step;
   }
+  let acc = (a0 + a1) + (a2 + a3);
   let total = reduce_f32(t, acc);
   if (t == 0u) {
     sums[wid.x] = total;
@@ -117,12 +133,24 @@ fn read_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 @compute @workgroup_size(WORKGROUP_SIZE)
 fn read_vec4_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
   let s = share(wid.x, t);
-  var acc = vec4<f32>(0.0);
+  var a0 = vec4<f32>(0.0);
+  var a1 = vec4<f32>(0.0);
+  var a2 = vec4<f32>(0.0);
+  var a3 = vec4<f32>(0.0);
   var i = s.first;
-  for (var j = 0u; j < s.count; j++) {
-    acc += src_vec4[i];
+  let quads = select(0u, s.count / 4u, UNROLL == 4u);
+  for (var j = 0u; j < quads; j++) {
+    a0 += src_vec4[i];
+    a1 += src_vec4[i + s.step];
+    a2 += src_vec4[i + 2u * s.step];
+    a3 += src_vec4[i + 3u * s.step];
+    i += 4u * s.step;
+  }
+  for (var j = 4u * quads; j < s.count; j++) {
+    a0 += src_vec4[i];
     i += s.step;
   }
+  let acc = (a0 + a1) + (a2 + a3);
   let total = reduce_f32(t, (acc.x + acc.y) + (acc.z + acc.w));
   if (t == 0u) {
     sums[wid.x] = total;
@@ -132,12 +160,24 @@ fn read_vec4_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
 @compute @workgroup_size(WORKGROUP_SIZE)
 fn read_u32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
   let s = share(wid.x, t);
-  var acc = 0u;
+  var a0 = 0u;
+  var a1 = 0u;
+  var a2 = 0u;
+  var a3 = 0u;
   var i = s.first;
-  for (var j = 0u; j < s.count; j++) {
-    acc += src_u32[i];
+  let quads = select(0u, s.count / 4u, UNROLL == 4u);
+  for (var j = 0u; j < quads; j++) {
+    a0 += src_u32[i];
+    a1 += src_u32[i + s.step];
+    a2 += src_u32[i + 2u * s.step];
+    a3 += src_u32[i + 3u * s.step];
+    i += 4u * s.step;
+  }
+  for (var j = 4u * quads; j < s.count; j++) {
+    a0 += src_u32[i];
     i += s.step;
   }
+  let acc = (a0 + a1) + (a2 + a3);
   let total = reduce_u32(t, acc);
   if (t == 0u) {
     words[wid.x] = total;
@@ -147,12 +187,24 @@ fn read_u32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 @compute @workgroup_size(WORKGROUP_SIZE)
 fn read_vec4_u32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
   let s = share(wid.x, t);
-  var acc = vec4<u32>(0u);
+  var a0 = vec4<u32>(0u);
+  var a1 = vec4<u32>(0u);
+  var a2 = vec4<u32>(0u);
+  var a3 = vec4<u32>(0u);
   var i = s.first;
-  for (var j = 0u; j < s.count; j++) {
-    acc += src_vec4u[i];
+  let quads = select(0u, s.count / 4u, UNROLL == 4u);
+  for (var j = 0u; j < quads; j++) {
+    a0 += src_vec4u[i];
+    a1 += src_vec4u[i + s.step];
+    a2 += src_vec4u[i + 2u * s.step];
+    a3 += src_vec4u[i + 3u * s.step];
+    i += 4u * s.step;
+  }
+  for (var j = 4u * quads; j < s.count; j++) {
+    a0 += src_vec4u[i];
     i += s.step;
   }
+  let acc = (a0 + a1) + (a2 + a3);
   let total = reduce_u32(t, (acc.x + acc.y) + (acc.z + acc.w));
   if (t == 0u) {
     words[wid.x] = total;

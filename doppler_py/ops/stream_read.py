@@ -37,6 +37,7 @@ LOADS: dict[str, Load] = {
     "vec4<u32>": Load("read_vec4_u32", "src_vec4u", "words", "u32", 4),
 }
 PATTERNS = {"contiguous": 0, "interleaved": 1}  # the PATTERN override
+UNROLLS = (1, 4)  # the UNROLL override: loads per loop iteration
 MAX_WORKGROUP = 256  # the kernel's workgroup memory holds one sum per invocation, up to this many
 
 
@@ -47,10 +48,11 @@ def min_per_invocation(elements: int, workgroup_size: int, max_workgroups: int) 
 
 class StreamRead:
     """partial[w] = the sum of src's elements w * span .. (w + 1) * span - 1 (span = workgroup_size *
-    per_invocation), read as `load` (a key of LOADS) and shared out among the workgroup by `pattern`.
+    per_invocation), read as `load` (a key of LOADS) and shared out among the workgroup by `pattern`, `unroll`
+    loads per loop iteration.
 
-    f32 loads sum in f32 (each invocation its elements in order, then the workgroup's sums as a tree), u32 loads
-    modulo 2^32. src: a tensor of the load's dtype whose size is a whole number of elements; it may be any view."""
+    f32 loads sum in f32 (each invocation into `unroll` running sums, then the workgroup's sums as a tree), u32
+    loads modulo 2^32. src: a tensor of the load's dtype whose size is a whole number of elements (any view)."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class StreamRead:
         workgroup_size: int = 64,
         pattern: str = "contiguous",
         per_invocation: int = 64,
+        unroll: int = 1,
     ):
         if load not in LOADS:
             raise ValueError(f"StreamRead: unknown load {load!r}; choose one of {', '.join(LOADS)}")
@@ -68,6 +71,8 @@ class StreamRead:
             raise ValueError(f"StreamRead: unknown pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
         if not 1 <= workgroup_size <= MAX_WORKGROUP:
             raise ValueError(f"StreamRead: workgroup_size must be in 1..{MAX_WORKGROUP}, got {workgroup_size}")
+        if unroll not in UNROLLS:
+            raise ValueError(f"StreamRead: unroll must be one of {UNROLLS}, got {unroll}")
         if per_invocation < 1:
             raise ValueError(f"StreamRead: per_invocation must be at least 1, got {per_invocation}")
         self.load = LOADS[load]
@@ -87,7 +92,7 @@ class StreamRead:
         self.registry = registry
         self.out = Tensor.empty(registry.gpu, self.workgroups, "f32" if self.load.out == "sums" else "u32")
         kernel = registry.kernel(
-            "stream_read", self.load.entry, WORKGROUP_SIZE=workgroup_size, PATTERN=PATTERNS[pattern]
+            "stream_read", self.load.entry, WORKGROUP_SIZE=workgroup_size, PATTERN=PATTERNS[pattern], UNROLL=unroll
         )
         params = {"n": self.elements, "per_invocation": per_invocation}
         self.bound = registry.bind(kernel, params, **{self.load.src: src, self.load.out: self.out})

@@ -44,13 +44,15 @@ def elements(rng, load: str, n: int) -> np.ndarray:
 @pytest.mark.parametrize("load", list(LOADS))
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 @pytest.mark.parametrize("workgroup_size", [16, 64, 48])
+@pytest.mark.parametrize("unroll", [1, 4])
 @pytest.mark.parametrize("n", [1, 5, 16 * 7 + 3, 4099])
-def test_each_workgroup_sums_exactly_the_elements_of_its_span(gpu, registry, rng, load, pattern, workgroup_size, n):
-    per_invocation = 7
+def test_each_workgroup_sums_exactly_the_elements_of_its_span(
+    gpu, registry, rng, load, pattern, workgroup_size, unroll, n
+):
+    per_invocation = 7  # with unroll 4: one round of 4 loads, then 3 one by one
     values = elements(rng, load, n)
-    got = read(
-        gpu, registry, values, load, workgroup_size=workgroup_size, pattern=pattern, per_invocation=per_invocation
-    )
+    shape = {"workgroup_size": workgroup_size, "pattern": pattern, "per_invocation": per_invocation, "unroll": unroll}
+    got = read(gpu, registry, values, load, **shape)
     span = workgroup_size * per_invocation
     dtype = np.uint32 if LOADS[load].dtype == "u32" else np.float32
     assert got.shape == (-(-n // span),)
@@ -59,12 +61,14 @@ def test_each_workgroup_sums_exactly_the_elements_of_its_span(gpu, registry, rng
 
 @pytest.mark.parametrize("load", ["f32", "vec4<f32>"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_f32_sums_of_normal_values_agree_with_numpy_within_the_stated_tolerance(gpu, registry, rng, load, pattern):
+@pytest.mark.parametrize("unroll", [1, 4])
+def test_f32_sums_of_normal_values_agree_with_numpy_within_the_stated_tolerance(
+    gpu, registry, rng, load, pattern, unroll
+):
     n, workgroup_size, per_invocation = 10_001, 64, 33
     values = rng.standard_normal((n,) if load == "f32" else (n, 4)).astype(np.float32)
-    got = read(
-        gpu, registry, values, load, workgroup_size=workgroup_size, pattern=pattern, per_invocation=per_invocation
-    )
+    shape = {"workgroup_size": workgroup_size, "pattern": pattern, "per_invocation": per_invocation, "unroll": unroll}
+    got = read(gpu, registry, values, load, **shape)
     span = workgroup_size * per_invocation
     expected = span_sums(values.astype(np.float64), span, np.float64)
     magnitude = span_sums(np.abs(values).astype(np.float64), span, np.float64)
@@ -82,20 +86,14 @@ def test_one_invocation_workgroups_and_a_whole_buffer_in_one_invocation(gpu, reg
 def test_a_buffer_of_ones_sums_to_its_length_whatever_the_shape(gpu, registry):
     # What tools/bench_bandwidth.py checks after timing: every element read once, none past the end.
     ones = np.ones((3000, 4), np.float32)
-    for workgroup_size, pattern, per_invocation in [
-        (256, "interleaved", 2),
-        (256, "contiguous", 1),
-        (32, "contiguous", 100),
+    for workgroup_size, pattern, per_invocation, unroll in [
+        (256, "interleaved", 2, 1),
+        (256, "contiguous", 1, 4),
+        (32, "contiguous", 100, 4),
+        (16, "interleaved", 9, 4),
     ]:
-        sums = read(
-            gpu,
-            registry,
-            ones,
-            "vec4<f32>",
-            workgroup_size=workgroup_size,
-            pattern=pattern,
-            per_invocation=per_invocation,
-        )
+        shape = {"workgroup_size": workgroup_size, "pattern": pattern, "per_invocation": per_invocation}
+        sums = read(gpu, registry, ones, "vec4<f32>", **shape, unroll=unroll)
         assert sums.sum(dtype=np.float64) == ones.size
 
 
@@ -107,6 +105,8 @@ def test_rejects_shapes_the_kernel_cannot_run(gpu, registry):
         StreamRead(registry, src, "u32")
     with pytest.raises(ValueError, match="workgroup_size"):
         StreamRead(registry, src, "f32", workgroup_size=512)
+    with pytest.raises(ValueError, match="unroll"):
+        StreamRead(registry, src, "f32", unroll=2)
     with pytest.raises(ValueError, match="pattern"):
         StreamRead(registry, src, "f32", pattern="random")
     big = Tensor.empty(gpu, 70_000, "u32")

@@ -93,9 +93,9 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "swiglu": {"main": [{"ACTIVATION": 1}], "sigmoid_gate": [], "per_layer_gate": [{"ACTIVATION": 1}]},
     "kv_compact": {"main": []},
     "vocab_scatter": {"main": []},
-    # doppler_py/bandwidth.py measures with these workgroup sizes and both patterns (tools/bench_bandwidth.py).
+    # doppler_py/bandwidth.py measures with these workgroup sizes, both patterns and both unrolls.
     "stream_read": {
-        entry: _product(WORKGROUP_SIZE=[16, 64, 256], PATTERN=[0, 1])
+        entry: _product(WORKGROUP_SIZE=[16, 64, 256], PATTERN=[0, 1], UNROLL=[1, 4])
         for entry in ("read_f32", "read_vec4_f32", "read_u32", "read_vec4_u32")
     },
 }
