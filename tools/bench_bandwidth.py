@@ -8,9 +8,9 @@ of it, per weight format (issue 64, part 2).
    shapes; per load the best shape's median rate. The figure is cached for `doppler-py info`.
 2. Decode: SmolLM2-135M, plain greedy decode of --new-tokens after a 16-token prompt, per weight format; tok/s
    times the weight bytes a step reads (every layer matrix, the LM head, one embedding row: `decode_weight_bytes`)
-   is decode's weight bytes/s. Every repeat first times the best streaming shape again (--rounds reads), then
-   decodes once per format, so the ratio sets the two side by side in the same minutes of a shared machine; the
-   fraction is the median decode rate over the median streaming rate of those windows.
+   is decode's weight bytes/s. Before each decode the best streaming shape is timed again (--rounds reads), so
+   each ratio sets the two side by side under the same load of a shared machine; the fraction is the median of
+   the --repeats ratios.
 
 Formats: q4_1 is the shipped GGUF (q4_1 layers, its q8_0 embedding as the tied LM head); q8_0 and f16 come from
 the same values dequantised to f16 once (`resolve_model(..., "f16")`, converted into the model cache), then
@@ -23,7 +23,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,21 @@ def host() -> dict:
         pass
     flags = _cpu_flags()
     return {"cpu": model, "cpus": os.cpu_count(), "vector_flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def run_info() -> dict:
+    """When, from which commit and with which command: a figure is published with all three."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit or "unknown",
+        "command": " ".join(["python", "tools/bench_bandwidth.py", *sys.argv[1:]]),
+    }
 
 
 def formats_of(weights) -> str:
@@ -95,7 +112,7 @@ def run(args) -> dict:
     stream = stream_report(gpu, rates, nbytes)
     if nbytes == stream_bytes(gpu) and set(loads) == set(LOADS):
         save_stream_rate(gpu, stream)  # what `doppler-py info` shows
-    record = {"host": host(), "adapter": gpu.summary(), "stream": stream, "decode": []}
+    record = {"run": run_info(), "host": host(), "adapter": gpu.summary(), "stream": stream, "decode": []}
     formats = [f.strip() for f in args.weights.split(",") if f.strip()]
     if not formats:
         return record
@@ -112,21 +129,25 @@ def run(args) -> dict:
         ids = np.random.default_rng(0).integers(min(100, vocab - 1), min(30000, vocab), size=16).tolist()
         for fmt in formats:
             decode_once(engines[fmt], ids, 4)  # compile the decode pipelines outside the timings
-        window: list[float] = []
+        # Per format and repeat: the streaming rate timed just before the decode, so each ratio compares the two
+        # under the same load of a shared machine.
+        window: dict[str, list[float]] = {fmt: [] for fmt in formats}
         tok_s: dict[str, list[float]] = {fmt: [] for fmt in formats}
         for repeat in range(args.repeats):
-            window.append(probe.time_rounds([reader], args.rounds)[0].bytes_per_s)
             for fmt in formats:
+                window[fmt].append(probe.time_rounds([reader], args.rounds)[0].bytes_per_s)
                 tok_s[fmt].append(decode_once(engines[fmt], ids, args.new_tokens))
             if log:
-                decoded = ", ".join(f"{fmt} {runs[-1]:.2f}" for fmt, runs in tok_s.items())
-                log(f"repeat {repeat}: stream {window[-1] / 1e9:.2f} GB/s; tok/s {decoded}")
-        stream_window = statistics.median(window)
-        record["stream"]["window_bytes_per_s"] = stream_window
+                decoded = ", ".join(
+                    f"{fmt} {tok_s[fmt][-1]:.2f} tok/s ({window[fmt][-1] / 1e9:.2f})" for fmt in formats
+                )
+                log(f"repeat {repeat} (stream GB/s beside each): {decoded}")
+        record["stream"]["window_bytes_per_s"] = statistics.median(v for runs in window.values() for v in runs)
         for fmt in formats:
             weights = engines[fmt].model.weights
             read = decode_weight_bytes(weights)
             rate = statistics.median(tok_s[fmt])
+            fractions = [t * read["total"] / w for t, w in zip(tok_s[fmt], window[fmt], strict=True)]
             record["decode"].append(
                 {
                     "weights": fmt,
@@ -134,8 +155,9 @@ def run(args) -> dict:
                     "weight_bytes_per_token": read,
                     "tok_s": rate,
                     "tok_s_runs": tok_s[fmt],
+                    "stream_bytes_per_s_runs": window[fmt],
                     "weight_bytes_per_s": rate * read["total"],
-                    "fraction_of_stream": rate * read["total"] / stream_window,
+                    "fraction_of_stream": statistics.median(fractions),
                 }
             )
     finally:
@@ -149,7 +171,9 @@ def format_table(record: dict) -> str:
     host_ = record["host"]
     adapter = record["adapter"]
     stream = record["stream"]
+    run = record["run"]
     lines = [
+        f"{run['date']}, commit {run['commit']}: {run['command']}",
         f"host: {host_['cpu']} ({host_['cpus']} CPUs; {', '.join(host_['vector_flags']) or 'no AVX2/AVX-512'})",
         f"adapter: {adapter['adapter']} ({adapter['driver']}), {adapter['adapter_type']}",
         f"streaming read over {stream['buffer_bytes'] / 2**20:g} MiB, best shape per load (median):",
@@ -159,7 +183,10 @@ def format_table(record: dict) -> str:
         lines.append(f"  {load:<10} {rate['bytes_per_s'] / 1e9:7.2f}  {rate['label']}")
     if record["decode"]:
         window = stream["window_bytes_per_s"]
-        lines.append(f"decode (plain greedy), against the best shape timed beside it: {window / 1e9:.2f} GB/s")
+        lines.append(
+            f"decode (plain greedy); the best shape timed again before each decode read {window / 1e9:.2f} GB/s "
+            "(median); 'of stream': the median over repeats of decode's rate over the read just before it"
+        )
         lines.append(
             f"  {'weights':<8} {'stored as':<28} {'MB/token':>9} {'tok/s':>7} {'weights GB/s':>13} {'of stream':>10}"
         )
