@@ -89,3 +89,19 @@ def test_every_load_type_of_the_kernel_is_swept_in_every_pattern():
     assert {s.load for s in SHAPES} == set(LOADS)
     assert {(s.pattern, s.unroll) for s in SHAPES} == {(p, u) for p in ("contiguous", "interleaved") for u in (1, 4)}
     assert len(set(SHAPES)) == len(SHAPES) and np.all([s.bytes_per_invocation >= 16 for s in SHAPES])
+
+
+def test_info_shows_the_cached_figure_with_its_shape_and_date(monkeypatch, tmp_path, capsys):
+    from doppler_py import cli
+    from doppler_py.gpu.device import default_gpu
+
+    monkeypatch.setenv("DOPPLER_CACHE", str(tmp_path))
+    gpu = default_gpu(browser_limits=False)  # the device `doppler-py info` reports
+    shape = StreamShape("vec4<u32>", "interleaved", 16, 1, 16 << 10)
+    best = {"load": shape.load, "label": shape.label(), "bytes_per_s": 3.5e9}
+    report = {"bytes_per_s": 3.5e9, "buffer_bytes": stream_bytes(gpu), "best": best, "per_load": {shape.load: best}}
+    save_stream_rate(gpu, report | {"measured_at": "2026-12-07T12:00:00+00:00"})
+    assert cli.main(["info"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("streaming read:"))
+    assert line.startswith("streaming read: 3.50 GB/s (vec4<u32> loads, interleaved, workgroup 16, 1 per iteration")
+    assert "2026-12-07T12:00:00+00:00" in line and f"{stream_bytes(gpu) >> 20} MiB" in line

@@ -8,9 +8,9 @@ of it, per weight format (issue 64, part 2).
    shapes; per load the best shape's median rate. The figure is cached for `doppler-py info`.
 2. Decode: SmolLM2-135M, plain greedy decode of --new-tokens after a 16-token prompt, per weight format; tok/s
    times the weight bytes a step reads (every layer matrix, the LM head, one embedding row: `decode_weight_bytes`)
-   is decode's weight bytes/s. Before each decode the best streaming shape is timed again (--rounds reads), so
-   each ratio sets the two side by side under the same load of a shared machine; the fraction is the median of
-   the --repeats ratios.
+   is decode's weight bytes/s. Before and after each decode the best streaming shape is timed again (--rounds
+   reads each, the two medians averaged), so each ratio sets the two side by side under the same load of a shared
+   machine (its speed swings 3x within seconds); the fraction is the median of the --repeats ratios.
 
 Formats: q4_1 is the shipped GGUF (q4_1 layers, its q8_0 embedding as the tied LM head); q8_0 and f16 come from
 the same values dequantised to f16 once (`resolve_model(..., "f16")`, converted into the model cache), then
@@ -129,19 +129,22 @@ def run(args) -> dict:
         ids = np.random.default_rng(0).integers(min(100, vocab - 1), min(30000, vocab), size=16).tolist()
         for fmt in formats:
             decode_once(engines[fmt], ids, 4)  # compile the decode pipelines outside the timings
-        # Per format and repeat: the streaming rate timed just before the decode, so each ratio compares the two
-        # under the same load of a shared machine.
+        # Per format and repeat: the streaming rate timed just before and just after the decode (the next format's
+        # "before"), averaged, so each ratio compares the two under the same load of a shared machine.
         window: dict[str, list[float]] = {fmt: [] for fmt in formats}
         tok_s: dict[str, list[float]] = {fmt: [] for fmt in formats}
         for repeat in range(args.repeats):
+            before = probe.time_rounds([reader], args.rounds)[0].bytes_per_s
             for fmt in formats:
-                window[fmt].append(probe.time_rounds([reader], args.rounds)[0].bytes_per_s)
                 tok_s[fmt].append(decode_once(engines[fmt], ids, args.new_tokens))
+                after = probe.time_rounds([reader], args.rounds)[0].bytes_per_s
+                window[fmt].append((before + after) / 2)
+                before = after
             if log:
                 decoded = ", ".join(
                     f"{fmt} {tok_s[fmt][-1]:.2f} tok/s ({window[fmt][-1] / 1e9:.2f})" for fmt in formats
                 )
-                log(f"repeat {repeat} (stream GB/s beside each): {decoded}")
+                log(f"repeat {repeat} (stream GB/s around each): {decoded}")
         record["stream"]["window_bytes_per_s"] = statistics.median(v for runs in window.values() for v in runs)
         for fmt in formats:
             weights = engines[fmt].model.weights
@@ -184,8 +187,8 @@ def format_table(record: dict) -> str:
     if record["decode"]:
         window = stream["window_bytes_per_s"]
         lines.append(
-            f"decode (plain greedy); the best shape timed again before each decode read {window / 1e9:.2f} GB/s "
-            "(median); 'of stream': the median over repeats of decode's rate over the read just before it"
+            f"decode (plain greedy); the best shape, timed again around each decode, read {window / 1e9:.2f} GB/s "
+            "(median); 'of stream': the median over repeats of decode's rate over the reads around it"
         )
         lines.append(
             f"  {'weights':<8} {'stored as':<28} {'MB/token':>9} {'tok/s':>7} {'weights GB/s':>13} {'of stream':>10}"
