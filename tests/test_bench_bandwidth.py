@@ -41,7 +41,9 @@ def test_table_and_json_of_a_tiny_run(bench, tiny_folder, tmp_path, capsys, monk
     assert row["weight_bytes_per_s"] == pytest.approx(row["tok_s"] * row["weight_bytes_per_token"]["total"])
     bytes_per_token = row["weight_bytes_per_token"]["total"]
     ratios = [t * bytes_per_token / w for t, w in zip(row["tok_s_runs"], row["stream_bytes_per_s_runs"], strict=True)]
+    assert row["fraction_runs"] == pytest.approx(ratios)
     assert row["fraction_of_stream"] == pytest.approx(sum(ratios) / 2)  # the median of two
-    assert f"{row['fraction_of_stream']:.0%}" in table.splitlines()[-2]  # the q4_1 row, before the JSON line
+    q4_1_row = table.splitlines()[-2]  # before the JSON line
+    assert f"{row['fraction_of_stream']:.0%}" in q4_1_row and f"{min(ratios):.0%}-{max(ratios):.0%}" in q4_1_row
     # A 1 MiB buffer is not the adapter's figure: nothing was cached for `doppler-py info`.
     assert not list((tmp_path / "cache").glob("stream-rate/*.json"))

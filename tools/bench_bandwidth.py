@@ -161,6 +161,7 @@ def run(args) -> dict:
                     "stream_bytes_per_s_runs": window[fmt],
                     "weight_bytes_per_s": rate * read["total"],
                     "fraction_of_stream": statistics.median(fractions),
+                    "fraction_runs": fractions,
                 }
             )
     finally:
@@ -192,11 +193,13 @@ def format_table(record: dict) -> str:
         )
         lines.append(
             f"  {'weights':<8} {'stored as':<28} {'MB/token':>9} {'tok/s':>7} {'weights GB/s':>13} {'of stream':>10}"
+            f"  {'range':>9}"
         )
         for row in record["decode"]:
             lines.append(
                 f"  {row['weights']:<8} {row['formats']:<28} {row['weight_bytes_per_token']['total'] / 1e6:9.1f} "
-                f"{row['tok_s']:7.2f} {row['weight_bytes_per_s'] / 1e9:13.2f} {row['fraction_of_stream']:10.0%}"
+                f"{row['tok_s']:7.2f} {row['weight_bytes_per_s'] / 1e9:13.2f} {row['fraction_of_stream']:10.0%}  "
+                f"{min(row['fraction_runs']):.0%}-{max(row['fraction_runs']):.0%}"
             )
     return "\n".join(lines)
 
