@@ -450,6 +450,7 @@ def shader_entry_points(shader_dir: Path) -> dict[str, list[str]]:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from doppler_py.bandwidth import cached_stream_rate, format_rate, measure_stream_rate
     from doppler_py.gpu import dispatch_loop
     from doppler_py.gpu.device import default_gpu
     from doppler_py.gpu.wgsl import SHADER_DIR
@@ -458,11 +459,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     gpu = default_gpu(browser_limits=args.browser_limits)
     dispatch_loop.wait(timeout=120)  # a new machine builds it once (~1 s)
+    if args.bandwidth:  # tens of seconds on a CPU adapter, so only when asked; cached for the next `info`
+        print("measuring the streaming read rate ...", file=sys.stderr)
+        stream_rate = measure_stream_rate(gpu)
+    else:
+        stream_rate = cached_stream_rate(gpu)
     info = gpu.summary() | {
         "weight_precisions": list(WEIGHT_FORMATS),
         "kernels": shader_entry_points(SHADER_DIR),
         "dispatch_loop": dispatch_loop.status(),
         "verify_costs_measured": measured_here(gpu),
+        "stream_read": stream_rate,
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -475,6 +482,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"  {name:40} {value:,}")
     print(f"weights:   {', '.join(info['weight_precisions'])}")
     print(f"dispatch loop: {info['dispatch_loop']}")
+    if stream_rate is None:
+        print("streaming read: not measured on this adapter yet (`doppler-py info --bandwidth` measures it)")
+    else:
+        print(f"streaming read: {format_rate(stream_rate)}")
     # Pipelines are compiled by every process (WebGPU keeps no pipeline cache across processes); what a process
     # can skip is measuring this device's verification costs, once they are cached.
     print("speculation: pipelines compile in each process; verification costs measured on this adapter for:")
@@ -779,6 +790,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="adapter, backend, features, limits, kernels and weight precisions")
     info.add_argument("--browser-limits", action="store_true", help="show the WebGPU default-limits device")
     info.add_argument("--json", action="store_true", help="print one JSON object")
+    info.add_argument(
+        "--bandwidth",
+        action="store_true",
+        help="measure the adapter's streaming read rate now (tens of seconds on a CPU adapter; cached for later)",
+    )
     info.set_defaults(func=_cmd_info)
 
     profile = sub.add_parser("profile", help="GPU time per kernel and the host/GPU split of decode and verify steps")

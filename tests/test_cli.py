@@ -282,6 +282,8 @@ def test_info_names_adapter_limits_kernels_and_precisions(runs):
     text = ok(runs["info"]).stdout
     assert info["adapter"] in text and "matmul.wgsl" in text and "q4_1" in text
     assert f"dispatch loop: {info['dispatch_loop']}" in text
+    # The streaming rate is measured only on request (`info --bandwidth`); the cache here is the test's own.
+    assert info["stream_read"] is None and "streaming read: not measured" in text
 
 
 # --- convert and models ------------------------------------------------------------------------------------------
