@@ -83,7 +83,7 @@ def saved_by_sentence_transformers(source: Path, folder: Path, pooling: str, den
     from sentence_transformers import SentenceTransformer, models
 
     transformer = models.Transformer(str(source))
-    width = transformer.get_word_embedding_dimension()
+    width = transformer.get_embedding_dimension()
     modules = [transformer, models.Pooling(width, pooling_mode=pooling)]
     generator = torch.Generator().manual_seed(7)
     for out in dense:
@@ -94,4 +94,11 @@ def saved_by_sentence_transformers(source: Path, folder: Path, pooling: str, den
         modules.append(layer)
         width = out
     SentenceTransformer(modules=[*modules, models.Normalize()], device="cpu").save(str(folder))
+    # With a chat template beside the tokenizer and a "message" modality in its settings, sentence-transformers 6
+    # wraps a text in the template as a user message; doppler-py embeds text as it is (as Qwen3-Embedding's own
+    # files ask), so neither is kept.
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((folder / "sentence_bert_config.json").read_text())
+    settings["modality_config"].pop("message", None)
+    _write_json(folder / "sentence_bert_config.json", settings)
     return folder
