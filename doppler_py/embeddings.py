@@ -31,6 +31,7 @@ from doppler_py.errors import DopplerError, GenerationOptionError, ModelFormatEr
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.linear import compile_at_once
 from doppler_py.ops.norms import RMSNorm
 from doppler_py.tokenizer import Tokenizer
 
@@ -352,20 +353,18 @@ class Embedder:
         """Each input's pooled final hidden state [H]: its rows run in forwards of at most `rows_alone` rows (each
         row's result is its own forward's), several inputs' chunks side by side, each over its own cache."""
         model, mode = self.model, self.head.pooling
-        limit = model.rows_alone
+        plan = plan_forwards([i.size for i in ids], model.rows_alone)
+        # The matmul pipelines of the forwards' row counts, compiled several at once (a CPU adapter compiles each
+        # on one core) rather than one by one as the forwards meet them.
+        heads = (model.lm_head, model.lm_head_last)
+        rows = {sum(take for _, _, take in segments) for segments in plan}
+        compile_at_once([(linear, n) for n in sorted(rows) for linear in model.linears() if linear not in heads])
         caches = [self._take_cache(i.size) for i in ids]
         sums = [np.zeros(model.config.hidden_size, np.float64) for _ in ids]
         out: list[np.ndarray | None] = [None] * len(ids)
-        done = [0] * len(ids)
         try:
-            while any(d < i.size for d, i in zip(done, ids, strict=True)):
-                segments, rows = [], 0  # (input, start, rows)
-                for n, seq in enumerate(ids):
-                    if done[n] < seq.size and rows < limit:
-                        take = min(seq.size - done[n], limit - rows)
-                        segments.append((n, done[n], take))
-                        rows += take
-                hidden = self._forward(ids, caches, segments, rows)
+            for segments in plan:
+                hidden = self._forward(ids, caches, segments, sum(take for _, _, take in segments))
                 row0 = 0
                 for n, start, take in segments:
                     h = hidden[row0 : row0 + take]
@@ -373,8 +372,7 @@ class Embedder:
                         sums[n] += h.sum(axis=0, dtype=np.float64)
                     elif mode == "cls" and start == 0:
                         out[n] = h[0].copy()
-                    done[n] = start + take
-                    if done[n] == ids[n].size:
+                    if start + take == ids[n].size:
                         if mode == "lasttoken":
                             out[n] = h[-1].copy()
                         elif mode == "mean":
@@ -427,6 +425,24 @@ class Embedder:
         self._caches.clear()
         self.model.registry.release_tensors(self.hidden)
         self.closed = True
+
+
+def plan_forwards(lengths: Sequence[int], max_rows: int) -> list[list[tuple[int, int, int]]]:
+    """The forwards that run inputs of these token counts: each a list of (input, start, rows) segments of at most
+    `max_rows` rows in all, inputs in order, each input's next rows in the first forward with room after its previous
+    ones (a long input's chunks in consecutive forwards, short ones filling the rest)."""
+    done = [0] * len(lengths)
+    plan = []
+    while any(d < n for d, n in zip(done, lengths, strict=True)):
+        segments, rows = [], 0
+        for n, length in enumerate(lengths):
+            if done[n] < length and rows < max_rows:
+                take = min(length - done[n], max_rows - rows)
+                segments.append((n, done[n], take))
+                done[n] += take
+                rows += take
+        plan.append(segments)
+    return plan
 
 
 def _is_int(value: object) -> bool:
