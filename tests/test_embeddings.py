@@ -177,3 +177,17 @@ def test_embedding_result_encodes_floats_as_lists(engine):
     result: EmbeddingResult = engine.embeddings(["hi", "there"])
     floats = result.encoded("float")
     assert len(floats) == 2 and all(isinstance(x, float) for x in floats[0])
+
+
+def test_the_embed_command_prints_openais_shape(folder, engine, capsys):
+    from doppler_py.cli import main
+
+    args = ["embed", "hello world", "a", "--model", str(folder), "--weights", "f32", "--no-progress"]
+    assert main([*args, "--dimensions", "8", "--prompt-name", "query"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    vectors = np.asarray([d["embedding"] for d in printed["data"]], np.float32)
+    expected = engine.embeddings(["hello world", "a"], dimensions=8, prompt_name="query")
+    np.testing.assert_array_equal(vectors, expected.vectors)
+    assert printed["usage"]["prompt_tokens"] == expected.prompt_tokens
+    assert main([*args, "--dimensions", "99"]) == 2
+    assert "dimensions must be a whole number in 1..64" in capsys.readouterr().err
