@@ -334,10 +334,17 @@ class Embedder:
         if not isinstance(normalize, bool):
             raise GenerationOptionError(f"normalize must be true or false, got {normalize!r}", option="normalize")
         ids = self.token_lists(inputs, prompt_name)
+        if self.head.pooling == "mean" and not self.head.include_prompt and self.prompt(prompt_name):
+            raise UnsupportedModelError(
+                "this model's mean pooling leaves its prompt's tokens out (include_prompt: false), which doppler-py "
+                "does not do: embed without a prompt"
+            )
+        plan = plan_forwards([i.size for i in ids], self.model.rows_alone)
+        self.compile(plan)  # before taking the GPU: generations keep stepping meanwhile
         with self.gpu_lock():
             if self.closed:
                 raise DopplerError("the engine was closed", advice="load the model again")
-            pooled = self.pool(ids)
+            pooled = self.pool(ids, plan)
         vectors = []
         for v in pooled:
             for layer in self.head.dense:
@@ -349,16 +356,19 @@ class Embedder:
             vectors.append(v.astype(np.float32))
         return EmbeddingResult(np.stack(vectors), int(sum(i.size for i in ids)))
 
-    def pool(self, ids: list[np.ndarray]) -> list[np.ndarray]:
-        """Each input's pooled final hidden state [H]: its rows run in forwards of at most `rows_alone` rows (each
-        row's result is its own forward's), several inputs' chunks side by side, each over its own cache."""
-        model, mode = self.model, self.head.pooling
-        plan = plan_forwards([i.size for i in ids], model.rows_alone)
-        # The matmul pipelines of the forwards' row counts, compiled several at once (a CPU adapter compiles each
-        # on one core) rather than one by one as the forwards meet them.
+    def compile(self, plan: list[list[tuple[int, int, int]]]) -> None:
+        """The matmul pipelines of the planned forwards' row counts, compiled several at once (a CPU adapter compiles
+        each on one core) rather than one by one as the forwards meet them."""
+        model = self.model
         heads = (model.lm_head, model.lm_head_last)
         rows = {sum(take for _, _, take in segments) for segments in plan}
         compile_at_once([(linear, n) for n in sorted(rows) for linear in model.linears() if linear not in heads])
+
+    def pool(self, ids: list[np.ndarray], plan: list[list[tuple[int, int, int]]]) -> list[np.ndarray]:
+        """Each input's pooled final hidden state [H], run as `plan_forwards` planned: forwards of at most
+        `rows_alone` rows (each row's result is its own forward's), several inputs' chunks side by side, each over
+        its own cache."""
+        model, mode = self.model, self.head.pooling
         caches = [self._take_cache(i.size) for i in ids]
         sums = [np.zeros(model.config.hidden_size, np.float64) for _ in ids]
         out: list[np.ndarray | None] = [None] * len(ids)

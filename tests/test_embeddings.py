@@ -15,7 +15,7 @@ import pytest
 from support.embedding_models import QUERY_PROMPT, QWEN3, qwen3_embedding_folder, saved_by_sentence_transformers
 
 from doppler_py.api import load
-from doppler_py.embeddings import Embedder, EmbeddingHead, EmbeddingResult
+from doppler_py.embeddings import Embedder, EmbeddingHead, EmbeddingResult, plan_forwards
 from doppler_py.errors import GenerationOptionError, UnsupportedModelError
 from doppler_py.testing.tiny import write_tiny_model
 
@@ -191,3 +191,50 @@ def test_the_embed_command_prints_openais_shape(folder, engine, capsys):
     assert printed["usage"]["prompt_tokens"] == expected.prompt_tokens
     assert main([*args, "--dimensions", "99"]) == 2
     assert "dimensions must be a whole number in 1..64" in capsys.readouterr().err
+
+
+def test_forwards_are_planned_full_with_each_inputs_chunks_in_order():
+    plan = plan_forwards([3, 70, 2, 64], 64)
+    assert all(sum(rows for _, _, rows in forward) <= 64 for forward in plan)
+    for n, length in enumerate([3, 70, 2, 64]):
+        chunks = [(start, rows) for forward in plan for m, start, rows in forward if m == n]
+        assert [start for start, _ in chunks] == list(np.cumsum([0] + [rows for _, rows in chunks])[:-1])
+        assert sum(rows for _, rows in chunks) == length
+    assert plan[0] == [(0, 0, 3), (1, 0, 61)]
+
+
+def _head_folder(tmp_path, pooling: dict, modules: list[str] = ("Transformer", "Pooling", "Normalize")):
+    paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize", "WeightedLayerPooling": "x"}
+    listed = [{"path": paths[m], "type": f"sentence_transformers.models.{m}"} for m in modules]
+    (tmp_path / "modules.json").write_text(json.dumps(listed))
+    (tmp_path / "1_Pooling").mkdir(exist_ok=True)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return tmp_path
+
+
+def test_the_head_reads_either_pooling_format_and_refuses_what_it_cannot_do(tmp_path):
+    old = EmbeddingHead.from_folder(_head_folder(tmp_path, {"pooling_mode_mean_tokens": True}), 64)
+    assert (old.pooling, old.normalize, old.declared) == ("mean", True, True)
+    new = EmbeddingHead.from_folder(_head_folder(tmp_path, {"pooling_mode": "cls", "include_prompt": False}), 64)
+    assert (new.pooling, new.include_prompt) == ("cls", False)
+    with pytest.raises(UnsupportedModelError, match="'max' is not supported"):
+        EmbeddingHead.from_folder(_head_folder(tmp_path, {"pooling_mode": "max"}), 64)
+    with pytest.raises(UnsupportedModelError, match="one mode"):
+        EmbeddingHead.from_folder(
+            _head_folder(tmp_path, {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True}), 64
+        )
+    with pytest.raises(UnsupportedModelError, match="WeightedLayerPooling"):
+        EmbeddingHead.from_folder(
+            _head_folder(tmp_path, {"pooling_mode": "mean"}, ["Transformer", "WeightedLayerPooling", "Pooling"]), 64
+        )
+
+
+def test_mean_pooling_that_leaves_the_prompt_out_is_refused_with_a_prompt(engine):
+    head = EmbeddingHead(pooling="mean", include_prompt=False, prompts={"query": "q: "}, declared=True)
+    embedder = Embedder(engine.model, engine.tokenizer, head)
+    try:
+        assert embedder.embed("hello").vectors.shape == (1, QWEN3.hidden_size)  # without a prompt it is the mean
+        with pytest.raises(UnsupportedModelError, match="include_prompt"):
+            embedder.embed("hello", prompt_name="query")
+    finally:
+        embedder.close()
