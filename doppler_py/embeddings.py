@@ -339,12 +339,16 @@ class Embedder:
                 "this model's mean pooling leaves its prompt's tokens out (include_prompt: false), which doppler-py "
                 "does not do: embed without a prompt"
             )
-        plan = plan_forwards([i.size for i in ids], self.model.rows_alone)
-        self.compile(plan)  # before taking the GPU: generations keep stepping meanwhile
-        with self.gpu_lock():
-            if self.closed:
-                raise DopplerError("the engine was closed", advice="load the model again")
-            pooled = self.pool(ids, plan)
+        rows = self.model.rows_alone
+        groups = input_groups([i.size for i in ids], rows)
+        plans = [plan_forwards([ids[n].size for n in group], rows) for group in groups]
+        self.compile([forward for plan in plans for forward in plan])  # before taking the GPU: generations step on
+        pooled: list[np.ndarray] = []
+        for group, plan in zip(groups, plans, strict=True):
+            with self.gpu_lock():  # per group: generations step between them
+                if self.closed:
+                    raise DopplerError("the engine was closed", advice="load the model again")
+                pooled += self.pool([ids[n] for n in group], plan)
         vectors = []
         for v in pooled:
             for layer in self.head.dense:
@@ -435,6 +439,23 @@ class Embedder:
         self._caches.clear()
         self.model.registry.release_tensors(self.hidden)
         self.closed = True
+
+
+GROUP_TOKENS = 4  # forwards' worth of rows a group of inputs may hold (its caches are made for it at once)
+
+
+def input_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
+    """Consecutive inputs run together (their KV caches held at once): at most `max_rows` of them (a forward has a
+    segment per input) and GROUP_TOKENS forwards' worth of tokens, unless one input alone is longer."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for n, length in enumerate(lengths):
+        if not groups or len(groups[-1]) >= max_rows or tokens + length > GROUP_TOKENS * max_rows:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(n)
+        tokens += length
+    return groups
 
 
 def plan_forwards(lengths: Sequence[int], max_rows: int) -> list[list[tuple[int, int, int]]]:

@@ -15,7 +15,7 @@ import pytest
 from support.embedding_models import QUERY_PROMPT, QWEN3, qwen3_embedding_folder, saved_by_sentence_transformers
 
 from doppler_py.api import load
-from doppler_py.embeddings import Embedder, EmbeddingHead, EmbeddingResult, plan_forwards
+from doppler_py.embeddings import Embedder, EmbeddingHead, EmbeddingResult, input_groups, plan_forwards
 from doppler_py.errors import GenerationOptionError, UnsupportedModelError
 from doppler_py.testing.tiny import write_tiny_model
 
@@ -238,3 +238,10 @@ def test_mean_pooling_that_leaves_the_prompt_out_is_refused_with_a_prompt(engine
             embedder.embed("hello", prompt_name="query")
     finally:
         embedder.close()
+
+
+def test_inputs_are_grouped_so_that_their_caches_stay_bounded():
+    assert input_groups([2] * 130, 64) == [list(range(64)), list(range(64, 128)), [128, 129]]  # 64 a forward
+    assert input_groups([5] * 60, 64) == [list(range(51)), list(range(51, 60))]  # 255 tokens, then the rest
+    assert input_groups([200, 100, 300, 10], 64) == [[0], [1], [2], [3]]  # 256 tokens at most, one long alone
+    assert input_groups([100, 100, 50, 10], 64) == [[0, 1, 2], [3]]
