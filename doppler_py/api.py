@@ -34,6 +34,7 @@ from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob
 from doppler_py.options import GenerationOptions, check_speculative, request_options
+from doppler_py.rerank import Reranker, RerankResult
 from doppler_py.sampling import check_bias_vocab
 from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import Drafter
@@ -156,6 +157,7 @@ class Engine:
         self.warmup = warmup
         self.progress = progress
         self._embedder: Embedder | None = None
+        self._reranker: Reranker | None = None
         self.closed = False
 
     @property
@@ -255,6 +257,22 @@ class Engine:
                     with self.batch.gpu():
                         self._embedder = Embedder(self.model, self.tokenizer, head, gpu_lock=self.batch.gpu)
         return self._embedder
+
+    def rerank(
+        self, query: str, documents: Sequence[str], *, instruction: str | None = None, top_n: int | None = None
+    ) -> list[RerankResult]:
+        """`documents` by relevance to `query`, highest first (the first `top_n`): each one's probability of "yes"
+        over "no" as Qwen3-Reranker's card asks it (`doppler_py.rerank`); `instruction` replaces the card's default
+        task line."""
+        return self.rerank_with_usage(query, documents, instruction=instruction, top_n=top_n)[0]
+
+    def rerank_with_usage(
+        self, query: str, documents: Sequence[str], *, instruction: str | None = None, top_n: int | None = None
+    ) -> tuple[list[RerankResult], int]:
+        """`rerank`'s results and the tokens it read (the server's usage)."""
+        if self._reranker is None:
+            self._reranker = Reranker(self.model, self.tokenizer, gpu_lock=self.batch.gpu)
+        return self._reranker.rerank(query, documents, instruction=instruction, top_n=top_n)
 
     # -- speculative engines ----------------------------------------------------------------------------
     def _resolve_mode(self, speculative: str | None) -> str:
