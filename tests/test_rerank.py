@@ -99,3 +99,24 @@ def test_a_model_without_yes_and_no_tokens_is_refused(tmp_path):
         pytest.raises(UnsupportedModelError, match="'yes' and 'no'"),
     ):
         engine.rerank(QUERY, DOCUMENTS)
+
+
+def test_the_rerank_endpoint_answers_in_llama_cpps_shape(engine):
+    import httpx
+
+    from doppler_py.server import OpenAIServer, ServerConfig, serving_in_background
+
+    with serving_in_background(OpenAIServer(engine, ServerConfig(model_id="tiny-rerank")).app) as url:
+        body = {"model": "tiny-rerank", "query": QUERY, "documents": DOCUMENTS, "top_n": 3, "return_documents": True}
+        answer = httpx.post(f"{url}/v1/rerank", json=body, timeout=60).json()
+        expected = engine.rerank(QUERY, DOCUMENTS, top_n=3)
+        assert [(r["index"], r["relevance_score"]) for r in answer["results"]] == [
+            (r.index, r.relevance_score) for r in expected
+        ]
+        assert [r["document"]["text"] for r in answer["results"]] == [DOCUMENTS[r.index] for r in expected]
+        assert answer["usage"]["prompt_tokens"] == engine.rerank_with_usage(QUERY, DOCUMENTS)[1]
+        plain = httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": DOCUMENTS[:2]}, timeout=60).json()
+        assert len(plain["results"]) == 2 and "document" not in plain["results"][0]
+        for bad, param in (({"documents": DOCUMENTS}, "query"), ({"query": QUERY, "documents": []}, "documents")):
+            refused = httpx.post(f"{url}/v1/rerank", json=bad, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param
