@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from doppler_py import defaults
+from doppler_py.embeddings import Embedder, EmbeddingHead, EmbeddingResult, Inputs, check_causal
 from doppler_py.errors import DopplerError, GenerationOptionError, VocabularyMismatchError
 from doppler_py.gpu.device import Gpu, default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
@@ -33,6 +34,7 @@ from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob
 from doppler_py.options import GenerationOptions, check_speculative, request_options
+from doppler_py.rerank import Reranker, RerankResult
 from doppler_py.sampling import check_bias_vocab
 from doppler_py.speculative.batch import StepBatch
 from doppler_py.speculative.contract import Drafter
@@ -154,6 +156,8 @@ class Engine:
         self.folder = folder
         self.warmup = warmup
         self.progress = progress
+        self._embedder: Embedder | None = None
+        self._reranker: Reranker | None = None
         self.closed = False
 
     @property
@@ -197,6 +201,8 @@ class Engine:
         for spec in [*self._spec.values(), *(e for idle in self._idle.values() for e in idle)]:
             spec.close()
         self.batch.close()
+        if self._embedder is not None:
+            self._embedder.close()
         self.prefix_cache.clear()
         for head in self.heads.values():
             head.close()
@@ -208,6 +214,65 @@ class Engine:
                 model.close()
                 model.weights.destroy()
         self.closed = True
+
+    # -- embeddings -------------------------------------------------------------------------------------------
+    def embed(
+        self,
+        inputs: Inputs,
+        *,
+        dimensions: int | None = None,
+        normalize: bool = True,
+        prompt_name: str | None = None,
+    ) -> list[list[float]]:
+        """One vector per input (a string, a list of strings, a token list or a list of token lists): the model's
+        final hidden states pooled as its sentence-transformers files say (last token without them), truncated to
+        `dimensions` (Matryoshka, embedding models only) and L2-normalised unless `normalize` is False. `prompt_name`
+        prepends one of the model's named prompts ("query", "document") to each text. See `doppler_py.embeddings`."""
+        return self.embeddings(
+            inputs, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name
+        ).vectors.tolist()
+
+    def embeddings(
+        self,
+        inputs: Inputs,
+        *,
+        dimensions: int | None = None,
+        normalize: bool = True,
+        prompt_name: str | None = None,
+    ) -> EmbeddingResult:
+        """`embed`'s vectors as one float32 array, with the tokens they took (the server's usage)."""
+        return self.embedder.embed(inputs, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name)
+
+    @property
+    def embedder(self) -> Embedder:
+        """The model's embedding head and buffers, made on first use (`doppler_py.embeddings`)."""
+        if self._embedder is None:
+            with self._leases:
+                if self._embedder is None:
+                    check_causal(self.folder)
+                    config = self.model.config
+                    head = (
+                        EmbeddingHead.from_folder(self.folder, config.hidden_size) if self.folder else EmbeddingHead()
+                    )
+                    with self.batch.gpu():
+                        self._embedder = Embedder(self.model, self.tokenizer, head, gpu_lock=self.batch.gpu)
+        return self._embedder
+
+    def rerank(
+        self, query: str, documents: Sequence[str], *, instruction: str | None = None, top_n: int | None = None
+    ) -> list[RerankResult]:
+        """`documents` by relevance to `query`, highest first (the first `top_n`): each one's probability of "yes"
+        over "no" as Qwen3-Reranker's card asks it (`doppler_py.rerank`); `instruction` replaces the card's default
+        task line."""
+        return self.rerank_with_usage(query, documents, instruction=instruction, top_n=top_n)[0]
+
+    def rerank_with_usage(
+        self, query: str, documents: Sequence[str], *, instruction: str | None = None, top_n: int | None = None
+    ) -> tuple[list[RerankResult], int]:
+        """`rerank`'s results and the tokens it read (the server's usage)."""
+        if self._reranker is None:
+            self._reranker = Reranker(self.model, self.tokenizer, gpu_lock=self.batch.gpu)
+        return self._reranker.rerank(query, documents, instruction=instruction, top_n=top_n)
 
     # -- speculative engines ----------------------------------------------------------------------------
     def _resolve_mode(self, speculative: str | None) -> str:

@@ -321,6 +321,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_embed(args: argparse.Namespace) -> int:
+    with _load(args) as engine:
+        result = engine.embeddings(
+            args.texts, dimensions=args.dimensions, normalize=not args.no_normalize, prompt_name=args.prompt_name
+        )
+        data = [{"index": i, "embedding": vector} for i, vector in enumerate(result.encoded(args.encoding_format))]
+        usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+        print(json.dumps({"object": "list", "data": data, "model": engine.name, "usage": usage}))
+    return 0
+
+
 def _read_line(prompt: str) -> str | None:
     """One line of user input (None at end of input); the prompt is shown only to a person at a terminal,
     where Ctrl-C discards the line being typed and asks again (Ctrl-D or /exit quits)."""
@@ -697,6 +708,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(chat)
     _add_generation_options(chat)
     chat.set_defaults(func=_cmd_chat)
+
+    embed = sub.add_parser(
+        "embed", help="embedding vectors of texts, as one JSON object in the shape of OpenAI's /v1/embeddings"
+    )
+    embed.add_argument("texts", nargs="+", metavar="TEXT", help="a text to embed (several: one vector each)")
+    embed.add_argument(
+        "--dimensions", type=int, help="keep the first N dimensions, renormalised (Matryoshka; embedding models only)"
+    )
+    embed.add_argument("--prompt-name", help="prepend one of the model's named prompts, e.g. query or document")
+    embed.add_argument("--no-normalize", action="store_true", help="the pooled vector as it is, not unit length")
+    embed.add_argument(
+        "--encoding-format", choices=("float", "base64"), default="float", help="base64: little-endian float32 bytes"
+    )
+    _add_model_options(embed)
+    embed.set_defaults(func=_cmd_embed)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/models, /v1/completions, ...)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -308,13 +308,17 @@ def _text_part(data: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
     return {**outer, **text, "architectures": [text_architecture]}, prefix
 
 
+BARE_MODELS = {name.removesuffix("ForCausalLM") + "Model": name for name in ARCHITECTURES}
+
+
 def _architecture(data: dict[str, Any], source: str) -> str:
     architectures = data.get("architectures")
     model_type = data.get("model_type")
     if architectures:
         if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
             raise ModelFormatError(f"{source}: field 'architectures' must be a list of names, got {architectures!r}")
-        name = architectures[0]
+        # The bare model (no LM head), as sentence-transformers saves an embedding model: its causal LM's layers.
+        name = BARE_MODELS.get(architectures[0], architectures[0])
         if name in MISSING_FEATURES:
             raise UnsupportedModelError(
                 f"{source}: architecture {name!r} is not supported: doppler-py lacks its {MISSING_FEATURES[name]}",

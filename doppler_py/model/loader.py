@@ -133,7 +133,15 @@ class _Reader:
     def __init__(self, folder: Path, prefix: str = "model."):
         self.folder = folder
         self.tensors = index_folder(folder)
-        self.prefix = prefix  # where the text model's "model." tensors live (ModelConfig.weights_prefix)
+        # Where the text model's "model." tensors live (ModelConfig.weights_prefix); a folder saved from the bare
+        # model (sentence-transformers' Qwen3-Embedding: "embed_tokens.weight", "layers.0...") has no prefix.
+        if (
+            prefix == "model."
+            and "model.embed_tokens.weight" not in self.tensors
+            and "embed_tokens.weight" in self.tensors
+        ):
+            prefix = ""
+        self.prefix = prefix
 
     def stored_name(self, name: str) -> str:
         return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from doppler_py.api import Engine, GenerationResult
 from doppler_py.model.catalog import KNOWN_MODELS
 from doppler_py.options import GenerationOptions
-from doppler_py.server import anthropic_shapes, messages_route
+from doppler_py.server import anthropic_shapes, embeddings_route, messages_route, rerank_route
 from doppler_py.server.anthropic_shapes import is_messages_path
 from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
 from doppler_py.server.errors import RequestError, _engine_error, _error_body
@@ -104,6 +104,9 @@ class OpenAIServer:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/messages", partial(messages_route.messages, self), methods=["POST"]),  # Anthropic's
                 Route("/v1/messages/count_tokens", partial(messages_route.count_tokens, self), methods=["POST"]),
+                Route("/v1/embeddings", partial(embeddings_route.embeddings, self), methods=["POST"]),
+                Route("/v1/rerank", partial(rerank_route.rerank, self), methods=["POST"]),
+                Route("/rerank", partial(rerank_route.rerank, self), methods=["POST"]),  # llama.cpp's path too
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],

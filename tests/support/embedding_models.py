@@ -1,0 +1,104 @@
+"""Tiny embedding models laid out as sentence-transformers keeps them, written by the tests.
+
+`qwen3_embedding_folder`: a tiny random Qwen3 whose files follow Qwen3-Embedding's (weights saved from the bare model,
+"embed_tokens.weight" with no "model." prefix; a tokenizer whose post-processor appends <|endoftext|>; the
+sentence-transformers 2–5 files: modules.json, 1_Pooling/config.json with pooling_mode_lasttoken, 2_Normalize, and
+config_sentence_transformers.json with a "query" prompt). `saved_by_sentence_transformers`: a folder that
+sentence-transformers itself writes (its own current layout) for a pooling mode and optional Dense layers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from doppler_py.testing.tiny import TinySpec, write_tiny_model
+
+QWEN3 = TinySpec(
+    arch="qwen3", num_attention_heads=4, num_key_value_heads=2, explicit_head_dim=32, rope_theta=1e6, seed=21
+)
+QUERY_PROMPT = "Instruct: find the passage\nQuery:"
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def qwen3_embedding_folder(folder: Path, spec: TinySpec = QWEN3, *, f16_rounded: bool = False) -> Path:
+    """The tiny Qwen3 as Qwen3-Embedding lays itself out (module docstring). `f16_rounded`: its weights rounded to
+    float16 and stored as float32 (what f16 weights compute with, for a reference in float32)."""
+    from tokenizers import Tokenizer, processors
+
+    write_tiny_model(folder, spec)
+    weights = load_file(str(folder / "model.safetensors"))
+    bare = {}
+    for name, value in weights.items():
+        if f16_rounded and value.ndim == 2:
+            value = value.astype(np.float16).astype(np.float32)
+        bare[name.removeprefix("model.")] = value
+    bare.pop("lm_head.weight", None)
+    save_file(bare, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = "<|endoftext|>"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1", special_tokens=[(eos, tokenizer.token_to_id(eos))]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    # transformers then reads tokenizer.json as it is (its post-processor included).
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    _write_json(folder / "tokenizer_config.json", config)
+    _write_json(
+        folder / "modules.json",
+        [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        ],
+    )
+    flags = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken"]
+    pooling = {"word_embedding_dimension": spec.hidden_size} | {f"pooling_mode_{f}": f == "lasttoken" for f in flags}
+    _write_json(folder / "1_Pooling" / "config.json", pooling | {"include_prompt": True})
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    _write_json(folder / "sentence_bert_config.json", {"max_seq_length": 200, "do_lower_case": False})
+    _write_json(
+        folder / "config_sentence_transformers.json",
+        {
+            "prompts": {"query": QUERY_PROMPT, "document": ""},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine",
+        },
+    )
+    return folder
+
+
+def saved_by_sentence_transformers(source: Path, folder: Path, pooling: str, dense: tuple[int, ...] = ()) -> Path:
+    """`source` (an HF folder) with a `pooling` module, Dense layers of these widths (identity activation, with
+    biases, random) and Normalize, built and saved by sentence-transformers itself."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+
+    transformer = models.Transformer(str(source))
+    width = transformer.get_embedding_dimension()
+    modules = [transformer, models.Pooling(width, pooling_mode=pooling)]
+    generator = torch.Generator().manual_seed(7)
+    for out in dense:
+        layer = models.Dense(width, out, activation_function=torch.nn.Identity())
+        with torch.no_grad():
+            layer.linear.weight.copy_(torch.randn(out, width, generator=generator) / width**0.5)
+            layer.linear.bias.copy_(torch.randn(out, generator=generator) * 0.1)
+        modules.append(layer)
+        width = out
+    SentenceTransformer(modules=[*modules, models.Normalize()], device="cpu").save(str(folder))
+    # With a chat template beside the tokenizer and a "message" modality in its settings, sentence-transformers 6
+    # wraps a text in the template as a user message; doppler-py embeds text as it is (as Qwen3-Embedding's own
+    # files ask), so neither is kept.
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((folder / "sentence_bert_config.json").read_text())
+    settings["modality_config"].pop("message", None)
+    _write_json(folder / "sentence_bert_config.json", settings)
+    return folder
