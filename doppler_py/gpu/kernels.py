@@ -41,6 +41,7 @@ __all__ = [
     "SHADER_DIR",
     "Binding",
     "Bound",
+    "CompileRecord",
     "Kernel",
     "KernelRegistry",
     "PipelineCache",
@@ -73,6 +74,20 @@ class Kernel:
         return f"Kernel({self.name}.{self.entry}{'; ' + consts if consts else ''})"
 
 
+@dataclass(frozen=True)
+class CompileRecord:
+    """One pipeline compiled in this process: its key (`KernelRegistry.kernel_key`), the seconds its shader
+    module took (0 when the module existed already: modules are shared by a file's pipelines), the seconds the
+    pipeline itself took (naga's SPIR-V output and the driver's compile: LLVM on a CPU adapter), the thread that
+    compiled it and when it started (`time.perf_counter`). For `tools/bench_compile.py`."""
+
+    key: tuple
+    module_s: float
+    pipeline_s: float
+    thread: str
+    started: float
+
+
 @dataclass(eq=False)
 class Bound:
     """A kernel with its resources bound: the unit `Recorder.dispatch` records."""
@@ -101,6 +116,7 @@ class PipelineCache:
         self.lock = threading.Lock()  # guards the dicts and `pipeline_locks`
         self.pipeline_locks: dict[tuple, threading.Lock] = {}
         self.compile_s: dict[str, list[float]] = {}  # per shader: how long each of its pipelines took to compile
+        self.records: list[CompileRecord] = []  # every pipeline compiled, in order (appended under `lock`)
 
     def mean_compile_s(self, shader: str) -> float | None:
         """Seconds a pipeline of `shader` took to compile here, on average (None: none compiled yet)."""
@@ -159,20 +175,23 @@ class KernelRegistry:
     def source(self, name: str) -> str:
         return read_shader(name, self.shader_dir)
 
-    def _module(self, name: str, entry: str):
+    def _module(self, name: str, entry: str) -> tuple[object, str, float]:
+        """(the shader module, its WGSL source, the seconds spent creating it now: 0 when it existed)."""
         # Without subgroups each entry point gets a module pruned to what it calls (see prune_to_entry).
         key = name if self.gpu.has_subgroups else f"{name}.{entry}"
         cache = self.pipelines
         with cache.lock:
-            if key not in cache.modules:
-                source = self.source(name)
-                code = source_for_naga(source) if self.gpu.has_subgroups else prune_to_entry(source, entry)
-                try:
-                    module = self.gpu.device.create_shader_module(code=code, label=key)
-                except Exception as exc:  # wgpu raises its own error types with the compiler's message
-                    raise ShaderError(f"shader {name}.wgsl ({entry}) failed to compile: {exc}") from exc
-                cache.modules[key] = (module, source)
-            return cache.modules[key]
+            if key in cache.modules:
+                return (*cache.modules[key], 0.0)
+            start = time.perf_counter()
+            source = self.source(name)
+            code = source_for_naga(source) if self.gpu.has_subgroups else prune_to_entry(source, entry)
+            try:
+                module = self.gpu.device.create_shader_module(code=code, label=key)
+            except Exception as exc:  # wgpu raises its own error types with the compiler's message
+                raise ShaderError(f"shader {name}.wgsl ({entry}) failed to compile: {exc}") from exc
+            cache.modules[key] = (module, source)
+            return (*cache.modules[key], time.perf_counter() - start)
 
     @staticmethod
     def kernel_key(name: str, entry: str = "main", **constants: float | int | bool) -> tuple:
@@ -190,19 +209,25 @@ class KernelRegistry:
                 kernel = cache.kernels.get(key)
                 if kernel is None:
                     start = time.perf_counter()
-                    kernel = cache.kernels[key] = self._compile(key)
-                    cache.compile_s.setdefault(name, []).append(time.perf_counter() - start)
+                    kernel, module_s = self._compile(key)
+                    seconds = time.perf_counter() - start
+                    record = CompileRecord(key, module_s, seconds - module_s, threading.current_thread().name, start)
+                    with cache.lock:
+                        cache.kernels[key] = kernel
+                        cache.compile_s.setdefault(name, []).append(seconds)
+                        cache.records.append(record)
         return kernel
 
     def compiled(self, key: tuple) -> bool:
         """Whether the pipeline of `key` (`kernel_key`) is compiled already."""
         return key in self.pipelines.kernels
 
-    def _compile(self, key: tuple) -> Kernel:
+    def _compile(self, key: tuple) -> tuple[Kernel, float]:
+        """The pipeline of `key` and the seconds its shader module took to create (0 if it existed)."""
         import wgpu
 
         name, entry, constants = key
-        module, source = self._module(name, entry)
+        module, source, module_s = self._module(name, entry)
         bindings = entry_bindings(source, entry, parse_bindings(source))
         self._check_limits(name, bindings)
         entries = [
@@ -222,7 +247,8 @@ class KernelRegistry:
             pipeline = self.gpu.device.create_compute_pipeline(layout=layout, compute=stage, label=f"{name}.{entry}")
         except Exception as exc:
             raise ShaderError(f"pipeline {name}.{entry} {dict(constants) or ''} failed: {exc}") from exc
-        return Kernel(name, entry, constants, pipeline, bgl, tuple(bindings), parse_uniform(source, bindings))
+        kernel = Kernel(name, entry, constants, pipeline, bgl, tuple(bindings), parse_uniform(source, bindings))
+        return kernel, module_s
 
     def _check_limits(self, name: str, bindings: list[Binding]) -> None:
         storage = sum(1 for b in bindings if b.kind != "uniform")

@@ -1,12 +1,13 @@
 """Linear layer: out[t, :] (+)= x[t, :] @ W.T (+ bias) for the first `rows` rows (shaders/matmul.wgsl).
 
-Kernel per row count (each distinct row tile is one pipeline, ~0.2-0.7 s to compile on lavapipe, so a tile's
+Kernel per row count (each distinct row tile is one pipeline, ~0.4-2 s to compile on lavapipe, so a tile's
 pipeline and bind groups are made the first time a call needs it and reused ever after; layers sharing a
 weight format share the pipeline through the registry):
   rows == 1       GEMV: an invocation owns 8 weight rows (one group of the weight layout) and reads each
                   weight once.
-  2 <= rows <= 16 register tiling: an invocation also owns a tile of x rows (exactly `rows` up to 8, equal
-                  tiles of at most 8 beyond), so a weight loaded once serves every row of the tile.
+  2 <= rows <= 16 register tiling: an invocation also owns a tile of x rows (2, 4 or 8: the row count rounded
+                  up to a power of two, in tiles of 8 beyond 8), so a weight loaded once serves every row of the
+                  tile; rows past `rows` are computed on duplicated data and never stored.
   rows > 16       tiled GEMM in workgroup memory on GPUs; on CPU adapters (lavapipe, SwiftShader), where
                   workgroup memory is no faster than a buffer and the register kernel measured 2-4x faster,
                   the register kernel in equal tiles of at most 8 rows. `tiled_gemm=` overrides the choice.
@@ -51,13 +52,16 @@ FUSED_GLU_MAX_ROWS = 16  # longer calls run the gated activation as its own disp
 def row_tile(rows: int, tiled_gemm: bool) -> int:
     """x rows per invocation for `rows` rows; 0 means the tiled GEMM.
 
-    Rows beyond one tile are split into equal tiles (9 rows → 2 tiles of 5, not 8 + 8), so little work is
-    spent on masked rows.
+    The row count rounded up to a power of two, at most 8 (3 rows → a tile of 4, 9 rows → 2 tiles of 8). Every
+    tile is a pipeline per matmul shape and weight format, and on lavapipe each costs 0.4-2 s to create (Mesa's
+    NIR passes over the unrolled tile, more for more rows) and again about as much at its first dispatch (LLVM):
+    exact tiles 1..8 made a first process's verification compile 26 target and 32 EAGLE-head pipelines
+    (`tools/bench_compile.py`). Tiles 1, 2, 4 and 8 halve that, for masked rows that cost a SmolLM2 q4_1 forward
+    of 3, 5, 6 or 7 rows on lavapipe within 0.98-1.05x of the exact tile.
     """
     if rows > REGISTER_TILED_MAX_ROWS and tiled_gemm:
         return 0
-    tiles = -(-rows // MAX_TILE_ROWS)
-    return -(-rows // tiles)
+    return min(MAX_TILE_ROWS, 1 << (rows - 1).bit_length())
 
 
 def compile_rows(linears: Sequence[Linear], stop: threading.Event | None = None) -> None:

@@ -11,6 +11,7 @@ from doppler_py.gpu.kernels import (
     entry_bindings,
     parse_bindings,
     parse_uniform,
+    read_shader,
     source_for_naga,
     workgroups,
 )
@@ -61,6 +62,28 @@ def test_pipelines_and_bind_groups_are_cached(gpu, registry):
     first = registry.bind(k1, params={"n": 10}, delta=delta, acc=acc)
     again = registry.bind(k1, params=first.params, delta=delta, acc=acc)
     assert again.bind_group is first.bind_group
+
+
+def test_each_compiled_pipeline_leaves_one_record_and_only_a_files_first_pays_for_its_module(gpu, tmp_path):
+    """`PipelineCache.records` (what tools/bench_compile.py reports): one per pipeline compiled, in order, with its
+    key; the shader module's seconds go to the first pipeline of the file, the next ones reuse the module."""
+    (tmp_path / "embedding.wgsl").write_text(read_shader("embedding"))
+    registry = KernelRegistry(gpu, tmp_path)  # a shader folder of its own: a cache no other test compiled into
+    try:
+        registry.kernel("embedding", FORMAT=0)
+        registry.kernel("embedding", FORMAT=0)  # cached: no second record
+        registry.kernel("embedding", FORMAT=1)
+        records = registry.pipelines.records
+        assert [r.key for r in records] == [
+            registry.kernel_key("embedding", FORMAT=0),
+            registry.kernel_key("embedding", FORMAT=1),
+        ]
+        assert records[0].module_s > 0 and records[1].module_s == 0
+        assert all(r.pipeline_s > 0 for r in records)
+        assert records[0].started < records[1].started
+        assert registry.pipelines.compile_s["embedding"] == pytest.approx([r.module_s + r.pipeline_s for r in records])
+    finally:
+        registry.close()
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 On a CPU adapter (lavapipe) the shader compiler and the decoding share the same cores: while the verification
 pipelines compile in the background (`warmup.py`), every plain token is slower, and compiling all of them takes
-tens of seconds there (~0.6-1.4 s a pipeline, several dozen pipelines). A short answer cannot win that back: on a
+tens of seconds there (0.4-2 s to create a pipeline and about as much again at its first dispatch; SmolLM2's
+verification needs 10 matmul pipelines, its EAGLE head 16). A short answer cannot win that back: on a
 fresh 2-core machine the first `generate` of 128 tokens finished ~9 s later than plain decoding, its speculation
 never started. So before each generation while the warm-up has not started, the engine weighs the compile's cost
 against what speculation can save over the tokens to come:

@@ -1,12 +1,14 @@
 """Compiling a speculative engine's verification pipelines in a background thread, so a first generation can
 stream plain tokens while they compile.
 
-Verifying k drafts runs the target over k + 1 rows, and every row count has pipelines of its own (the matmul's
-row tiles, the verifier); on lavapipe compiling them all takes ~16 s, against ~0.5 s for what plain decoding
-needs. The thread builds a shadow of the target (the same weights; its own activations, KV cache and verifier)
-on a fork of the kernel registry, which shares compiled pipelines but keeps its own uniforms and bind groups,
-and runs one verification step of each row count there. Nothing it records touches a buffer or a uniform of
-the target, so the main thread keeps decoding meanwhile; wgpu-native releases the GIL while it compiles.
+Verifying k drafts runs the target over k + 1 rows, and row counts have pipelines of their own (the matmul's
+row tiles 2, 4 and 8, the verifier); on a fresh 2-core lavapipe host SmolLM2's took 15-28 s (10 matmul
+pipelines: about half their creation, half the LLVM code generation of their first dispatch; measured with
+`tools/bench_compile.py`). The thread builds a shadow of the target (the same weights; its own activations, KV
+cache and verifier) on a fork of the kernel registry, which shares compiled pipelines but keeps its own uniforms
+and bind groups, and runs one verification step of each row count there. Nothing it records touches a buffer or
+a uniform of the target, so the main thread keeps decoding meanwhile; wgpu-native releases the GIL while it
+compiles.
 The shadow's step times are not used: they were measured while the main thread ran too.
 """
 
