@@ -6,7 +6,6 @@ the generations' loop between its steps. Refusals are 400s naming the field."""
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from doppler_py.embeddings import check_encoding_format
-from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
+from doppler_py.server.disconnect import _DISCONNECTED, engine_call
 from doppler_py.server.errors import RequestError, _engine_error
 from doppler_py.server.parsing import _field
 
@@ -36,10 +35,7 @@ async def embeddings(server: OpenAIServer, request: Request) -> Response:
     except Exception as exc:
         raise _engine_error(exc) from None
     run = partial(server.engine.embeddings, body["input"], dimensions=dimensions, prompt_name=prompt_name)
-    try:
-        result = await _unless_disconnected(request, asyncio.get_running_loop().run_in_executor(None, run))
-    except Exception as exc:
-        raise _engine_error(exc) from None
+    result = await engine_call(request, run)
     if result is _DISCONNECTED:
         return Response(status_code=499)
     data = [

@@ -4,15 +4,14 @@ prompt) in; `results` of `index` and `relevance_score`, highest first, out (`Eng
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
-from doppler_py.server.errors import RequestError, _engine_error
+from doppler_py.server.disconnect import _DISCONNECTED, engine_call
+from doppler_py.server.errors import RequestError
 from doppler_py.server.parsing import _field
 
 if TYPE_CHECKING:
@@ -31,10 +30,7 @@ async def rerank(server: OpenAIServer, request: Request) -> Response:
     instruction = _field(body, "instruction", (str,), "a string")
     return_documents = _field(body, "return_documents", (bool,), "true or false")
     run = partial(server.engine.rerank_with_usage, query, documents, instruction=instruction, top_n=top_n)
-    try:
-        answer = await _unless_disconnected(request, asyncio.get_running_loop().run_in_executor(None, run))
-    except Exception as exc:
-        raise _engine_error(exc) from None
+    answer = await engine_call(request, run)
     if answer is _DISCONNECTED:
         return Response(status_code=499)
     ranked, tokens = answer
