@@ -236,6 +236,11 @@ class StepBatch:
         self._stop = threading.Event()
 
     @property
+    def paged(self) -> bool:
+        """Whether its generations' caches are runs of one arena: a loop shared by concurrent generations."""
+        return self.arena is not None
+
+    @property
     def members(self) -> int:
         """Generations running in the loop."""
         return len(self._sequences)

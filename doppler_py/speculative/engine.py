@@ -305,8 +305,9 @@ class SpeculativeEngine:
         """The prompt but its last token: for a drafter that reads none of the target's rows, as a turn of the loop
         (beside other generations its chunks ride along with their steps; alone, forwards of its own); for one that
         reads them, in forwards of its own between the loop's steps, its last chunk's rows kept from the others'.
-        Kept in the prefix cache at once, not only at the end, so a request sharing the prompt while this one still
-        runs (a common system prompt, a request's other choices) prefills only its own tail."""
+        In a loop shared by concurrent generations, kept in the prefix cache at once, not only at the end, so a
+        request sharing the prompt while this one still runs (a common system prompt, a request's other choices)
+        prefills only its own tail; an engine's own loop runs one generation at a time, so its end stores it once."""
         tokens, cache, batch = ctx.tokens, ctx.target_cache, self.batch
         if ctx.cached >= len(tokens) - 1:
             return
@@ -320,7 +321,7 @@ class SpeculativeEngine:
             yield PrefillTurn(cache=cache, start_pos=ctx.cached, ids=ids, layers=layers)
             ctx.hidden_rows = len(tokens) - 1 - ctx.cached
             ctx.drafter.prefilled(ctx, ctx.cached)
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and self.batch.paged:
             with self._gpu_lock():
                 self.prefix_cache.store(tokens[:-1], cache)
 
