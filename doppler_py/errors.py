@@ -66,6 +66,14 @@ class VocabularyMismatchError(DopplerError):
     """A draft model's vocabulary does not match the target model's."""
 
 
+# --- LoRA adapters ------------------------------------------------------------------------------------
+class AdapterError(DopplerError):
+    """A LoRA adapter folder cannot be used with this model: a missing or malformed file, a PEFT option this engine
+    does not implement, or weights whose modules, shapes or layers do not match the base model's."""
+
+    advice = "use a PEFT LoRA adapter trained on this base model (adapter_config.json + adapter_model.safetensors)"
+
+
 # --- generation ---------------------------------------------------------------------------------------
 class CapacityError(DopplerError):
     """The request does not fit the KV cache or the model's context window."""
@@ -91,3 +99,7 @@ class InternalError(DopplerError):
     """An engine invariant broke (e.g. a KV cache out of step with the committed tokens): a bug, not bad input."""
 
     advice = "this is a bug in doppler-py: please report it with the model, prompt and options that caused it"
+
+
+class UnknownAdapterError(GenerationOptionError):
+    """A request or call names a LoRA adapter that is not loaded (the server answers 400 naming it)."""

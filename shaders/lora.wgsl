@@ -1,0 +1,95 @@
+// lora: the unmerged low-rank update of one matmul for the rows that use one adapter. For each row t < rows with
+// row_adapter[t] == adapter, and each segment s of the adapter's table (a module's update, e.g. q, k and v of the
+// fused qkv projection):
+//     h_s = A_s · x[t]                    [r_s]        (A_s: [r_s, k], row-major)
+//     out[t, col0_s + n] += (B_s · h_s)[n]  n < cols_s  (B_s: [cols_s, r_s], row-major, PEFT's scale folded in)
+// Rows of other adapters or none (row_adapter[t] == 0xffffffff) are left as they are, so one forward can serve rows
+// of several adapters (a dispatch per adapter) and rows without one.
+// One workgroup per row: its invocations first compute h for every segment (an invocation per rank index, each a
+// dot product over k), then, after one barrier, the columns (an invocation per column, a dot product over r_s).
+// An update costs k·R + N·r multiply-adds per row; the base matmul costs k·N, so rank 16 is a few percent of it.
+//
+// Bindings:
+//   0 params      (uniform Params)
+//   1 x           (read)        f32 [rows, k]: the matmul's input (normalised, or act(gate)·up, as the base sees it)
+//   2 lora        (read)        u32: the table, then the weights (below)
+//   3 row_adapter (read)        u32 [rows]: each row's adapter slot, 0xffffffff for none
+//   4 out         (read_write)  f32 [rows, n_total]: the base matmul's output, added to
+// Params: rows, k (x's row length), n_total (out's row length), adapter (the slot this dispatch serves).
+// Table (u32 words from 0): segments S (1..4), then per segment 5 words: col0, cols, rank, a (word offset of A),
+//   b (word offset of B). Sum of the ranks <= MAX_RANK.
+// Weights, by the FORMAT override: 0 f32 (word e of a block is element e's bits), 1 f16 (element e in the low
+//   (e even) or high half of word e / 2); each block starts on a word, so odd sizes need no padding rule.
+// Dispatch: (rows, 1, 1) workgroups of WORKGROUP_SIZE.
+
+struct Params {
+  rows: u32,
+  k: u32,
+  n_total: u32,
+  adapter: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> lora: array<u32>;
+@group(0) @binding(3) var<storage, read> row_adapter: array<u32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+override FORMAT: u32 = 0u;
+override WORKGROUP_SIZE: u32 = 64u;
+const MAX_RANK: u32 = 256u;
+const SEGMENT_WORDS: u32 = 5u;
+
+var<workgroup> h: array<f32, MAX_RANK>;
+
+fn weight(block: u32, e: u32) -> f32 {
+  if (FORMAT == 1u) {
+    let pair = unpack2x16float(lora[block + e / 2u]);
+    return select(pair.x, pair.y, (e & 1u) == 1u);
+  }
+  return bitcast<f32>(lora[block + e]);
+}
+
+@compute @workgroup_size(WORKGROUP_SIZE)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let t = wid.x;
+  // Rows of another adapter run no iteration but still meet the barrier (uniform control flow).
+  let segments = select(0u, lora[0], t < params.rows && row_adapter[t] == params.adapter);
+  for (var i = lid; i < MAX_RANK; i += WORKGROUP_SIZE) {
+    h[i] = 0.0;
+  }
+  workgroupBarrier();  // the zeros land before any invocation writes its h entries
+  let x_base = t * params.k;
+  var h_base = 0u;
+  for (var s = 0u; s < segments; s++) {
+    let entry = 1u + s * SEGMENT_WORDS;
+    let rank = lora[entry + 2u];
+    let a = lora[entry + 3u];
+    for (var r = lid; r < rank; r += WORKGROUP_SIZE) {
+      var acc = 0.0;
+      for (var i = 0u; i < params.k; i++) {
+        acc += weight(a, r * params.k + i) * x[x_base + i];
+      }
+      h[h_base + r] = acc;
+    }
+    h_base += rank;
+  }
+  workgroupBarrier();
+  h_base = 0u;
+  for (var s = 0u; s < segments; s++) {
+    let entry = 1u + s * SEGMENT_WORDS;
+    let col0 = lora[entry];
+    let cols = lora[entry + 1u];
+    let rank = lora[entry + 2u];
+    let b = lora[entry + 4u];
+    for (var n = lid; n < cols; n += WORKGROUP_SIZE) {
+      var acc = 0.0;
+      for (var r = 0u; r < rank; r++) {
+        acc += weight(b, n * rank + r) * h[h_base + r];
+      }
+      let o = t * params.n_total + col0 + n;
+      out[o] = out[o] + acc;
+    }
+    h_base += rank;
+  }
+}
