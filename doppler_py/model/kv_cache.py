@@ -51,6 +51,9 @@ class KVCache:
             raise ValueError(f"KVCache: {len(self.layer_shapes)} layer shapes for {num_layers} layers")
         shapes = [(max_seq, *shape) for shape in self.layer_shapes]
         self.arena = arena
+        # The LoRA adapter (its name in `Transformer.adapters`) whose update computes this sequence's rows and so its
+        # K/V; None: the base model.
+        self.adapter: str | None = None
         self.slab: KVSlab | None = None
         self.first_block = self.block_count = 0
         if arena is not None:
@@ -140,6 +143,7 @@ class KVCache:
         )
         if self.recurrent is not None:
             other.recurrent = self.recurrent.snapshot(self.gpu)
+        other.adapter = self.adapter
         return other
 
     def copy_prefix(self, other: KVCache, length: int) -> None:

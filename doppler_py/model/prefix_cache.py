@@ -56,12 +56,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
+    def lookup(self, prompt: Sequence[int], adapter: str | None = None) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` and that prefix's length, below len(prompt) (None, 0:
-        no entry shares MIN_HIT tokens)."""
+        no entry shares MIN_HIT tokens), among those computed with the LoRA `adapter` (None: the base model), whose
+        K/V the adapter changes."""
         self.lookups += 1
         best, best_len = None, 0
         for entry in self._entries.values():
+            if entry.cache.adapter != adapter:
+                continue
             shared = _common_prefix(entry.tokens, prompt)
             if entry.cache.recurrent is not None and not len(entry.tokens) == shared < len(prompt):
                 continue
@@ -85,6 +88,8 @@ class PrefixCache:
         if len(tokens) < MIN_HIT or self.budget_bytes == 0:
             return
         for key, entry in list(self._entries.items()):
+            if entry.cache.adapter != cache.adapter:
+                continue
             if entry.tokens[: len(tokens)] == tokens:  # already held by a longer or equal entry
                 self._entries.move_to_end(key)
                 return

@@ -53,6 +53,7 @@ from doppler_py.gpu.kernels import KernelRegistry
 from doppler_py.gpu.recorder import Recorder, Tape
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.uniforms import UniformSlot
+from doppler_py.model.adapters import Adapters
 from doppler_py.model.kv_arena import BLOCK, KVArena, KVSlab
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import LayerWeights, ModelWeights
@@ -248,7 +249,13 @@ class Transformer:
         # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
         # latest forward that ran it (`tap_layers`).
         self.taps: dict[int, Tensor] = {}
+        # LoRA adapters by name; a row uses its cache's (`KVCache.adapter`), and a forward with none costs nothing.
+        self.adapters = Adapters(self)
         self.closed = False
+
+    def forget_tapes(self) -> None:
+        """Drop the recorded forwards (`Recorder.play_tape`): what a forward dispatches changed."""
+        self._tapes.clear()
 
     def tap_layers(self, layers: Sequence[int]) -> None:
         """From now on keep the outputs of `layers` (0-based) for every forward's rows in `self.taps`: an EAGLE-3
@@ -723,6 +730,7 @@ class Transformer:
         cache.check_room(start_pos, rows)
         attention = self.attention_ops(cache)
         self._settle(rec, cache, start_pos)
+        lora = self.adapters.place([(0, rows, cache.adapter)])
         self.forwards += 1
         if cache.recurrent is not None:
             cache.recurrent.ran(start_pos, rows, num_layers)
@@ -730,7 +738,7 @@ class Transformer:
         if rec.can_play_tapes:
             calls = {group: attention[i].call(rows, start_pos, tree=tree) for group, i in self._group_layers.items()}
             grids = tuple((group, grid) for group, (_, grid) in calls.items())
-            key = (id(cache), rows, logits, num_layers, embedded, rec.phase, tree, grids)
+            key = (id(cache), rows, logits, num_layers, embedded, rec.phase, tree, grids, lora)
             played = self._tapes.get(key)
             if played is not None:
                 played.tape.restore()
@@ -744,7 +752,7 @@ class Transformer:
             rec.capture()
         try:
             segments = [Segment(attention, rows, start_pos)]
-            positioned = self._record_layers(rec, rows, segments, logits, num_layers, embedded, tree)
+            positioned = self._record_layers(rec, rows, segments, logits, num_layers, embedded, tree, lora=lora)
         finally:
             tape = rec.end_capture() if key is not None else None
         cache.advance_to(max(cache.length, start_pos + rows))
@@ -774,14 +782,16 @@ class Transformer:
                 f"a batched forward takes 1..{self.max_rows} rows in all and logits for at most "
                 f"{self.max_logit_rows} of them, got {total} rows and {logit_rows} logit rows"
             )
-        stacked, row0 = [], 0
+        stacked, row0, adapted = [], 0, []
         for n, (cache, start_pos, rows) in enumerate(segments):
             cache.check_room(start_pos, rows)
             if n == tree and rows > MAX_TREE_ROWS:
                 raise CapacityError(f"a token tree takes at most {MAX_TREE_ROWS} rows, got {rows}")
             stacked.append(Segment(self.attention_ops(cache), rows, start_pos, row0, tree=n == tree))
+            adapted.append((row0, rows, cache.adapter))
             self._settle(rec, cache, start_pos)
             row0 += rows
+        lora = self.adapters.place(adapted)  # each row's adapter: its sequence's (none: no LoRA dispatch at all)
         self.forwards += 1
         paged = None
         slab, shared = self._pageable(segments, tree)
@@ -794,7 +804,7 @@ class Transformer:
             filled = next(op for op in ops if op is not None).layout_words(words)
             layout.view((filled.size,)).write(filled)
             paged = Paged(ops, words, frozenset(shared))
-        self._record_layers(rec, total, stacked, "all", None, False, paged=paged, logit_rows=logit_rows)
+        self._record_layers(rec, total, stacked, "all", None, False, paged=paged, logit_rows=logit_rows, lora=lora)
         for cache, start_pos, rows in segments:
             cache.advance_to(max(cache.length, start_pos + rows))
             if cache.recurrent is not None:
@@ -813,11 +823,13 @@ class Transformer:
         *,
         paged: Paged | None = None,
         logit_rows: int | None = None,
+        lora: tuple[int, ...] = (),
     ) -> dict[tuple[tuple, str], list[UniformSlot]]:
         """Record the forward's dispatches over `rows` rows, each segment's attending over its own cache (those of
         `paged` in one dispatch per attention layer, its layout written); returns the uniform slots whose values
         depend on the positions (those of the attention and rope dispatches), per attention group and kind of slot
-        (`Attention.call`). With logits "all", `logit_rows` limits the LM head to the first rows (default all)."""
+        (`Attention.call`). With logits "all", `logit_rows` limits the LM head to the first rows (default all). `lora`:
+        the adapter slots some rows use (`Adapters.place`), whose updates follow each matmul they adapt."""
         positioned: dict[tuple[tuple, str], list[UniformSlot]] = {}
         if not embedded:
             self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
@@ -828,15 +840,19 @@ class Transformer:
             ple_embed.record(rec, rows=rows)  # embedding: pli = E_ple[ids] · sqrt(P) / sqrt(2)
             ple_proj.record(rec, rows=rows)  # matmul: pli_proj = x·Wp^T
             ple_norm.record(rec, rows=rows * self.config.num_hidden_layers)  # rmsnorm: pli += rmsnorm(pli_proj)
+        adapters = self.adapters
         for i, layer in enumerate(self.layers[:num_layers]):
             if layer.linear:
                 layer.qkv.record(rec, rows=rows)  # matmul: mix = rmsnorm(x)·Win
+                adapters.record(rec, i, "qkv", rows, lora)  # LoRA: mix += B·A·rmsnorm(x) (adapted rows)
                 for seg in segments:  # conv, norms, gated delta rule: core = the gated DeltaNet's output
                     seg.attention[i].record(rec, rows=seg.rows, tree=tree or seg.tree, row0=seg.row0)
                 layer.o.record(rec, rows=rows)  # matmul: x += core·Wout
-                self._record_mlp(rec, layer, rows, i)
+                adapters.record(rec, i, "o", rows, lora)  # LoRA: x += B·A·core
+                self._record_mlp(rec, layer, rows, i, lora)
                 continue
             layer.qkv.record(rec, rows=rows)  # matmul: qkv = rmsnorm(x)·Wqkv (+ b)
+            adapters.record(rec, i, "qkv", rows, lora)  # LoRA: qkv += B·A·rmsnorm(x) (adapted rows)
             if layer.qk_norm:
                 layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
             # attention: q, k rotated (RoPE); k, v → cache; attn = softmax(q·K)·V
@@ -855,11 +871,13 @@ class Transformer:
                     positioned.setdefault((self._layer_group[i], kind), []).append(slot)
             if layer.attn_gate is not None and layer.gate is not None:
                 layer.attn_gate.record(rec, rows=rows)  # matmul: gate = rmsnorm(x)·Wgate
+                adapters.record(rec, i, "attn_gate", rows, lora)  # LoRA: gate += B·A·rmsnorm(x)
                 layer.gate.record(rec, rows=rows)  # attn *= sigmoid(gate)
             layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
+            adapters.record(rec, i, "o", rows, lora)  # LoRA: x (Gemma: y) += B·A·attn
             if layer.post_attn:
                 layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
-            self._record_mlp(rec, layer, rows, i)
+            self._record_mlp(rec, layer, rows, i, lora)
         head_rows = rows if logit_rows is None else logit_rows
         if logits == "all" and head_rows == 0:
             logits = "none"
@@ -878,10 +896,13 @@ class Transformer:
             self.logit_softcap.record(rec, rows=head_rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
         return positioned
 
-    def _record_mlp(self, rec: Recorder, layer: _LayerOps, rows: int, i: int) -> None:
-        """The layer's MLP, Gemma 4's per-layer input, and the copy of its output a tap keeps."""
+    def _record_mlp(self, rec: Recorder, layer: _LayerOps, rows: int, i: int, lora: tuple[int, ...]) -> None:
+        """The layer's MLP (and the updates of the adapters in `lora`), Gemma 4's per-layer input, and the copy of its
+        output a tap keeps."""
         layer.gate_up.record(rec, rows=rows)  # matmul: gate_up = rmsnorm(x)·[Wg; Wu]
+        self.adapters.record(rec, i, "gate_up", rows, lora)  # LoRA: gate_up += B·A·rmsnorm(x)
         layer.down.record(rec, rows=rows)  # matmul: x += (silu(gate)·up)·Wd (Gemma: gelu_tanh; into y)
+        self.adapters.record(rec, i, "down", rows, lora)  # LoRA: x (Gemma: y) += B·A·(silu(gate)·up)
         if layer.post_mlp:
             layer.post_mlp.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y) (Gemma 4: then · layer_scalar)
         if layer.per_layer:
@@ -935,6 +956,7 @@ class Transformer:
     def close(self) -> None:
         """Free the KV caches and the buffers this model allocated (the weights belong to the caller)."""
         self._tapes.clear()
+        self.adapters.close()
         for cache, _ in list(self._cache_ops.values()):
             self.release_cache(cache)
         for slab, _, _ in list(self._paged.values()):

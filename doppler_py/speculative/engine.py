@@ -170,15 +170,16 @@ class SpeculativeEngine:
         k: int | None = None,
         stop_ids: Sequence[int] = (),
         grammar: GrammarMatcher | None = None,
+        adapter: str | None = None,
     ) -> SpecResult:
         """Generate up to `max_new_tokens` tokens after `prompt_ids` (stopping after any of `stop_ids`).
 
-        `k` pins the draft length; None lets the policy choose it. `grammar`: see `iter_generate`.
+        `k` pins the draft length; None lets the policy choose it. `grammar`, `adapter`: see `iter_generate`.
         """
         stats = SpecStats()
         tokens: list[int] = []
         steps = self.iter_generate(
-            prompt_ids, max_new_tokens, params, stats=stats, k=k, stop_ids=stop_ids, grammar=grammar
+            prompt_ids, max_new_tokens, params, stats=stats, k=k, stop_ids=stop_ids, grammar=grammar, adapter=adapter
         )
         for new in steps:
             tokens.extend(new)
@@ -196,6 +197,7 @@ class SpeculativeEngine:
         logprobs: int | None = None,
         logprob_entries: list[TokenLogprob] | None = None,
         grammar: GrammarMatcher | None = None,
+        adapter: str | None = None,
     ) -> Iterator[list[int]]:
         """Yield each step's new tokens as soon as they are verified; `stats` is filled in as it goes.
 
@@ -204,13 +206,14 @@ class SpeculativeEngine:
         generations the batch's loop may run this one's next steps before the caller reads them. Closing the
         generator early (a cancelled stream) releases the step's KV caches. grammar: the constraint the output
         follows (every step's rows masked by it, its forced tokens drafted; `step.py`), at no committed token yet.
+        adapter: the LoRA adapter (a name in `target.adapters`) the target runs with for this generation; None: none.
         """
         check_top_logprobs(logprobs)
         entries = logprob_entries if logprobs is not None else None
 
         def generation(emit: Callable[[list[int]], None]) -> Generation:
             return self._generation(
-                prompt_ids, max_new_tokens, params, stats, k, stop_ids, logprobs, grammar, emit, entries
+                prompt_ids, max_new_tokens, params, stats, k, stop_ids, logprobs, grammar, emit, entries, adapter
             )
 
         yield from self.batch.run(generation)
@@ -227,6 +230,7 @@ class SpeculativeEngine:
         grammar: GrammarMatcher | None,
         emit: Callable[[list[int]], None],
         logprob_entries: list[TokenLogprob] | None,
+        adapter: str | None = None,
     ) -> Generation:
         """One generation as a coroutine: it opens (`_open`), then asks for one turn at a time (its prefill, a
         step), yielding it and taken back done, and passes each step's new tokens to `emit`; it ends at
@@ -237,7 +241,7 @@ class SpeculativeEngine:
         drafts = self.readiness.before_generation(max_new_tokens, params, stats, self._plain_token_s)
         # Where the compile does not pay yet, plainly: no upkeep, no pipelines of its own.
         drafter = self.drafter if drafts else PlainDecoding()
-        ctx = self._open(prompt_ids, max_new_tokens, params, k=k, grammar=grammar, drafter=drafter)
+        ctx = self._open(prompt_ids, max_new_tokens, params, k=k, grammar=grammar, drafter=drafter, adapter=adapter)
         ctx.logprobs = logprobs
         produced = 0
         try:
@@ -393,6 +397,7 @@ class SpeculativeEngine:
         k: int | None,
         grammar: GrammarMatcher | None,
         drafter: Drafter,
+        adapter: str | None = None,
     ) -> StepContext:
         """A generation's start: the checks, the policy reset (`k` pins the draft length), a KV cache, the prefix
         cache's longest hit restored (`ctx.cached`), `drafter` (the engine's, or `PlainDecoding`) started and the
@@ -400,12 +405,13 @@ class SpeculativeEngine:
         beside the running generations'."""
         tokens = self.target.check_ids(prompt_ids).tolist()
         check_fits(len(tokens), max_new_tokens, self.target.max_positions)
+        self.target.adapters.check(adapter)
         reserved = 0
         if self.kv_budget is not None:
             reserved = self.target.cache_bytes(self._capacity(len(tokens), max_new_tokens))
             self.kv_budget.reserve(reserved)
         try:
-            return self._open_context(tokens, max_new_tokens, params, k, grammar, drafter)
+            return self._open_context(tokens, max_new_tokens, params, k, grammar, drafter, adapter)
         except BaseException:
             if self.kv_budget is not None:
                 self.kv_budget.release(reserved)
@@ -423,11 +429,13 @@ class SpeculativeEngine:
         k: int | None,
         grammar: GrammarMatcher | None,
         drafter: Drafter,
+        adapter: str | None,
     ) -> StepContext:
         target = self.target
         self.policy.reset(k, cost_aware=params.greedy or params.seed is None, fixed=self.fixed_nodes)
         capacity = self._capacity(len(tokens), max_new_tokens)
         cache = self.batch.new_cache(capacity)
+        cache.adapter = adapter  # every forward of this sequence's rows runs with it (`Transformer.adapters`)
         # An unseeded sampled generation draws from a stream of its own, so two answers to one prompt differ.
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         ctx = StepContext(tokens, target, cache, params, Mulberry32(seed), capacity, grammar=grammar, drafter=drafter)
@@ -438,7 +446,7 @@ class SpeculativeEngine:
                 # A seeded sampled generation's tokens follow its drafts' draws: the same with a hit or without.
                 seeded = not self.policy.cost_aware
                 if self.prefix_cache is not None and not (seeded and ctx.drafter.reads_prompt_features):
-                    entry, ctx.cached = self.prefix_cache.lookup(tokens)
+                    entry, ctx.cached = self.prefix_cache.lookup(tokens, adapter)
                     if entry is not None:
                         self.prefix_cache.restore(entry, ctx.cached, cache)
                 ctx.drafter.start(ctx)

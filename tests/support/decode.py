@@ -23,17 +23,19 @@ def reference_decode(
     *,
     stop_ids: Sequence[int] = (),
     grammar=None,
+    adapter: str | None = None,
 ) -> list[int]:
     """Decode one token per forward, stopping after any of `stop_ids` (u drawn as the engine's plain step).
     `grammar` (a fresh `constraints.GrammarMatcher`): each row's disallowed tokens are set to -inf on the host
     before the pick, and the matcher advanced by it. The penalties, logit bias and min-p of `params` are applied on
-    the host to each row, token by token (`testing.penalty_reference`).
+    the host to each row, token by token (`testing.penalty_reference`). `adapter`: the LoRA adapter the rows use.
 
     The prompt is fed as the engine feeds it (all but its last token, then the last token alone), so the same
     kernels produce every logit the engine's plain steps see.
     """
     ids = model.check_ids(prompt_ids).tolist()
     cache = model.new_cache(len(ids) + max_new_tokens)
+    cache.adapter = adapter
     rng = Mulberry32(params.seed or 0)
     out: list[int] = []
     try:
