@@ -17,7 +17,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +30,7 @@ from doppler_py.gpu.kernels import KernelRegistry
 from doppler_py.model.catalog import DEFAULT_MODEL, known_head, open_model
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
+from doppler_py.model.lora import LoraAdapter, read_adapter
 from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob
@@ -214,6 +215,26 @@ class Engine:
                 model.close()
                 model.weights.destroy()
         self.closed = True
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters (a generation picks one with `adapter=`)."""
+        return self.model.adapters.names
+
+    def add_adapter(self, name: str, path: str | Path, dtype: str = "f32") -> LoraAdapter:
+        """Load the PEFT LoRA folder `path` as `name` beside the base weights (kept in `dtype`: f32 or f16), while
+        other generations run: it joins between two of the loop's steps. Bad folders raise `AdapterError`."""
+        adapter = read_adapter(path)  # the files are read before the loop is paused
+        with self.batch.gpu():
+            return self.model.adapters.add(name, adapter, dtype)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload adapter `name` (`UnknownAdapterError` if none is loaded so) and forget the prompts the prefix cache
+        kept with it; a generation still running with it fails at its next step."""
+        with self.batch.gpu():
+            self.model.adapters.remove(name)
+            self.prefix_cache.forget_adapter(name)
 
     # -- embeddings -------------------------------------------------------------------------------------------
     def embed(
@@ -418,6 +439,7 @@ class Engine:
         if self.closed:
             raise DopplerError(f"the engine for {self.name} is closed", advice="load the model again")
         options = request_options(options, **keywords)
+        self.model.adapters.check(options.adapter)
         constraint = self._constraint(options)
         ids = self.encode_prompt(prompt, options.chat, tools=options.tool_plan)
         self.model.check_ids(ids)
@@ -474,6 +496,7 @@ class Engine:
             logprobs=logprobs,
             logprob_entries=token_logprobs,
             grammar=constraint,
+            adapter=options.adapter,
         )
         try:
             for new in self.plain_costs.watch(steps, stats):
@@ -669,6 +692,7 @@ def load(
     kv_cache_mb: int = defaults.KV_CACHE_MB,
     parallel: int = 1,
     kv_budget_mb: int | None = None,
+    lora: Mapping[str, str | Path] | None = None,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -699,6 +723,9 @@ def load(
     kv_budget_mb: GPU memory (MiB) the KV caches of generations running at once may take together
     (`speculative.kv_budget`): a generation whose cache does not fit waits until running ones end; one that could
     never fit gets a `CapacityError`. None: no limit of our own.
+    lora: LoRA adapters by name, each a PEFT folder (adapter_config.json + adapter_model.safetensors) trained on this
+    model; a generation picks one with `adapter="name"` (docs/lora.md). More can come and go later
+    (`Engine.add_adapter`, `remove_adapter`).
     """
     check_warmup(warmup)
     check_kv_cache_mb(kv_cache_mb)
@@ -741,7 +768,7 @@ def load(
                 loaded_model.weights.destroy()
             registry.close()
             raise
-    return Engine(
+    engine = Engine(
         target,
         tokenizer,
         name=str(model),
@@ -756,6 +783,13 @@ def load(
         parallel=parallel,
         kv_budget_mb=kv_budget_mb,
     )
+    try:
+        for name, path in (lora or {}).items():
+            engine.add_adapter(name, path)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 WARMUP_MODES = ("auto", "background", "now")

@@ -61,6 +61,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         help="a trained head folder (EAGLE, Medusa or spark; repeatable) for --speculative eagle/medusa/spark/auto "
         "(default: the heads shipped for a known model; none: no head)",
     )
+    group.add_argument(
+        "--lora",
+        metavar="NAME=PATH",
+        type=_lora_option,
+        action="append",
+        help="load the PEFT LoRA adapter folder PATH as NAME (repeatable); --adapter NAME, or a request's "
+        "'adapter' or model 'MODEL:NAME', answers with it",
+    )
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
     group.add_argument(
         "--kv-cache-mb",
@@ -104,6 +112,7 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-tokens", type=int, default=defaults.MAX_TOKENS, help=f"new tokens at most ({defaults.MAX_TOKENS})"
     )
+    group.add_argument("--adapter", metavar="NAME", help="answer with the LoRA adapter --lora loaded as NAME")
     group.add_argument("--temperature", type=float, default=defaults.TEMPERATURE, help="0 = greedy (default)")
     group.add_argument("--top-k", type=int, default=defaults.TOP_K, help="keep the k most likely tokens (0 = all)")
     group.add_argument("--top-p", type=float, default=defaults.TOP_P, help="nucleus mass to keep (1 = all)")
@@ -169,6 +178,13 @@ def _bias_option(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {text!r}") from None
 
 
+def _lora_option(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT folder), got {text!r}")
+    return name, path
+
+
 def _tree_option(text: str) -> bool | None:
     choices = {"auto": None, "on": True, "off": False}
     if text in choices:
@@ -194,7 +210,20 @@ def _load(args: argparse.Namespace, parallel: int = 1, kv_budget_mb: int | None 
         warmup=args.warmup,
         parallel=parallel,
         kv_budget_mb=kv_budget_mb,
+        lora=_adapters(args.lora),
     )
+
+
+def _adapters(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
+    """--lora's NAME=PATH pairs by name; a name given twice is refused."""
+    from doppler_py.errors import AdapterError
+
+    adapters: dict[str, str] = {}
+    for name, path in pairs or ():
+        if name in adapters:
+            raise AdapterError(f"--lora {name}=...: the name {name!r} is given twice", advice="")
+        adapters[name] = path
+    return adapters
 
 
 def _read_text(path: str, flag: str) -> str:
@@ -251,6 +280,7 @@ def _generation_options(args: argparse.Namespace) -> GenerationOptions:
             k=args.k,
             tree=args.tree,
             stop=args.stop,
+            adapter=args.adapter,
             **_constraint_flags(args),
         )
     except GenerationOptionError as exc:
@@ -616,6 +646,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_id=args.model_id,
         api_key=args.api_key or os.environ.get("DOPPLER_API_KEY") or None,
         defaults=_generation_options(args),
+        adapter_admin=args.lora_admin,
     )
     with _load(args, parallel=args.parallel, kv_budget_mb=args.kv_budget_mb) as engine:
         serve(engine, config)
@@ -746,6 +777,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* (default: $DOPPLER_API_KEY, else none)",
+    )
+    serve.add_argument(
+        "--lora-admin",
+        action="store_true",
+        help="allow POST /v1/adapters (load a LoRA folder from this machine's disk) and DELETE /v1/adapters/NAME",
     )
     _add_model_options(serve)
     _add_generation_options(serve)

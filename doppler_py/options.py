@@ -96,6 +96,9 @@ class GenerationOptions:
     {"type": "function", "function": {"name": ...}} forces a call, "auto" (the default) allows plain text instead,
     "none" neither shows nor calls them (`tool_plan`). Not combined with response_format, regex or grammar.
 
+    adapter: the LoRA adapter (its name, as loaded: `load(lora=...)`, `Engine.add_adapter`) the model answers with;
+    None: the base model. Generations with different adapters, or none, still share the engine's forwards.
+
     shorten_to_fit: see max_tokens.
     """
 
@@ -122,6 +125,7 @@ class GenerationOptions:
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
     parallel_tool_calls: bool = True
+    adapter: str | None = None
     shorten_to_fit: bool = False
 
     def __post_init__(self) -> None:
@@ -151,6 +155,7 @@ class GenerationOptions:
         _flag("parallel_tool_calls", self.parallel_tool_calls)
         self.tool_plan  # noqa: B018  (tools, tool_choice: their shapes and names)
         self._check_constraint()
+        _text("adapter", self.adapter, "a string (a loaded LoRA adapter's name)")
         _flag("shorten_to_fit", self.shorten_to_fit)
 
     @cached_property

@@ -109,6 +109,10 @@ class Adapters:
         self.model.forget_tapes()
         self.model.registry.release_tensors(*loaded.tensors)
 
+    def adapter(self, name: str) -> LoraAdapter:
+        """The adapter loaded as `name` (as read from its folder)."""
+        return self._loaded[self._known(name)].adapter
+
     def _known(self, name: str) -> str:
         if name not in self._loaded:
             loaded = ", ".join(self.names) or "none"

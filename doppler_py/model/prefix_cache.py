@@ -105,6 +105,12 @@ class PrefixCache:
         while self.nbytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
 
+    def forget_adapter(self, adapter: str) -> None:
+        """Drop the entries computed with LoRA `adapter` (unloaded: a later one of that name is another adapter)."""
+        for key, entry in list(self._entries.items()):
+            if entry.cache.adapter == adapter:
+                self._drop(key)
+
     def _drop(self, key: int) -> None:
         self._entries.pop(key).cache.close()
 

@@ -24,14 +24,14 @@ from starlette.routing import Route
 from doppler_py.api import Engine, GenerationResult
 from doppler_py.model.catalog import KNOWN_MODELS
 from doppler_py.options import GenerationOptions
-from doppler_py.server import anthropic_shapes, embeddings_route, messages_route, rerank_route
+from doppler_py.server import adapters_route, anthropic_shapes, embeddings_route, messages_route, rerank_route
 from doppler_py.server.anthropic_shapes import is_messages_path
 from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
 from doppler_py.server.errors import RequestError, _engine_error, _error_body
 from doppler_py.server.jobs import Event, GenerationQueue, Job, _cancel, _JobEvents
 from doppler_py.server.metrics import kv_status, prometheus_text
 from doppler_py.server.openai_shapes import _Format, _sse, doppler_stats, usage
-from doppler_py.server.parsing import GenerationRequest, _describe, _field, parse_request
+from doppler_py.server.parsing import GenerationRequest, _describe, parse_request
 from doppler_py.tool_calls import ToolCallParser
 
 
@@ -45,6 +45,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" or "x-api-key: <api_key>"
     # The options of requests that leave them out: a GenerationOptions, or a dict of its fields (made into one).
     defaults: GenerationOptions | Mapping[str, Any] = field(default_factory=GenerationOptions)
+    adapter_admin: bool = False  # POST/DELETE /v1/adapters may add and remove LoRA adapters (`adapters_route`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.defaults, GenerationOptions):
@@ -107,6 +108,9 @@ class OpenAIServer:
                 Route("/v1/embeddings", partial(embeddings_route.embeddings, self), methods=["POST"]),
                 Route("/v1/rerank", partial(rerank_route.rerank, self), methods=["POST"]),
                 Route("/rerank", partial(rerank_route.rerank, self), methods=["POST"]),  # llama.cpp's path too
+                Route("/v1/adapters", partial(adapters_route.list_adapters, self), methods=["GET"]),
+                Route("/v1/adapters", partial(adapters_route.add_adapter, self), methods=["POST"]),
+                Route("/v1/adapters/{name:path}", partial(adapters_route.remove_adapter, self), methods=["DELETE"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -144,7 +148,8 @@ class OpenAIServer:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "doppler-py"}
 
     async def list_models(self, _request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(), *adapters_route.model_cards(self)]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
         self._check_model(request.path_params["model"])
@@ -198,8 +203,7 @@ class OpenAIServer:
         return data
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        body = await self._read_json(request)
-        self._check_model(_field(body, "model", (str,), "a string"))
+        body = adapters_route.request_adapter(self, await self._read_json(request))  # checks `model` too
         parsed = parse_request(body, self.config.defaults, chat=chat)
         jobs = self.queue.submit(parsed)
         owners = [i if len(jobs) > 1 else 0 for i in range(parsed.n)]  # choice i's job (one for all when greedy)

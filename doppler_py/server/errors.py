@@ -6,6 +6,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from doppler_py.errors import (
+    AdapterError,
     CapacityError,
     DopplerError,
     GenerationOptionError,
@@ -14,7 +15,7 @@ from doppler_py.errors import (
 )
 
 # Engine errors caused by what the request asked for; any other DopplerError is the server's fault.
-_CLIENT_ERRORS = (GenerationOptionError, CapacityError, UnsupportedModelError, VocabularyMismatchError)
+_CLIENT_ERRORS = (GenerationOptionError, CapacityError, UnsupportedModelError, VocabularyMismatchError, AdapterError)
 
 
 class RequestError(Exception):

@@ -24,6 +24,7 @@ _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only
 # Request fields that are GenerationOptions fields of the same name and shape; max_tokens, logprobs, tree and stop
 # have OpenAI shapes of their own (see `_options`).
 _SAME = (
+    "adapter",
     "temperature",
     "top_p",
     "top_k",
