@@ -30,7 +30,7 @@ from doppler_py.gpu.kernels import KernelRegistry
 from doppler_py.model.catalog import DEFAULT_MODEL, known_head, open_model
 from doppler_py.model.config import ModelConfig
 from doppler_py.model.loader import WEIGHT_FORMATS, load_weights
-from doppler_py.model.lora import LoraAdapter, read_adapter
+from doppler_py.model.lora import LoraAdapter, merged_deltas, read_adapter
 from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.logprobs import TokenLogprob
@@ -693,6 +693,7 @@ def load(
     parallel: int = 1,
     kv_budget_mb: int | None = None,
     lora: Mapping[str, str | Path] | None = None,
+    merge: bool = False,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -725,7 +726,9 @@ def load(
     never fit gets a `CapacityError`. None: no limit of our own.
     lora: LoRA adapters by name, each a PEFT folder (adapter_config.json + adapter_model.safetensors) trained on this
     model; a generation picks one with `adapter="name"` (docs/lora.md). More can come and go later
-    (`Engine.add_adapter`, `remove_adapter`).
+    (`Engine.add_adapter`, `remove_adapter`). merge: with exactly one adapter in `lora`, add it into the weights as
+    they load instead (B·A into W, then converted to `weights`): no cost per token, every generation answers with it,
+    and there is no adapter to pick or remove.
     """
     check_warmup(warmup)
     check_kv_cache_mb(kv_cache_mb)
@@ -733,6 +736,10 @@ def load(
     check_kv_budget_mb(kv_budget_mb)
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if merge and len(lora or {}) != 1:
+        raise GenerationOptionError(
+            f"merge=True merges one LoRA adapter into the weights; lora names {len(lora or {})}"
+        )
     gpu = gpu or default_gpu(browser_limits)
     # The model's files are read under a shared lock (`catalog.open_model`): no converter moves them aside meanwhile.
     with contextlib.ExitStack() as files:
@@ -748,12 +755,17 @@ def load(
                 ModelConfig.from_file(draft_folder / "config.json").vocab_size,
                 ModelConfig.from_file(folder / "config.json").vocab_size,
             )
+        deltas = None
+        if merge:
+            assert lora is not None
+            (path,) = lora.values()
+            deltas = merged_deltas(read_adapter(path), ModelConfig.from_file(folder / "config.json"))
         registry = KernelRegistry(gpu)
         models: list[Transformer] = []
         try:
             for source, precision in ((folder, weights), (draft_folder, draft_weights or weights)):
                 if source is not None:
-                    loaded = load_weights(source, gpu, precision)
+                    loaded = load_weights(source, gpu, precision, deltas=deltas if source is folder else None)
                     try:
                         models.append(Transformer(loaded, registry, max_positions=max_seq))
                     except BaseException:
@@ -784,7 +796,7 @@ def load(
         kv_budget_mb=kv_budget_mb,
     )
     try:
-        for name, path in (lora or {}).items():
+        for name, path in (lora or {}).items() if not merge else ():
             engine.add_adapter(name, path)
     except BaseException:
         engine.close()

@@ -69,6 +69,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         help="load the PEFT LoRA adapter folder PATH as NAME (repeatable); --adapter NAME, or a request's "
         "'adapter' or model 'MODEL:NAME', answers with it",
     )
+    group.add_argument(
+        "--lora-merge",
+        action="store_true",
+        help="merge the one --lora adapter into the weights as they load (full speed; every answer uses it)",
+    )
     group.add_argument("--max-seq", type=int, default=2048, help="KV cache positions (default 2048)")
     group.add_argument(
         "--kv-cache-mb",
@@ -211,6 +216,7 @@ def _load(args: argparse.Namespace, parallel: int = 1, kv_budget_mb: int | None 
         parallel=parallel,
         kv_budget_mb=kv_budget_mb,
         lora=_adapters(args.lora),
+        merge=args.lora_merge,
     )
 
 

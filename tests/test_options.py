@@ -56,6 +56,7 @@ BAD = [
     ("regex", {"regex": "[a-"}, "regular expression"),
     ("regex", {"regex": "a", "grammar": 'start: "a"'}, "give one of"),
     ("grammar", {"grammar": 3}, "Lark grammar"),
+    ("adapter", {"adapter": 7}, "loaded LoRA adapter's name"),
     ("tools", {"tools": [{"type": "retrieval"}]}, "tools[0]"),
     ("tools", {"tools": [TOOL], "regex": "a"}, "not combined"),
     ("tool_choice", {"tool_choice": "required"}, "needs tools"),

@@ -11,6 +11,7 @@ and the per-layer inputs add a gate, a projection and a norm to every layer and 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,9 +131,10 @@ class ModelWeights:
 class _Reader:
     """Looks up tensors by HF name and checks their shapes against the config."""
 
-    def __init__(self, folder: Path, prefix: str = "model."):
+    def __init__(self, folder: Path, prefix: str = "model.", deltas: Mapping[str, np.ndarray] | None = None):
         self.folder = folder
         self.tensors = index_folder(folder)
+        self.deltas = deltas or {}  # by HF name: added to the tensor as it is read (a merged LoRA update)
         # Where the text model's "model." tensors live (ModelConfig.weights_prefix); a folder saved from the bare
         # model (sentence-transformers' Qwen3-Embedding: "embed_tokens.weight", "layers.0...") has no prefix.
         if (
@@ -189,8 +191,11 @@ class _Reader:
         """A tensor as float32 (dequantised when stored as GGUF blocks)."""
         info = self.info(name, shape)
         if info.quant:
-            return dequantize_blocks(load_array(info), info.quant["format"], shape, name=name)
-        return np.asarray(load_array(info), dtype=np.float32)
+            dense = dequantize_blocks(load_array(info), info.quant["format"], shape, name=name)
+        else:
+            dense = np.asarray(load_array(info), dtype=np.float32)
+        delta = self.deltas.get(name)
+        return dense if delta is None else dense + delta
 
 
 def _matrix(gpu: Gpu, reader: _Reader, names: list[str], shapes: list[tuple[int, int]], precision: str) -> Weight:
@@ -206,7 +211,7 @@ def _matrix(gpu: Gpu, reader: _Reader, names: list[str], shapes: list[tuple[int,
     # stays Q8_0 when the Q4_1 file is loaded as "q4_1").
     keeps_blocks = precision == "keep" or precision in BLOCK_FORMATS
     target = stored if keeps_blocks and stored in BLOCK_FORMATS else _dense_target(infos, precision)
-    if stored is not None and stored == target:
+    if stored is not None and stored == target and not any(n in reader.deltas for n in names):
         raw = np.concatenate([load_array(i) for i in infos]) if len(infos) > 1 else load_array(infos[0])
         return Weight.from_gguf_blocks(gpu, raw, target, (n_rows, k), name=label)
     dense = [reader.dense(n, s) for n, s in zip(names, shapes, strict=True)]
@@ -297,19 +302,22 @@ def load_weights(
     precision: str = "f32",
     config: ModelConfig | None = None,
     num_layers: int | None = None,
+    deltas: Mapping[str, np.ndarray] | None = None,
 ) -> ModelWeights:
     """Read `folder` (config.json + safetensors) and upload its weights in `precision`.
 
     precision: "f32", "f16", "q8_0", "q4_0", "q4_1" (dense tensors are quantised on load; tensors already in
     a GGUF block format keep their blocks), or "keep" (GGUF blocks stay as they are; dense tensors keep their
     float width). `num_layers` loads only the first layers (drafting
-    by layer skip uses the full model instead; this is for tests and truncated drafts).
+    by layer skip uses the full model instead; this is for tests and truncated drafts). `deltas`: float32 arrays
+    added to the named tensors (HF names) before they are converted, e.g. a LoRA adapter merged in (`model.lora`);
+    a tensor kept in GGUF blocks is then dequantised, changed and quantised again.
     """
     if precision not in WEIGHT_FORMATS:
         raise ModelFormatError(f"unknown weight precision {precision!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     folder = Path(folder)
     config = config or ModelConfig.from_file(folder / "config.json")
-    reader = _Reader(folder, config.weights_prefix)
+    reader = _Reader(folder, config.weights_prefix, deltas)
     h, hd = config.hidden_size, config.head_dim
     q_rows, kv_rows, ffn = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
     embed = _matrix(gpu, reader, ["model.embed_tokens.weight"], [(config.vocab_size, h)], precision)

@@ -9,6 +9,7 @@ feed them, in our order. The scale is folded into B here (one multiply per weigh
     read_adapter(folder)                 → LoraAdapter (modules per layer, A and B as float32, scale folded)
     adapter_segments(adapter, config)    → per layer, per matmul ("qkv", "o", "gate_up", "down", "attn_gate"):
                                            [Segment(col0, a [r, in], b [cols, r])], checked against the model
+    merged_deltas(adapter, config)       → {HF tensor name: B·A}: the adapter merged into the weights at load
 
 Everything wrong is an `AdapterError` naming the file, tensor, module, shape or option: a missing file, a PEFT option
 we do not implement (DoRA, trained biases, modules_to_save, per-module rank or alpha patterns), a module we have no
@@ -197,3 +198,15 @@ def adapter_segments(adapter: LoraAdapter, config: ModelConfig) -> dict[int, dic
         for segments in matmuls.values():
             segments.sort(key=lambda s: s.col0)
     return out
+
+
+def merged_deltas(adapter: LoraAdapter, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The adapter as additions to the base tensors, B·A (scale folded in) by HF tensor name, for `load_weights`'s
+    `deltas` (merged: every token pays nothing more, and every generation gets the adapter); checked against
+    `config` first."""
+    adapter_segments(adapter, config)
+    return {
+        f"model.layers.{layer}.{module}.weight": update.b @ update.a
+        for layer, modules in adapter.layers.items()
+        for module, update in modules.items()
+    }

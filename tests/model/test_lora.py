@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from support.decode import reference_decode
-from support.lora import make_adapter, peft_greedy, peft_logits
+from support.lora import ALL_MODULES, make_adapter, peft_greedy, peft_logits
 
-from doppler_py.errors import AdapterError, UnknownAdapterError
+from doppler_py.api import load
+from doppler_py.errors import AdapterError, GenerationOptionError, UnknownAdapterError
 from doppler_py.model.loader import load_weights
+from doppler_py.model.lora import merged_deltas, read_adapter
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, PromptLookupDrafter
@@ -79,6 +81,47 @@ def test_logits_equal_pefts_through_prefill_and_decode(adapted, name, adapter):
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
     # The adapter changes the logits (else this test could not fail), the base rows stay the base model's.
     assert np.abs(ours - logits_with(model, ids, None)).max() > 1e-2
+
+
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+@pytest.mark.parametrize(
+    ("name", "modules"),
+    [("qwen3_5-hybrid", ALL_MODULES + LINEAR_ATTENTION), ("gemma4", ALL_MODULES)],
+    ids=["qwen3_5-hybrid", "gemma4"],
+)
+def test_logits_equal_pefts_on_qwen3_5_and_gemma4(named_folder, registry, tmp_path, reference, name, modules):
+    """Qwen 3.5: q_proj's [q | gate] rows split and partial-RoPE dims reordered as the loader does, and the Gated
+    DeltaNet layers' projections; Gemma 4: per-layer head dims, KV-shared layers (their k/v updates never run)."""
+    folder = named_folder(name)
+    adapter = make_adapter(folder, tmp_path / "a", rank=4, seed=4, modules=modules)
+    model = Transformer(load_weights(folder, registry.gpu, "f32"), registry, max_rows=32)
+    try:
+        assert {module.split(".")[1] for module in model.adapters.add("a", adapter).modules} == set(modules)
+        ids = np.random.default_rng(5).integers(0, model.config.vocab_size, PREFILL + DECODE).tolist()
+        ours = logits_with(model, ids, "a")
+        np.testing.assert_allclose(ours, peft_logits(folder, adapter, ids), atol=1e-4, rtol=0)
+        assert np.abs(ours - logits_with(model, ids, None)).max() > 1e-2
+    finally:
+        model.close()
+        model.weights.destroy()
+
+
+def test_an_adapter_merged_into_the_weights_gives_pefts_logits(adapted, registry):
+    folder, adapters, model = adapted("qwen3-qknorm-gqa")
+    adapter = read_adapter(adapters["a"])
+    merged = Transformer(
+        load_weights(folder, registry.gpu, "f32", deltas=merged_deltas(adapter, model.config)), registry, max_rows=32
+    )
+    try:
+        ids = np.random.default_rng(6).integers(0, model.config.vocab_size, PREFILL + DECODE).tolist()
+        np.testing.assert_allclose(logits_with(merged, ids, None), peft_logits(folder, adapters["a"], ids), atol=1e-4)
+    finally:
+        merged.close()
+        merged.weights.destroy()
+    with pytest.raises(GenerationOptionError, match="merges one LoRA adapter"):
+        load(folder, "f32", progress=False, lora={"a": adapters["a"], "b": adapters["b"]}, merge=True)
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-gqa"])
