@@ -53,6 +53,7 @@ def test_two_adapters_and_the_base_answer_together_as_each_alone(url, engine, fo
         assert added.status_code == 201 and added.json()["rank"] == 2
         try:
             assert {m["id"] for m in client.get("/v1/models").json()["data"]} == {"tiny", "tiny:a", "tiny:b"}
+            assert client.get("/v1/models/tiny:b").json()["parent"] == "tiny"
             alone = {
                 name: engine.generate(PROMPT, max_tokens=8, speculative=None, chat=False, adapter=name).text
                 for name in ("a", "b", None)

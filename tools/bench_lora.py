@@ -1,13 +1,15 @@
-"""What an unmerged LoRA adapter costs a decode step: SmolLM2 generations with adapters of rank 8 and 16 on q, k, v, o
-or on every projection, against the base model, interleaved in one process.
+"""What an unmerged LoRA adapter costs a decode step: SmolLM2's decode forward with adapters of rank 8 and 16 on q, k,
+v, o or on every projection, against the base model, interleaved in one process.
 
-    python tools/bench_lora.py --rounds 8 [--new-tokens 64 --weights q4_1]
+    python tools/bench_lora.py --rounds 60 [--steps 4 --weights q4_1]
 
 The adapters are random PEFT folders written here (numpy, adapter_config.json + adapter_model.safetensors; the cost
-does not depend on the values) and loaded beside the base weights, in f32. Each round runs one greedy plain-decoding
-generation per variant, the order alternating between rounds, so every variant sees the same phase of a noisy shared
-machine; a generation's step time is its wall time after the prefill over its forwards. What counts is each round's
-step-time ratio against the base model (its median over the rounds). Prints a Markdown table, then one JSON object.
+does not depend on the values) and loaded beside the base weights, in f32. Each variant has its own sequence, the
+prompt prefilled with its adapter; what is timed is a decode step's target forward (one row, every layer, the LM
+head; submitted and waited for), `--steps` of them at the same position, per variant per round, the order
+alternating between rounds, so that every variant sees the same phase of a noisy shared machine. What counts is each
+round's time ratio against the base model (its median over the rounds). Prints a Markdown table, then one JSON
+object.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import doppler_py
 from doppler_py.model.config import ModelConfig
-from doppler_py.sampling import SamplingParams
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 EVERY = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
@@ -75,11 +76,10 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=4, help="decode forwards per variant per round")
     parser.add_argument("--weights", default="q4_1")
     args = parser.parse_args()
-    greedy = SamplingParams(temperature=0.0)
     with tempfile.TemporaryDirectory() as tmp:
         probe = doppler_py.load(weights=args.weights, progress=False, max_seq=512)
         config = probe.model.config
@@ -89,19 +89,35 @@ def main() -> None:
             for seed, (name, (rank, modules)) in enumerate(VARIANTS.items())
         }
         engine = doppler_py.load(weights=args.weights, progress=False, max_seq=512, kv_cache_mb=0, lora=folders)
-    spec = engine.speculative_engine("none")
+    model = engine.model
     prompt = engine.encode_prompt(PROMPT, chat=True)
     names: list[str | None] = [None, *VARIANTS]
-    for name in names:  # every pipeline compiled before the timings
-        spec.generate(prompt, 8, greedy, adapter=name)
+    caches = {}
+    for name in names:  # each variant's sequence: the prompt prefilled with its adapter, every pipeline compiled
+        caches[name] = model.new_cache(len(prompt) + 1)
+        caches[name].adapter = name
+        model.forward(prompt[:-1], caches[name], 0, logits="none")
+    model.ids.view((1,)).write(np.asarray(prompt[-1:], np.uint32))
+
+    def decode_ms(name: str | None) -> float:
+        """One decode forward at the prompt's end (the same position every time), waited for."""
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            rec = model.registry.recorder()
+            model.record_forward(rec, 1, caches[name], len(prompt) - 1)
+            rec.submit()
+        model.gpu.wait_idle()
+        return 1000 * (time.perf_counter() - start) / args.steps
+
+    for name in names:
+        decode_ms(name)
     step_ms: dict[str | None, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            result = spec.generate(prompt, args.new_tokens, greedy, adapter=name)
-            decode_s = time.perf_counter() - start - result.stats.prefill_s
-            step_ms[name].append(1000 * decode_s / (result.stats.steps + result.stats.plain_steps))
-    adapter = engine.model.gpu.summary()["adapter"]
+            step_ms[name].append(decode_ms(name))
+    adapter = model.gpu.summary()["adapter"]
+    for cache in caches.values():
+        model.release_cache(cache)
     engine.close()
     rows = {
         name or "base": {
@@ -110,11 +126,11 @@ def main() -> None:
         }
         for name, times in step_ms.items()
     }
-    print("| adapter | decode step (ms, median) | step time vs base (median of per-round ratios) |")
+    print("| adapter | decode forward (ms, median) | vs base (median of per-round ratios) |")
     print("|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['step_ms']} | {row['ratio_vs_base']}x |")
-    report = {"weights": args.weights, "new_tokens": args.new_tokens, "rounds": args.rounds, "variants": rows}
+    report = {"weights": args.weights, "rounds": args.rounds, "steps": args.steps, "variants": rows}
     print(json.dumps(report | {"adapter": adapter, "cpu": cpu_name()}))
 
 

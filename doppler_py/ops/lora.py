@@ -52,7 +52,7 @@ def _words(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def pack_segments(segments: Sequence[Segment], dtype: str) -> np.ndarray:
     """The kernel's buffer for one matmul's segments: the table (count; col0, cols, rank, A word, B word each), then
-    every A and B in `dtype` ("f32" or "f16")."""
+    every A and B, transposed, in `dtype` ("f32" or "f16")."""
     if dtype not in FORMATS:
         raise AdapterError(f"LoRA weights are kept in f32 or f16, got {dtype!r}")
     if not 1 <= len(segments) <= MAX_SEGMENTS:
@@ -66,7 +66,7 @@ def pack_segments(segments: Sequence[Segment], dtype: str) -> np.ndarray:
     blocks: list[np.ndarray] = []
     offset = 1 + _SEGMENT_WORDS * len(segments)
     for segment in segments:
-        a, b = _words(segment.a, dtype), _words(segment.b, dtype)
+        a, b = _words(segment.a.T, dtype), _words(segment.b.T, dtype)  # transposed: the kernel's lanes read in a row
         table += [segment.col0, segment.b.shape[0], segment.a.shape[0], offset, offset + a.size]
         blocks += [a, b]
         offset += a.size + b.size

@@ -152,7 +152,11 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
-        self._check_model(request.path_params["model"])
+        model = request.path_params["model"]
+        adapters = {card["id"]: card for card in adapters_route.model_cards(self)}
+        if model in adapters:
+            return JSONResponse(adapters[model])
+        self._check_model(model)
         return JSONResponse(self._model_card())
 
     async def health(self, _request: Request) -> Response:

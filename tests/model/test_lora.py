@@ -130,6 +130,27 @@ def test_greedy_tokens_equal_pefts(adapted, name):
     assert reference_decode(model, PROMPT, 16, GREEDY, adapter="a") == peft_greedy(folder, adapters["a"], PROMPT, 16)
 
 
+def dispatches(model: Transformer, adapter: str | None) -> int:
+    """Dispatches one recorded decode forward runs (a played tape counts its own)."""
+    cache = model.new_cache(8)
+    cache.adapter = adapter
+    try:
+        rec = model.registry.recorder()
+        model.record_forward(rec, 1, cache, 0)
+        rec.submit()
+        return rec.dispatches
+    finally:
+        model.release_cache(cache)
+
+
+def test_a_forward_without_adapted_rows_records_no_lora_dispatch(adapted):
+    _, _, model = adapted("llama-tied-gqa")
+    layers = model.config.num_hidden_layers
+    # Adapter "a" adapts the four matmuls of each layer: a LoRA dispatch each, and the norm (twice) and gated
+    # activation inputs the fused kernels never wrote.
+    assert dispatches(model, "a") - dispatches(model, None) == layers * (4 + 3)
+
+
 def test_rows_of_two_adapters_and_none_in_one_forward_each_equal_their_own_forward(adapted):
     _, _, model = adapted("llama-tied-gqa")
     prompts = {"a": PROMPT[:9], None: PROMPT[2:13], "b": PROMPT[5:11]}
