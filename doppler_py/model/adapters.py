@@ -7,8 +7,9 @@ Which adapter a row uses comes from its sequence: a KV cache records the adapter
 is recorded and returns the slots in use. After a matmul the forward asks `record` for the updates of those slots:
 
     matmul (base) ─▶ out       then, only if some row's adapter adapts this matmul:
-    input as the base sees it: rmsnorm(x) (norm fused in the base) ─▶ xn, or act(gate)·up (fused GLU) ─▶ act
-    for each adapter slot in use:  out[rows of that slot] += B (A input)          (ops/lora.py)
+    the down projection's input as the base sees it: act(gate)·up (its GLU is fused) ─▶ act
+    for each adapter slot in use:  out[rows of that slot] += B (A input)          (ops/lora.py; a fused norm
+                                   of the base, rmsnorm(x), is computed by the update's kernel too)
 
 A forward with no adapted row records nothing here and costs nothing more.
 """
@@ -29,7 +30,6 @@ from doppler_py.model.lora import LoraAdapter, adapter_segments, read_adapter
 from doppler_py.ops.elementwise import SwiGLU
 from doppler_py.ops.linear import Linear
 from doppler_py.ops.lora import NO_ADAPTER, LoraMatmul, pack_segments
-from doppler_py.ops.norms import RMSNorm
 
 if TYPE_CHECKING:
     from doppler_py.model.transformer import Transformer
@@ -51,8 +51,8 @@ class Adapters:
         self._loaded: dict[str, _Loaded] = {}
         self._next_slot = 0
         self.row_slots: Tensor | None = None  # u32 [max_rows]: each row's slot in the forward being recorded
-        # (layer, matmul) → the op writing its input as the base sees it (None: the base reads x as it is)
-        self._inputs: dict[tuple[int, str], RMSNorm | SwiGLU | None] = {}
+        # (layer, matmul) → the op writing its input as the base sees it (None: the update reads x itself)
+        self._inputs: dict[tuple[int, str], SwiGLU | None] = {}
 
     @property
     def names(self) -> list[str]:
@@ -83,6 +83,7 @@ class Adapters:
                     packed = Tensor.from_numpy(model.gpu, pack_segments(parts, dtype), "u32", f"LoRA {name} {layer}")
                     loaded.tensors.append(packed)
                     n, k = linear.weight.shape
+                    norm = linear.norm  # the kernel normalises x itself, as the fused base matmul does
                     loaded.ops[(layer, matmul)] = LoraMatmul(
                         model.registry,
                         packed,
@@ -94,6 +95,8 @@ class Adapters:
                         n_total=n,
                         slot=loaded.slot,
                         max_rows=model.max_rows,
+                        norm_weight=norm.weight if norm is not None else None,
+                        eps=norm.eps if norm is not None else 0.0,
                     )
         except BaseException:
             model.registry.release_tensors(*loaded.tensors)
@@ -131,19 +134,19 @@ class Adapters:
         return linear
 
     def _input(self, layer: int, matmul: str, linear: Linear) -> Tensor:
-        """The tensor holding the matmul's input as its kernel computes it (normalised, or gated), and the op that
-        writes it there (once per layer and matmul, shared by every adapter)."""
-        rows, k = self.model.max_rows, linear.weight.shape[1]
-        norm, glu, x = linear.norm, linear.glu, linear.tensors["x"]
-        source = norm.scratch if norm is not None else glu.scratch if glu is not None else x
+        """The tensor the update reads as the matmul's input: x itself (normalised by the update's kernel when the
+        base fuses a norm), or for a fused gated activation its output, which a SwiGLU dispatch writes first (once per
+        layer and matmul, shared by every adapter)."""
+        glu, x = linear.glu, linear.tensors["x"]
+        if glu is None:
+            self._inputs.setdefault((layer, matmul), None)
+            return x
         if (layer, matmul) not in self._inputs:
-            op: RMSNorm | SwiGLU | None = None
-            if norm is not None:
-                op = RMSNorm(self.model.registry, x, norm.weight, norm.scratch, dim=k, eps=norm.eps, max_rows=rows)
-            elif glu is not None:
-                op = SwiGLU(self.model.registry, x, glu.scratch, ffn_dim=k, max_rows=rows, activation=glu.activation)
-            self._inputs[(layer, matmul)] = op
-        return source
+            rows, k = self.model.max_rows, linear.weight.shape[1]
+            self._inputs[(layer, matmul)] = SwiGLU(
+                self.model.registry, x, glu.scratch, ffn_dim=k, max_rows=rows, activation=glu.activation
+            )
+        return glu.scratch
 
     def place(self, segments: Sequence[tuple[int, int, str | None]]) -> tuple[int, ...]:
         """Write each row's slot for a forward of (row0, rows, adapter name or None) segments; the slots in use,
@@ -174,7 +177,7 @@ class Adapters:
             return
         prepare = self._inputs[(layer, matmul)]
         if prepare is not None:
-            prepare.record(rec, rows)  # the input as the base matmul saw it (its norm or GLU was fused)
+            prepare.record(rec, rows)  # act(gate)·up, as the base matmul computed it (fused) from gate_up
         for op in ops:
             op.record(rec, rows)  # out[rows of this adapter] += B (A input)
 

@@ -74,7 +74,8 @@ def pack_segments(segments: Sequence[Segment], dtype: str) -> np.ndarray:
 
 
 class LoraMatmul:
-    """out[t, cols] += B (A x[t]) for the rows t < rows whose `row_adapter` entry is `slot` (see the module)."""
+    """out[t, cols] += B (A x[t]) for the rows t < rows whose `row_adapter` entry is `slot` (see the module); with
+    `norm_weight`, x[t] is RMS-normalised first (x[t] / rms(x[t]) * norm_weight, eps `eps`), as fused matmuls do."""
 
     def __init__(
         self,
@@ -89,15 +90,22 @@ class LoraMatmul:
         n_total: int,
         slot: int,
         max_rows: int,
+        norm_weight: Tensor | None = None,
+        eps: float = 0.0,
     ):
         require_f32(x, max_rows * k, "LoRA x")
         require_f32(out, max_rows * n_total, "LoRA out")
         if packed.dtype != "u32" or row_adapter.dtype != "u32" or row_adapter.numel < max_rows:
             raise ValueError("LoRA: the packed weights and the row slots must be u32, the slots one per row")
         self.max_rows = max_rows
-        kernel = registry.kernel(SHADER, FORMAT=FORMATS[dtype], WORKGROUP_SIZE=WORKGROUP_SIZE)
-        params = {"rows": 1, "k": k, "n_total": n_total, "adapter": slot}
-        self.bound = registry.bind(kernel, params, x=x, lora=packed, row_adapter=row_adapter, out=out)
+        if norm_weight is not None:
+            require_f32(norm_weight, k, "LoRA norm weight")
+        kernel = registry.kernel(
+            SHADER, FORMAT=FORMATS[dtype], WORKGROUP_SIZE=WORKGROUP_SIZE, RMS_NORM=norm_weight is not None
+        )
+        params = {"rows": 1, "k": k, "n_total": n_total, "adapter": slot, "eps": eps}
+        gain = norm_weight if norm_weight is not None else registry.placeholder(4)
+        self.bound = registry.bind(kernel, params, x=x, lora=packed, row_adapter=row_adapter, out=out, norm_weight=gain)
 
     def record(self, rec: Recorder, rows: int) -> None:
         require_rows(rows, self.max_rows, "LoRA")

@@ -1,6 +1,6 @@
 """The unmerged LoRA update (shaders/lora.wgsl) against numpy in float64: out[t, seg] += B (A x[t]) for the rows of
 the dispatched adapter only, at awkward sizes (rows past a workgroup's, rank 1 and 64, widths not multiples of 4,
-several segments of one fused matmul), with f32 and f16 weights.
+several segments of one fused matmul), with f32 and f16 weights, and with the RMSNorm a fused matmul applies to x.
 
 Tolerance: f32 weights, rtol 1e-5 + atol 1e-5 · scale of the sums (float32 dot products over k ≤ 577 and r ≤ 64 of
 O(1) terms, whose rounding is ~sqrt(k)·6e-8 relative to the sum of |terms|); f16 weights are compared with numpy on
@@ -39,7 +39,7 @@ def reference(x, out, segments, row_adapter, slot, dtype):
     return expected
 
 
-def run(gpu, registry, x, out, segments, row_adapter, slot, dtype, rows):
+def run(gpu, registry, x, out, segments, row_adapter, slot, dtype, rows, norm_weight=None, eps=0.0):
     k, n_total = x.shape[1], out.shape[1]
     packed = Tensor.from_numpy(gpu, pack_segments(segments, dtype), "u32")
     out_t = Tensor.from_numpy(gpu, out)
@@ -54,6 +54,8 @@ def run(gpu, registry, x, out, segments, row_adapter, slot, dtype, rows):
         n_total=n_total,
         slot=slot,
         max_rows=x.shape[0],
+        norm_weight=None if norm_weight is None else Tensor.from_numpy(gpu, norm_weight),
+        eps=eps,
     )
     rec = registry.recorder()
     op.record(rec, rows=rows)
@@ -85,6 +87,21 @@ def test_update_matches_numpy_for_the_dispatched_adapters_rows_only(gpu, registr
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale)
     untouched = row_adapter != 3
     assert np.array_equal(got[untouched], out[untouched])
+
+
+def test_a_fused_rms_norm_updates_from_the_normalised_rows(gpu, registry, rng):
+    """x as the residual stream, normalised in the kernel as rmsnorm.wgsl does (a fused matmul's input)."""
+    rows, k, eps = 7, 577, 1e-5
+    segments = make_segments(rng, k, [(0, 33, 16), (33, 9, 3)])
+    x = (rng.standard_normal((rows, k)) * 3).astype(np.float32)
+    gain = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    out = rng.standard_normal((rows, 42)).astype(np.float32)
+    row_adapter = np.array([0, 1, 0, NO_ADAPTER, 0, 0, 1], dtype=np.uint64)
+    got = run(gpu, registry, x, out, segments, row_adapter, 0, "f32", rows, norm_weight=gain, eps=eps)
+    x64 = x.astype(np.float64)
+    normalised = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + eps) * gain
+    expected = reference(normalised, out, segments, row_adapter, 0, "f32")
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
 
 
 def test_rows_past_the_call_are_untouched(gpu, registry, rng):

@@ -67,7 +67,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "embedding": {"main": _product(FORMAT=_FORMATS)},
     "linear_attention": {"conv": [], "delta": [], "commit_state": [], "commit_conv": []},
     "logit_softcap": {"main": []},
-    "lora": {"main": [{"FORMAT": 1}]},  # ops/lora.py: f32 or f16 adapter weights, workgroups of 64
+    "lora": {"main": _product(FORMAT=[0, 1], RMS_NORM=[False, True])},  # ops/lora.py: workgroups of 64
     "logprobs": {"main": []},
     "matmul": {
         "main": _MATMUL_REGISTER,
