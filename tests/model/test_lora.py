@@ -208,13 +208,18 @@ def test_adapters_come_and_go_without_touching_the_base(adapted):
     ids = PROMPT[: PREFILL + 2]
     base = logits_with(model, ids, None)
     model.adapters.add("c", adapters["a"])
+    model.adapters.add("half", adapters["a"], dtype="f16")
     try:
-        np.testing.assert_array_equal(logits_with(model, ids, "c"), logits_with(model, ids, "a"))
+        adapted_logits = logits_with(model, ids, "a")
+        np.testing.assert_array_equal(logits_with(model, ids, "c"), adapted_logits)
+        # f16 A and B: the update rounds its weights to 11 bits (|logits| ~ 10, the update a fraction of them).
+        np.testing.assert_allclose(logits_with(model, ids, "half"), adapted_logits, atol=2e-2)
         with pytest.raises(AdapterError, match="'c' is loaded already"):
             model.adapters.add("c", adapters["b"])
     finally:
         model.adapters.remove("c")
-    assert "c" not in model.adapters
+        model.adapters.remove("half")
+    assert "c" not in model.adapters and "half" not in model.adapters
     np.testing.assert_array_equal(logits_with(model, ids, None), base)
 
 
