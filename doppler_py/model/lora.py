@@ -45,6 +45,7 @@ _REFUSED = {
     "rank_pattern": ({}, None),
     "alpha_pattern": ({}, None),
     "fan_in_fan_out": (False, None),
+    "layer_replication": (None, []),
 }
 
 
