@@ -21,6 +21,7 @@ from doppler_py.api import load
 from doppler_py.errors import AdapterError, GenerationOptionError, UnknownAdapterError
 from doppler_py.model.loader import load_weights
 from doppler_py.model.lora import merged_deltas, read_adapter
+from doppler_py.model.prefix_cache import PrefixCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter, PromptLookupDrafter
@@ -189,6 +190,20 @@ def test_speculative_greedy_with_an_adapter_equals_plain_greedy_with_it(adapted,
         engine.close()
     assert result.tokens == reference_decode(model, PROMPT, 24, GREEDY, adapter="a")
     assert result.stats.steps > 0, "nothing was ever drafted"
+
+
+def test_the_prefix_cache_never_gives_one_adapters_kv_to_another(adapted):
+    _, _, model = adapted("llama-tied-gqa")
+    engine = SpeculativeEngine(model, PromptLookupDrafter())
+    engine.prefix_cache = PrefixCache(model, 1 << 24)
+    try:
+        for adapter in ("a", None, "b", "a"):  # the same prompt each time: a hit only for the second "a"
+            result = engine.generate(PROMPT, 8, GREEDY, adapter=adapter)
+            assert result.tokens == reference_decode(model, PROMPT, 8, GREEDY, adapter=adapter), adapter
+        assert engine.prefix_cache.hits == 1
+    finally:
+        engine.prefix_cache.clear()
+        engine.close()
 
 
 def test_an_unknown_adapter_name_is_refused_naming_it(adapted):
