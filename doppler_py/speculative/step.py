@@ -206,14 +206,14 @@ class Stepper:
     def begin(self, ctx: StepContext, k: int, *, plain_steps: int = 1, proposal: Proposal | None = None) -> PendingStep:
         """A step's host half before its GPU work: the proposal made (or `proposal` taken), masked and checked, the
         tokens, layout and random numbers uploaded to this stepper's own buffers."""
+        if ctx.params.penalized or ctx.params.filters_min_p:  # before the drafts, which a GPU drafter penalises
+            self._penalties(ctx).update(ctx.tokens)
         proposal = self.propose(ctx, k) if proposal is None else proposal
         if ctx.grammar is not None:
             proposal = self._mask_rows(ctx, proposal)
         n, tree = self._check(proposal, k, plain_steps, ctx)
         pending = PendingStep(ctx, proposal, n, tree, plain_steps, len(ctx.tokens) - 1)
         self._upload(ctx, proposal, tree, plain_steps)
-        if ctx.params.penalized or ctx.params.filters_min_p:
-            self._penalties(ctx).update(ctx.tokens)
         return pending
 
     def record_inputs(self, rec: Recorder, pending: PendingStep, row0: int = 0) -> None:

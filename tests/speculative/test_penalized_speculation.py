@@ -69,6 +69,17 @@ def test_greedy_with_penalties_equals_plain_decoding_with_host_penalties(models,
 
 
 @pytest.mark.parametrize("penalty", PENALIZED)
+def test_a_target_drafting_for_itself_under_penalties_has_every_draft_accepted(models, penalty):
+    """A GPU drafter's row for draft i is penalised as the target's row i will be (committed tokens and drafts
+    0..i-1): the target as its own draft model proposes the penalised answer, so greedy accepts every draft. From
+    unpenalised rows it would propose what the penalties have moved away from."""
+    target, params = models["target"], PENALIZED[penalty]
+    result = generate(target, drafter_for("self-draft", models), PROMPT, 40, params, 4)
+    assert result.tokens == reference_decode(target, PROMPT, 40, params)
+    assert result.stats.accepted == result.stats.drafted > 0
+
+
+@pytest.mark.parametrize("penalty", PENALIZED)
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_rows_after_accepted_drafts_count_them(models, penalty, shape):
     """Drafters that know the penalised answer (a chain wrong at its third draft; a tree hiding it in a side branch):
