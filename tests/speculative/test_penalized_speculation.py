@@ -143,6 +143,23 @@ def test_min_p_alone_keeps_plain_steps_several_per_submit(models, monkeypatch):
     assert max(submits) > 1, submits
 
 
+@pytest.mark.parametrize("penalty", PENALIZED)
+def test_penalised_plain_decoding_takes_several_steps_per_submit(models, penalty, monkeypatch):
+    """Plain step j of a submit is penalised with the tokens steps 0..j-1 chose (read on the GPU), so penalised plain
+    decoding batches its steps and still equals the host reference, greedy and seeded draw for draw."""
+    target, submits = models["target"], []
+    step = Stepper.step
+    monkeypatch.setattr(
+        Stepper, "step", lambda self, *a, **kw: submits.append(kw.get("plain_steps", 1)) or step(self, *a, **kw)
+    )
+    for params in (
+        PENALIZED[penalty],
+        SamplingParams(**{**PENALIZED[penalty].__dict__, "temperature": 1.2, "seed": 4}),
+    ):
+        assert generate(target, None, PROMPT, 30, params, None).tokens == reference_decode(target, PROMPT, 30, params)
+    assert max(submits) > 1, submits
+
+
 def test_plain_decoding_with_penalties_and_logprobs_reports_the_penalised_distribution(models):
     """Plain steps (one per submit under penalties) and the log-probs of the distribution after the penalties."""
     target, params = models["target"], SamplingParams(temperature=0.7, frequency_penalty=1.0, min_p=0.1, seed=4)
