@@ -2,19 +2,23 @@
 // logit bias of one generation (the contract and its numpy reference: doppler_py/testing/penalty_reference.py).
 // Row r is penalised as if its path's drafts were committed: the tokens of rows 1..r that are row r itself or
 // its ancestors (a chain: rows 1..r; a tree: bits of the row's ancestor mask), in row order, follow the committed
-// tokens. For a token t, with c = its count among the generated tokens plus among the path's, and `seen` = t is
-// among the last `window` tokens of (committed tokens, path):
+// tokens. Workgroup w works on logits row w as row r = row0 + w, and row j's token is tokens[drafts_at + j - 1]:
+// a verification has row0 = 0 and drafts_at = 1 (tokens[0] is row 0's input); a drafter's row for its draft i,
+// penalised as the target's row i will be so that it proposes what the penalised target samples, has row0 = i and
+// drafts_at = 0 (tokens: the drafts so far). For a token t, with c = its count among the generated tokens plus
+// among the path's, and `seen` = t is among the last `window` tokens of (committed tokens, path):
 //   x = logits[r, t];  if seen: x = x > 0 ? x * inv_repetition : x * repetition
 //   x = x - frequency * f32(c);  if c > 0: x = x - presence;  x = x + bias(t)
 // Only finite logits change (-inf, +inf and NaN are left as they are, so the verifier still flags the last two).
 // The work is sparse: the tokens of `entries` (every token with a generated count, one in the committed window, or
 // a bias; sorted by token id) and the row's path tokens that are not among them.
-// Bindings: 0 params (uniform Params), 1 tokens (read, u32: tokens[j] is row j's input token; row 0's unread),
+// Bindings: 0 params (uniform Params), 1 tokens (read, u32: the rows' tokens, from tokens[drafts_at] on),
 // 2 tree (read, u32 [rows, 2]: (depth, ancestor mask) per row; read only when params.is_tree = 1),
 // 3 entries (read, u32 [entries, 4]: token, generated count, age = committed tokens after its last occurrence
 // (0xffffffff: none), bias as f32 bits), 4 logits (read_write, f32 [rows, vocab]).
 // Params: vocab, entries (how many), window (last tokens the repetition penalty looks at; 0xffffffff: all),
-// is_tree (0: a chain, row r's path is rows 1..r), presence, frequency, repetition, inv_repetition = f32(1 / repetition).
+// is_tree (0: a chain, row r's path is rows 1..r), presence, frequency, repetition, inv_repetition = f32(1 / repetition),
+// row0 and drafts_at (above).
 // Dispatch: (rows, 1, 1) workgroups of 256; one workgroup per row.
 
 const WG: u32 = 256u;
@@ -30,6 +34,8 @@ struct Params {
   frequency: f32,
   repetition: f32,
   inv_repetition: f32,
+  row0: u32,
+  drafts_at: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -91,7 +97,7 @@ fn penalise(index: u32, token: u32, committed_count: u32, age: u32, bias: f32) {
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-  let row = wid.x;
+  let row = params.row0 + wid.x;
   if (lid < MAX_PATH) {
     path[lid] = 0u;
   }
@@ -103,14 +109,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var m = 0u;
     for (var j = 1u; j <= row; j++) {
       if ((mask & (1u << j)) != 0u) {
-        path[m] = tokens[j];
+        path[m] = tokens[params.drafts_at + j - 1u];
         m += 1u;
       }
     }
     path_len = m;
   }
   workgroupBarrier();
-  let base = row * params.vocab;
+  let base = wid.x * params.vocab;
   let m = path_len;
   for (var i = lid; i < params.entries + m; i += WG) {
     if (i < params.entries) {

@@ -10,10 +10,16 @@ so every kernel after them (the verifier, the log-probs) reads the changed rows:
     min-p (rows 0..n)        tokens below min_p times the likeliest after temperature, -inf
     verification             temperature, top-k, top-p, acceptance (`ops.speculative`, `ops.tree_verify`)
 
+A GPU drafter's row for its draft i is penalised and min-p filtered the same way (`record_draft`: row i's path is the
+drafts before it), so a drafter proposes from what the target will sample from rather than from logits the
+penalties have since moved; a draft sampled from the changed row reports that row, so the verification stays exact.
+Plain steps several per submit penalise step j's row with the tokens steps 0..j-1 chose as its path (`record_row`),
+so penalised plain decoding needs no readback per token.
+
 The per-generation state is sparse: the host keeps every token's generated count and last position in the context
 and, before each step, uploads the tokens that matter (`entries`: a generated count, a place in the repetition
-window, or a bias; ~the distinct tokens of the answer and the window). The drafts of a step are read on the GPU from
-the step's token buffer, so a GPU drafter's proposal is never read back for it. Nothing is dispatched for an option
+window, or a bias; ~the distinct tokens of the answer and the window). The drafts of a step (and a submit's plain
+steps' tokens) are read on the GPU, so neither is read back for the penalties. Nothing is dispatched for an option
 that is off.
 """
 
@@ -24,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.kernels import Bound, KernelRegistry
 from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.ops.elementwise import require_f32, require_rows
@@ -69,13 +75,17 @@ class Penalties:
         self.n_entries = 0
         self.entries: Tensor | None = None
         self.bound = None
+        # `record_row`'s bindings, per (row, path, i): (row, path, the bound penalties); `record_draft`'s min-p per row.
+        self._row_bounds: dict[tuple[int, int, int], tuple[Tensor, Tensor, Bound]] = {}
+        self._row_min_p: dict[int, tuple[Tensor, Bound]] = {}
         if params.penalized:
             self._grow(_FIRST_ENTRIES)
         self.min_p = None
         if params.filters_min_p:
             kernel = registry.kernel("min_p")
             offset = float(np.float32(params.temperature * math.log(params.min_p)))  # <= 0: below the max
-            self.min_p = registry.bind(kernel, params={"vocab": vocab, "offset": offset}, logits=logits)
+            self.min_p_values = {"vocab": vocab, "offset": offset}
+            self.min_p = registry.bind(kernel, params=self.min_p_values, logits=logits)
 
     def update(self, context: Sequence[int]) -> None:
         """Fold in the context's new tokens (the committed ones) and upload the entries the next step reads."""
@@ -108,6 +118,41 @@ class Penalties:
         self.bound.params.set(entries=self.n_entries, is_tree=int(tree))
         rec.dispatch(self.bound, rows)
 
+    def record_row(self, rec: Recorder, row: Tensor, path: Tensor, i: int) -> None:
+        """Penalties and bias of `row` (f32, its first vocab entries) as row i whose path is path[0..i-1] (u32): a
+        drafter's row for its draft i, or a plain step's row after the steps before it in the same submit. The
+        committed tokens are those of the last `update`. Nothing when all are off."""
+        if self.bound is None:
+            return
+        require_rows(i + 1, self.max_rows, "Penalties path")
+        key = (id(row), id(path), i)
+        entry = self._row_bounds.get(key)
+        if entry is None:
+            bound = self.registry.bind(
+                self.registry.kernel("penalties"),
+                self._uniforms(row0=i, drafts_at=0),
+                tokens=path,
+                tree=self.layout,
+                entries=self.entries,
+                logits=row,
+            )
+            entry = self._row_bounds[key] = (row, path, bound)
+        entry[2].params.set(entries=self.n_entries)
+        rec.dispatch(entry[2], 1)
+
+    def record_draft(self, rec: Recorder, row: Tensor, drafts: Tensor, i: int) -> None:
+        """A drafter's `row` (f32 [1, vocab]) for its draft i, penalised (`record_row`) and min-p filtered as the
+        target's row i will be, after the committed tokens and drafts 0..i-1 (u32 `drafts`)."""
+        self.record_row(rec, row, drafts, i)
+        if self.min_p is not None:
+            entry = self._row_min_p.get(id(row))
+            if entry is None:
+                entry = self._row_min_p[id(row)] = (
+                    row,
+                    self.registry.bind(self.min_p.kernel, self.min_p_values, logits=row),
+                )
+            rec.dispatch(entry[1], 1)
+
     def record_min_p(self, rec: Recorder, rows: int) -> None:
         """Min-p of rows 0..rows-1; nothing when it is off (or the picks are greedy)."""
         if self.min_p is not None:
@@ -118,28 +163,42 @@ class Penalties:
         """A larger entries buffer (a longer answer has more distinct tokens), bound in place of the old one."""
         old, old_slot = self.entries, None if self.bound is None else self.bound.params
         self.entries = Tensor.empty(self.registry.gpu, (min(entries, self.vocab) or 1, 4), "u32", "penalty entries")
+        self.bound = self.registry.bind(
+            self.registry.kernel("penalties"),
+            old_slot or self._uniforms(row0=0, drafts_at=1),
+            tokens=self.tokens,
+            tree=self.layout,
+            entries=self.entries,
+            logits=self.logits,
+        )
+        self._release_row_bounds()  # bound to the old entries: bound again at their next use
+        if old is not None:
+            self.registry.release_tensors(old)
+
+    def _uniforms(self, *, row0: int, drafts_at: int) -> dict[str, float | int]:
         p = self.params
-        uniforms = old_slot or {
+        return {
             "vocab": self.vocab,
             "window": self.window,
             "presence": p.presence_penalty,
             "frequency": p.frequency_penalty,
             "repetition": p.repetition_penalty,
             "inv_repetition": float(np.float32(1.0 / p.repetition_penalty)),
+            "row0": row0,
+            "drafts_at": drafts_at,
         }
-        self.bound = self.registry.bind(
-            self.registry.kernel("penalties"),
-            uniforms,
-            tokens=self.tokens,
-            tree=self.layout,
-            entries=self.entries,
-            logits=self.logits,
-        )
-        if old is not None:
-            self.registry.release_tensors(old)
+
+    def _release_row_bounds(self) -> None:
+        for _, _, bound in self._row_bounds.values():
+            self.registry.release_slot(bound.params)
+        for _, bound in self._row_min_p.values():
+            self.registry.release_slot(bound.params)
+        self._row_bounds.clear()
+        self._row_min_p.clear()
 
     def release(self) -> None:
         """Free the generation's buffers and uniform slots."""
+        self._release_row_bounds()
         if self.bound is not None:
             self.registry.release_slot(self.bound.params)
             self.registry.release_tensors(self.entries)

@@ -248,10 +248,10 @@ class SpeculativeEngine:
             yield from self._prefill(ctx)
             stats.prefill_s = time.perf_counter() - start
             stats.cached_tokens = ctx.cached
-            # Plain steps several per submit; not under a grammar or penalties (each step's masks or counts come
-            # from the tokens before it) nor with log-probs (read per step). Beside others only while the generation
-            # steps alone (`StepBatch._alone`).
-            multi_step = grammar is None and not params.penalized and logprobs is None
+            # Plain steps several per submit; not under a grammar (each step's mask comes from the tokens before it,
+            # on the host) nor with log-probs (read per step). Beside others only while the generation steps alone
+            # (`StepBatch._alone`).
+            multi_step = grammar is None and logprobs is None
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
                 proposal, speculate = None, True

@@ -143,6 +143,7 @@ class Stepper:
         # Plain steps: each one's random number, and its (token, status) pair.
         self.plain_randoms = Tensor.empty(gpu, MAX_PLAIN_STEPS, "f32", "plain randoms")
         self.plain_out = Tensor.empty(gpu, 2 * MAX_PLAIN_STEPS, "u32", "plain tokens")
+        self.plain_path = Tensor.empty(gpu, MAX_PLAIN_STEPS, "u32", "plain steps' tokens")  # the penalties' path
         # Made now, not at the first token tree: the policy may switch trees on mid-session, and a steady engine
         # allocates nothing per generation (tests/reliability/test_resources.py).
         self.tree_result = Tensor.empty(gpu, result_words(MAX_TREE_ROWS), "u32", "tree result")
@@ -206,14 +207,14 @@ class Stepper:
     def begin(self, ctx: StepContext, k: int, *, plain_steps: int = 1, proposal: Proposal | None = None) -> PendingStep:
         """A step's host half before its GPU work: the proposal made (or `proposal` taken), masked and checked, the
         tokens, layout and random numbers uploaded to this stepper's own buffers."""
+        if ctx.params.penalized or ctx.params.filters_min_p:  # before the drafts, which a GPU drafter penalises
+            self._penalties(ctx).update(ctx.tokens)
         proposal = self.propose(ctx, k) if proposal is None else proposal
         if ctx.grammar is not None:
             proposal = self._mask_rows(ctx, proposal)
         n, tree = self._check(proposal, k, plain_steps, ctx)
         pending = PendingStep(ctx, proposal, n, tree, plain_steps, len(ctx.tokens) - 1)
         self._upload(ctx, proposal, tree, plain_steps)
-        if ctx.params.penalized or ctx.params.filters_min_p:
-            self._penalties(ctx).update(ctx.tokens)
         return pending
 
     def record_inputs(self, rec: Recorder, pending: PendingStep, row0: int = 0) -> None:
@@ -249,7 +250,9 @@ class Stepper:
         the log-probs' distribution, min-p, the verification, the log-probs' picks, and (plain step j) the token kept
         for the readback."""
         ctx, rows = pending.ctx, pending.rows
-        if ctx.penalties is not None:  # before the mask, as `testing.penalty_reference` orders them
+        if ctx.penalties is not None and j:  # plain step j counts the tokens the steps before it chose
+            ctx.penalties.record_row(rec, self.target.logits, self.plain_path, j)
+        elif ctx.penalties is not None:  # before the mask, as `testing.penalty_reference` orders them
             ctx.penalties.record_penalties(rec, rows, tree=pending.tree)
         if ctx.grammar is not None:
             self._masks().record(rec, rows)
@@ -262,7 +265,10 @@ class Stepper:
         if ctx.logprobs is not None:  # the committed tokens' log-probs from the rows just verified
             self._logprobs().record_pick(rec, rows, ctx.logprobs)
         if pending.n == 0:
-            self._plain_outputs(rec, j, keep_features=pending.plain_steps > 1)
+            more = pending.plain_steps > j + 1
+            self._plain_outputs(
+                rec, j, keep_features=pending.plain_steps > 1, penalised=more and ctx.penalties is not None
+            )
 
     def finish(self, pending: PendingStep) -> StepOutcome:
         """A submitted step's host half after its GPU work: the readback, the checks, and the commit."""
@@ -293,8 +299,8 @@ class Stepper:
         n, name = proposal.count, ctx.drafter.name
         if not 0 <= n <= k:
             raise InternalError(f"drafter {name!r} proposed {n} tokens when asked for at most {k}")
-        # Log-probs are read, and a grammar's next mask or the penalties' counts computed, after each step.
-        constrained = ctx.grammar is not None or ctx.params.penalized
+        # Log-probs are read, and a grammar's next mask computed, after each step.
+        constrained = ctx.grammar is not None
         one_at_a_time = k or ctx.logprobs is not None or constrained
         if not 1 <= plain_steps <= MAX_PLAIN_STEPS or (plain_steps > 1 and one_at_a_time):
             raise InternalError(f"{plain_steps} plain steps in one submit (k = {k}, constrained {constrained})")
@@ -392,10 +398,12 @@ class Stepper:
         rec.copy(self.result, self.target.ids, 4, src_offset=4)
         rec.copy(self.plain_randoms, self.randoms, 4, src_offset=4 * j)
 
-    def _plain_outputs(self, rec: Recorder, j: int, *, keep_features: bool) -> None:
-        """Plain step j's (token, status), and with more steps to come its row of target.x and of its taps (the next
-        step's forward overwrites row 0)."""
+    def _plain_outputs(self, rec: Recorder, j: int, *, keep_features: bool, penalised: bool) -> None:
+        """Plain step j's (token, status), with more steps to come its row of target.x and of its taps (the next
+        step's forward overwrites row 0), and when `penalised` its token on the later steps' path."""
         rec.copy(self.result, self.plain_out, 8, src_offset=4, dst_offset=8 * j)
+        if penalised:
+            rec.copy(self.result, self.plain_path, 4, src_offset=4, dst_offset=4 * j)
         if keep_features:
             row_bytes, scratch = 4 * self.target.config.hidden_size, self._scratch()
             for b, buffer in enumerate(self.target.feature_buffers):
@@ -492,6 +500,7 @@ class Stepper:
             self.result,
             self.plain_randoms,
             self.plain_out,
+            self.plain_path,
             self.tree_result,
             self.tree_layout,
             self.feature_scratch,

@@ -136,3 +136,71 @@ def test_entries_grow_past_the_first_buffer(registry, gpu):
     logits = rng.normal(size=(3, vocab)).astype(np.float32)
     got = run(registry, gpu, logits, context, 2, [5, 5], None, params)
     assert_within_an_ulp(got, reference(logits, context, 2, [5, 5], None, params))
+
+
+def draft_penalties(registry, gpu, params, prompt, vocab):
+    """A generation's penalties whose verification buffers stay unused (only a drafter's rows are changed), and the
+    drafter's row and drafts buffers, kept across calls as a drafter keeps them."""
+    buffers = (
+        Tensor.empty(gpu, (32, vocab), "f32"),
+        Tensor.empty(gpu, (32,), "u32"),
+        Tensor.from_numpy(gpu, np.zeros((32, 2), np.uint32)),
+        Tensor.empty(gpu, (1, vocab), "f32"),
+        Tensor.empty(gpu, (16,), "u32"),
+    )
+    logits, tokens, layout = buffers[:3]
+    return Penalties(registry, params, prompt, vocab=vocab, logits=logits, tokens=tokens, layout=layout), buffers
+
+
+def run_draft_rows(registry, op, buffers, logits, drafts):
+    """Each logits row i as the drafter's row for its draft i (one submit per draft, as drafters do), after `drafts`."""
+    row, draft_tokens = buffers[3:]
+    draft_tokens.view((len(drafts),)).write(np.array(drafts, np.uint32))
+    out = []
+    for i in range(logits.shape[0]):
+        row.write(logits[i : i + 1])
+        rec = registry.recorder()
+        op.record_draft(rec, row, draft_tokens, i)
+        rec.submit()
+        out.append(row.numpy().reshape(logits.shape[1]))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("vocab", [37, 300])
+@pytest.mark.parametrize("p", range(len(PARAMS)))
+def test_a_drafters_row_for_draft_i_is_changed_as_the_targets_row_i_will_be(registry, gpu, vocab, p):
+    """`record_draft`: the row a drafter samples draft i from, penalised after the committed tokens and drafts
+    0..i-1, then min-p filtered: the reference's chain row i."""
+    rng = np.random.default_rng(vocab * 7 + p)
+    params = PARAMS[p]
+    prompt = [int(t) for t in rng.integers(0, vocab, 9)]
+    context = prompt + [int(t) for t in rng.integers(0, min(vocab, 12), 14)]
+    drafts = [int(t) for t in rng.integers(0, min(vocab, 12), 5)]
+    drafts[3] = drafts[1]
+    logits = awkward_logits(rng, len(drafts) + 1, vocab)
+    op, buffers = draft_penalties(registry, gpu, params, prompt, vocab)
+    try:
+        op.update(context)
+        got = run_draft_rows(registry, op, buffers, logits, drafts)
+    finally:
+        op.release()
+        registry.release_tensors(*buffers)
+    assert_within_an_ulp(got, reference(logits, context, len(prompt), drafts, None, params))
+
+
+def test_a_drafters_rows_follow_the_entries_when_they_grow(registry, gpu):
+    """The drafter's bindings read the entries buffer a longer answer grows into, not the one it replaced."""
+    vocab = 700
+    params = SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.25)
+    rng = np.random.default_rng(5)
+    prompt = [1, 2]
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    op, buffers = draft_penalties(registry, gpu, params, prompt, vocab)
+    try:
+        for context in ([*prompt, 3, 4], [*prompt, 3, 4, *range(vocab), 9, 9]):  # 2 entries, then 700 (grown)
+            op.update(context)
+            got = run_draft_rows(registry, op, buffers, logits, [9, 9])
+            assert_within_an_ulp(got, reference(logits, context, 2, [9, 9], None, params))
+    finally:
+        op.release()
+        registry.release_tensors(*buffers)

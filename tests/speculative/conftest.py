@@ -176,9 +176,9 @@ def check_drafts_follow_their_reported_rows(
         draws.append(u)
         return u
 
-    def remembered_pick(sampler, rec, next_ids, i, params):
+    def remembered_pick(sampler, rec, next_ids, i, params, penalties):
         sampler.checked = (i, params)
-        return record_pick(sampler, rec, next_ids, i, params)
+        return record_pick(sampler, rec, next_ids, i, params, penalties)
 
     def checked_submit(sampler, rec, u):
         submit(sampler, rec, u)

@@ -69,6 +69,17 @@ def test_greedy_with_penalties_equals_plain_decoding_with_host_penalties(models,
 
 
 @pytest.mark.parametrize("penalty", PENALIZED)
+def test_a_target_drafting_for_itself_under_penalties_has_every_draft_accepted(models, penalty):
+    """A GPU drafter's row for draft i is penalised as the target's row i will be (committed tokens and drafts
+    0..i-1): the target as its own draft model proposes the penalised answer, so greedy accepts every draft. From
+    unpenalised rows it would propose what the penalties have moved away from."""
+    target, params = models["target"], PENALIZED[penalty]
+    result = generate(target, drafter_for("self-draft", models), PROMPT, 40, params, 4)
+    assert result.tokens == reference_decode(target, PROMPT, 40, params)
+    assert result.stats.accepted == result.stats.drafted > 0
+
+
+@pytest.mark.parametrize("penalty", PENALIZED)
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_rows_after_accepted_drafts_count_them(models, penalty, shape):
     """Drafters that know the penalised answer (a chain wrong at its third draft; a tree hiding it in a side branch):
@@ -129,6 +140,23 @@ def test_min_p_alone_keeps_plain_steps_several_per_submit(models, monkeypatch):
     for seed in range(3):
         params = SamplingParams(temperature=1.3, min_p=0.25, seed=seed)
         assert generate(target, None, PROMPT, 12, params, None).tokens == reference_decode(target, PROMPT, 12, params)
+    assert max(submits) > 1, submits
+
+
+@pytest.mark.parametrize("penalty", PENALIZED)
+def test_penalised_plain_decoding_takes_several_steps_per_submit(models, penalty, monkeypatch):
+    """Plain step j of a submit is penalised with the tokens steps 0..j-1 chose (read on the GPU), so penalised plain
+    decoding batches its steps and still equals the host reference, greedy and seeded draw for draw."""
+    target, submits = models["target"], []
+    step = Stepper.step
+    monkeypatch.setattr(
+        Stepper, "step", lambda self, *a, **kw: submits.append(kw.get("plain_steps", 1)) or step(self, *a, **kw)
+    )
+    for params in (
+        PENALIZED[penalty],
+        SamplingParams(**{**PENALIZED[penalty].__dict__, "temperature": 1.2, "seed": 4}),
+    ):
+        assert generate(target, None, PROMPT, 30, params, None).tokens == reference_decode(target, PROMPT, 30, params)
     assert max(submits) > 1, submits
 
 

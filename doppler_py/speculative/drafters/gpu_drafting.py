@@ -17,6 +17,7 @@ from doppler_py.gpu.recorder import Recorder
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.penalties import Penalties
 from doppler_py.ops.sampling import Sampler
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.ops.top_tokens import TopTokens
@@ -48,13 +49,20 @@ class DraftSampler:
         self.sampler = Sampler(self.registry, self.row, self.u, self.pick, vocab=vocab, max_rows=1)
         self.max_drafts = max_drafts
 
-    def record(self, rec: Recorder, model: Transformer, i: int, params: SamplingParams) -> None:
+    def record(
+        self, rec: Recorder, model: Transformer, i: int, params: SamplingParams, penalties: Penalties | None
+    ) -> None:
         """Sample token i from `model.logits[0]`, copy it to the model's next input and keep its row."""
         rec.copy(model.logits, self.row, self.row_bytes)
-        self.record_pick(rec, model.ids, i, params)
+        self.record_pick(rec, model.ids, i, params, penalties)
 
-    def record_pick(self, rec: Recorder, next_ids: Tensor, i: int, params: SamplingParams) -> None:
-        """Sample token i from `row` (already filled), copy it to `next_ids[0]` and keep its row."""
+    def record_pick(
+        self, rec: Recorder, next_ids: Tensor, i: int, params: SamplingParams, penalties: Penalties | None
+    ) -> None:
+        """Sample token i from `row` (already filled; first changed by the generation's `penalties`, when it has
+        them, as the target's row i will be), copy it to `next_ids[0]` and keep its row."""
+        if penalties is not None:
+            penalties.record_draft(rec, self.row, self.tokens, i)
         self.sampler.record(rec, rows=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         rec.copy(self.pick, self.tokens, 4, dst_offset=4 * i)
         rec.copy(self.pick, next_ids, 4)
@@ -229,7 +237,7 @@ class ModelDrafter(NoOpHooks):
         for i in range(k):
             rec = model.registry.recorder()
             model.record_forward(rec, rows, cache, pos, logits="last", num_layers=self.num_layers)
-            self.sampling.record(rec, model, i, params)
+            self.sampling.record(rec, model, i, params, ctx.penalties)
             if last is not None and i == k - 1:
                 last(rec)
             self.sampling.submit(rec, ctx.rng.random())

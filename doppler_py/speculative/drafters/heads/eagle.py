@@ -370,7 +370,7 @@ class EagleDrafter(NoOpHooks):
                 model.record_forward(rec, 1, self.cache, m + i - 1 - self.offset, logits="last", embedded=True)
                 self.out_row = 0
             self.scatter.record(rec)  # the draft-vocabulary logits over the target's vocabulary
-            self.sampling.record_pick(rec, model.ids, i, params)
+            self.sampling.record_pick(rec, model.ids, i, params, ctx.penalties)
             if worth is not None:  # the pick (u32 bits) and the head's row, for `_read_draft`
                 rec.copy(self.sampling.pick, self.draft_readback, 4)
                 rec.copy(model.logits, self.draft_readback, model.config.vocab_size * 4, dst_offset=4)

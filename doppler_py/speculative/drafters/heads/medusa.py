@@ -151,7 +151,7 @@ class MedusaDrafter(Branching, ResBlockDrafter):
                 rec = self.target.registry.recorder()
             self.record_row(rec, i)
             self.scatter.record(rec)  # head i's draft-vocabulary logits over the target's vocabulary
-            self.sampling.record_pick(rec, self.next_id, i, params)
+            self.sampling.record_pick(rec, self.next_id, i, params, ctx.penalties)
             if tree and i == k - 1:
                 self.branching.record(rec, k)
             self.sampling.submit(rec, ctx.rng.random())

@@ -134,7 +134,7 @@ class SparkDrafter(ResBlockDrafter):
             self.gather.record(rec, rows=1)  # E[prev_i]
             self.bias.record(rec, rows=1)  # z_i += P·E[prev_i]
             self.scatter.record(rec)
-            self.sampling.record_pick(rec, self.prev, i, ctx.params)  # d_i, also prev_{i+1}
+            self.sampling.record_pick(rec, self.prev, i, ctx.params, ctx.penalties)  # d_i, also prev_{i+1}
             self.sampling.submit(rec, ctx.rng.random())
         raw = self.target.gpu.queue.read_buffer(self.conf.buffer, 0, 4 * depth)
         accepted_chance = 1.0 / (1.0 + np.exp(-np.frombuffer(raw, np.float32).astype(np.float64)))
