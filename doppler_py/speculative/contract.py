@@ -196,6 +196,11 @@ class Drafter(Protocol):
     def prefilled(self, ctx: StepContext, begin: int) -> None:
         """The prefill consumed ctx.tokens[begin : begin + ctx.hidden_rows]; ctx.hidden holds their rows."""
 
+    def join(self, ctx: StepContext) -> bool:
+        """Take over a generation under way that began without a drafter (plain steps so far; ctx.hidden holds the
+        last step's rows, the earlier rows are gone), as `start` and the prefill would have left it; False where
+        this drafter cannot (it needs what was never kept): the generation goes on plainly."""
+
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         """At most k tokens to follow ctx.tokens (NO_PROPOSAL when there is nothing worth proposing)."""
 
@@ -241,6 +246,9 @@ class NoOpHooks:
 
     def prefilled(self, ctx: StepContext, begin: int) -> None:
         pass
+
+    def join(self, ctx: StepContext) -> bool:
+        return False  # a drafter says where it can take over an answer under way
 
     def commit(self, ctx: StepContext, accepted: int) -> None:
         pass

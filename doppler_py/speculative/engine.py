@@ -256,7 +256,10 @@ class SpeculativeEngine:
                 remaining = max_new_tokens - produced
                 proposal, speculate = None, True
                 if self.speculative:
-                    speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
+                    if ctx.drafter is self.drafter:
+                        speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
+                    else:  # began plainly: the compile not worth it at the start
+                        speculate = self._join_when_ready(ctx, remaining, produced, stats)
                     self.policy.shared = self.batch.shared_costs(self.policy.costs)
                     k_step = self.policy.next_k(remaining) if speculate else 0
                     spelled, forced = grammar.forced_run() if speculate and grammar is not None else ([], 0)
@@ -304,6 +307,23 @@ class SpeculativeEngine:
             self.readiness.tokens_generated += produced
             self.policy.shared = None
             self.close_context(ctx)
+
+    def _join_when_ready(self, ctx: StepContext, remaining: int, produced: int, stats: SpecStats) -> bool:
+        """Before a step of a generation that began plainly: the compile gate weighed again with this answer's plain
+        tokens timed (`Readiness.weigh_during`); once speculation may start (the first row counts compiled), the
+        drafter takes over the answer (`Drafter.join`, from the last step's rows), only while the generation runs
+        alone in its loop: beside others the target's rows are not kept for a drafter that never ran."""
+        readiness = self.readiness
+        if not readiness.weigh_during(remaining, produced, stats, self._plain_token_s):
+            return False
+        if not readiness.may_speculate(produced == 0, seeded=False) or self.batch.members > 1:
+            return False
+        with self._gpu_lock():
+            joined = self.drafter.join(ctx)
+        if joined:
+            ctx.drafter = self.drafter
+            stats.joined_at = produced
+        return joined
 
     def _prefill(self, ctx: StepContext) -> Generation:
         """The prompt but its last token: for a drafter that reads none of the target's rows, as a turn of the loop

@@ -28,6 +28,7 @@ class SpecStats:
     # and what speculation could save over the tokens to come; None: not weighed.
     compile_cost_s: float | None = None
     compile_gain_s: float | None = None
+    joined_at: int | None = None  # the answer's tokens before its drafter joined it mid-answer (None: from the start)
     drafted: int = 0
     made: int = 0  # drafts made, verified or not (a drafter's chain cut by the engine, `Proposal.made`)
     accepted: int = 0
@@ -113,6 +114,7 @@ class SpecStats:
             "warmup_steps": self.warmup_steps,
             "compile_cost_s": None if self.compile_cost_s is None else round(self.compile_cost_s, 2),
             "compile_gain_s": None if self.compile_gain_s is None else round(self.compile_gain_s, 2),
+            "joined_at": self.joined_at,
             "drafted": self.drafted,
             "made": self.made,
             "accepted": self.accepted,

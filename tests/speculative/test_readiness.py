@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from doppler_py.sampling import SamplingParams
+from doppler_py.speculative.readiness.compile_gate import PRIOR_SPEEDUP, weigh
 from doppler_py.speculative.readiness.state import CALIBRATION_STAGES, Readiness, Stage
 from doppler_py.speculative.stats import SpecStats
 
@@ -174,6 +175,40 @@ def test_weighing_holds_the_compile_until_it_pays(pays):
     assert ready.before_generation(10, GREEDY, stats, plain_token_s=0.05) is pays
     assert asked == [(50, 0.05, 1.4)] and (stats.compile_cost_s, stats.compile_gain_s) == (12.0, 3.0)
     assert ready.stage is (Stage.PENDING if pays else Stage.WEIGHING) and not engine.warmups
+
+
+def test_the_gate_weighs_the_compile_against_what_the_tokens_to_come_can_save():
+    # 10 pipelines × 1 s against tokens × 0.1 s × (1 - 1/2)
+    assert weigh(10, 1.0, 100, 0.1, 2.0) == (False, 10.0, 5.0)
+    assert weigh(10, 1.0, 200, 0.1, 2.0) == (True, 10.0, 10.0)
+    # Before a plain token is timed only a compile with nothing left to do passes.
+    assert weigh(10, 1.0, 10**6, None, 2.0) == (False, 10.0, None) and weigh(0, 1.0, 1, None, None)[0]
+    # No speedup measured yet: the prior; a predicted slowdown saves nothing, whatever the tokens.
+    assert weigh(1, 1.0, 100, 0.1, None)[2] == pytest.approx(100 * 0.1 * (1 - 1 / PRIOR_SPEEDUP))
+    assert weigh(1, 1.0, 10**6, 0.1, 0.9) == (False, 1.0, 0.0)
+
+
+def test_an_answer_begun_plainly_weighs_the_compile_again_once_its_plain_tokens_are_timed():
+    """Mid-answer (`weigh_during`): over the answer's remaining tokens plus its own so far and those of earlier
+    answers; once it pays, the next step starts the compile as after an answer's first token."""
+    asked = []
+    verdicts = iter([False, True])
+
+    def compile_pays(target, rows, *, tokens, plain_token_s, speedup):
+        asked.append((tokens, plain_token_s))
+        return next(verdicts), 12.0, 3.0
+
+    engine = FakeEngine()
+    ready = Readiness(engine, compile_pays=compile_pays)
+    ready.prepare(costs=True, background=True, weigh=True)
+    ready.tokens_generated = 40
+    stats = SpecStats()
+    assert not ready.weigh_during(100, 0, stats, plain_token_s=None) and not asked  # nothing timed yet
+    assert not ready.weigh_during(99, 1, stats, plain_token_s=0.05) and ready.stage is Stage.WEIGHING
+    assert ready.weigh_during(90, 10, stats, plain_token_s=0.04) and ready.stage is Stage.PENDING
+    assert asked == [(140, 0.05), (140, 0.04)] and (stats.compile_cost_s, stats.compile_gain_s) == (12.0, 3.0)
+    assert ready.weigh_during(80, 20, stats, plain_token_s=0.04) and len(asked) == 2  # open: not weighed again
+    assert not ready.may_speculate(first_step=False, seeded=False) and len(engine.warmups) == 1
 
 
 def test_a_seeded_generation_is_never_held_by_the_weighing():

@@ -62,6 +62,10 @@ class BestOfDrafter(NoOpHooks):
         self.lookup.prefilled(ctx, begin)
         self.head.prefilled(ctx, begin)
 
+    def join(self, ctx: StepContext) -> bool:
+        self.last = None
+        return self.lookup.join(ctx) and self.head.join(ctx)
+
     def propose(self, ctx: StepContext, k: int) -> Proposal:
         matched = self.lookup.propose(ctx, k)
         proposal, source = matched, self.lookup

@@ -42,6 +42,9 @@ class PromptLookupDrafter(NoOpHooks):
         self.min_ngram = min_ngram
         self.branches = branches
 
+    def join(self, ctx: StepContext) -> bool:
+        return True  # it reads the committed tokens alone, all of them there
+
     def continue_tokens(self, tokens: Sequence[int], k: int) -> list[int]:
         found = self.continuations(tokens, k, 1)
         return found[0] if found else []

@@ -1,8 +1,8 @@
 """Whether a speculative engine may speculate yet, and how wide: the compile, its gate and the calibration, as one
 small state machine the engine asks before each generation and each step.
 
-    WEIGHING ──(the compile pays, `before_generation`)──► PENDING ──(after the first token, `may_speculate`)──►
-    COMPILING ──(the warm-up is done)──► READY
+    WEIGHING ──(the compile pays, `before_generation` or mid-answer `weigh_during`)──► PENDING ──(after the first
+    token, `may_speculate`)──► COMPILING ──(the warm-up is done)──► READY
 
 `prepare(background=False)` goes straight to READY (it compiles and calibrates first); `prepare(background=True)`
 starts at PENDING, or at WEIGHING with `weigh` (`compile_gate`: compile only once the tokens to come can repay it).
@@ -112,11 +112,25 @@ class Readiness:
         seeded = not params.greedy and params.seed is not None
         if self.stage is not Stage.WEIGHING or seeded:
             return True
+        return self._weigh(max_new_tokens + self.tokens_generated, plain_token_s, stats)
+
+    def weigh_during(self, remaining: int, produced: int, stats: SpecStats, plain_token_s: float | None) -> bool:
+        """Before a step of a generation that began plainly (WEIGHING at its start): whether the compile pays now,
+        weighed again over the `remaining` tokens of this answer plus those generated before it and its `produced`
+        so far, with this answer's plain tokens timed; then PENDING, and the next `may_speculate` starts the
+        compile. True also once another generation opened the gate."""
+        if self.stage is not Stage.WEIGHING:
+            return True
+        if plain_token_s is None:  # nothing new to weigh before a plain token is timed
+            return False
+        return self._weigh(remaining + produced + self.tokens_generated, plain_token_s, stats)
+
+    def _weigh(self, tokens: int, plain_token_s: float | None, stats: SpecStats) -> bool:
         engine = self.engine
         pays, stats.compile_cost_s, stats.compile_gain_s = self.compile_pays(
             engine.target,
             engine.verify_rows(),
-            tokens=max_new_tokens + self.tokens_generated,
+            tokens=tokens,
             plain_token_s=plain_token_s,
             # From verification costs of several rows (cached, or calibrated): live plain steps alone would
             # extrapolate them linearly from one row, which no device's costs follow.

@@ -245,6 +245,16 @@ class EagleDrafter(NoOpHooks):
     def prefilled(self, ctx: StepContext, begin: int) -> None:
         self._consume(ctx, begin + ctx.hidden_rows)
 
+    def join(self, ctx: StepContext) -> bool:
+        """The head starts at the first committed pair whose feature the target still holds (the last step's rows),
+        as after a prefix-cache hit (`offset`)."""
+        if ctx.hidden_rows == 0:
+            return False
+        self.start(ctx)
+        self.consumed = self.offset = len(ctx.tokens) - 1 - min(ctx.hidden_rows, self.head.model.max_rows)
+        self._consume(ctx, len(ctx.tokens) - 1)
+        return True
+
     def commit(self, ctx: StepContext, accepted: int) -> None:
         if self.chain:
             # Whether each draft was the target's token, verified or cut: greedy, a draft the engine cut would

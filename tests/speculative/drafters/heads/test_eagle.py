@@ -248,6 +248,46 @@ def test_adaptive_greedy_eagle_ends_chains_by_confidence_and_equals_plain_greedy
     assert result.stats.accepted > 0 and len({p.count for p in proposals}) > 1, result.stats.k_history
 
 
+def test_an_answer_that_crosses_the_compile_gate_switches_to_speculation_and_stays_exact(models, heads, head_dir):
+    """`auto`'s pair on an engine that weighs its compile (`warmup="auto"` on a CPU adapter): the answer begins
+    plainly, the gate opens mid-answer (here after three weighings), the compile starts (waited for here until its
+    first row counts are done, so the switch comes at a known step), and the drafter joins the answer under way:
+    the head from the last step's rows. It drafts from there on, and greedy output is plain decoding's."""
+    from doppler_py.speculative import PromptLookupDrafter
+    from doppler_py.speculative.drafters.best_of import BestOfDrafter
+
+    target = models["target"]
+    prompt = held_in_prompt(head_dir.parent / "work", "long")
+    pair = BestOfDrafter(PromptLookupDrafter(), EagleDrafter(target, heads("eagle-1")[1]))
+    engine = SpeculativeEngine(target, pair, capacity=2)  # row tiles 1, 2 and 4: less to compile
+    weighed = []
+
+    def pays(target, rows, *, tokens, plain_token_s, speedup):
+        weighed.append(plain_token_s)
+        return len(weighed) > 3, 30.0, 0.5
+
+    def first_rows_compiled(start_warmup=engine.start_warmup):
+        warmup = start_warmup()
+        while warmup.compiled_rows < 2 and not warmup.done.wait(0.01):
+            pass
+        return warmup
+
+    engine.readiness.compile_pays = pays
+    engine.start_warmup = first_rows_compiled
+    # Costs as a GPU's (each row adds 5% of a plain step), held fixed: not the test machine's timing; plain steps
+    # are still timed, for the weighing.
+    engine.prepare(costs={rows: 1.0 + 0.05 * (rows - 1) for rows in engine.verify_rows()}, background=True, weigh=True)
+    engine._price = lambda outcome, times: engine._observe_plain(times.total_s) if not outcome.drafted else None
+    try:
+        result = engine.generate(prompt, 40, GREEDY)
+    finally:
+        engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
+    stats = result.stats
+    assert weighed[0] is None and all(weighed[1:]) and len(weighed) == 4  # then open: not weighed again
+    assert 0 < stats.joined_at < 40 and stats.warmup_steps == stats.joined_at and stats.drafted > 0
+
+
 def test_drafts_that_cannot_pay_become_plain_steps(models, heads, head_dir):
     """Where verifying a second row costs ten plain steps, no chain is worth its first draft: every step is cut
     to a plain one, and the head still consumes every row."""
