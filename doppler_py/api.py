@@ -669,6 +669,7 @@ def load(
     kv_cache_mb: int = defaults.KV_CACHE_MB,
     parallel: int = 1,
     kv_budget_mb: int | None = None,
+    webgpu: str | None = None,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -699,6 +700,8 @@ def load(
     kv_budget_mb: GPU memory (MiB) the KV caches of generations running at once may take together
     (`speculative.kv_budget`): a generation whose cache does not fit waits until running ones end; one that could
     never fit gets a `CapacityError`. None: no limit of our own.
+    webgpu: the WebGPU implementation, "wgpu-native" or "dawn" (Chrome's, compiling WGSL with Tint); None: the
+    DOPPLER_WEBGPU environment variable, else wgpu-native. Ignored when `gpu` is given (its device decides).
     """
     check_warmup(warmup)
     check_kv_cache_mb(kv_cache_mb)
@@ -706,7 +709,7 @@ def load(
     check_kv_budget_mb(kv_budget_mb)
     if weights not in WEIGHT_FORMATS:
         raise GenerationOptionError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    gpu = gpu or default_gpu(browser_limits)
+    gpu = gpu or default_gpu(browser_limits, webgpu)
     # The model's files are read under a shared lock (`catalog.open_model`): no converter moves them aside meanwhile.
     with contextlib.ExitStack() as files:
         # GGUF sources are converted keeping their blocks, so every precision is derived from the exact values.
