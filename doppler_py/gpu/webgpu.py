@@ -78,12 +78,7 @@ def enumerate_adapters(name: str) -> list:
         return module.gpu.enumerate_adapters_sync()
     icd = mesa25_icd()
     with _DAWN_LOCK:
-        for library in ("libdrm.so.2", "libdrm_amdgpu.so.1"):
-            # The driver links a newer libdrm than Debian 12's; ld.so reads LD_LIBRARY_PATH only at process start,
-            # so the newer one is loaded by path first and satisfies the driver's dependency by its soname.
-            path = icd.parent / "lib" / library
-            if path.is_file():
-                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        _load_mesa25_libraries(icd)
         saved = {v: os.environ.get(v) for v in _LOADER_ENV}
         os.environ["VK_ICD_FILENAMES"] = os.environ["VK_DRIVER_FILES"] = str(icd)
         try:
@@ -103,6 +98,24 @@ _DAWN_FEATURE_NAMES = {"subgroup": "subgroups"}
 def feature_name(name: str, feature: str) -> str:
     """The name implementation `name` gives the engine's optional `feature`."""
     return _DAWN_FEATURE_NAMES.get(feature, feature) if name == DAWN else feature
+
+
+def use_mesa25_everywhere() -> Path:
+    """Make Mesa 25's lavapipe the only Vulkan driver of every implementation in this process (so wgpu-native and
+    Dawn run on the same adapter, e.g. to compare them); call before any device exists. Returns its ICD file."""
+    icd = mesa25_icd()
+    _load_mesa25_libraries(icd)
+    os.environ["VK_ICD_FILENAMES"] = os.environ["VK_DRIVER_FILES"] = str(icd)
+    return icd
+
+
+def _load_mesa25_libraries(icd: Path) -> None:
+    for library in ("libdrm.so.2", "libdrm_amdgpu.so.1"):
+        # The driver links a newer libdrm than Debian 12's; ld.so reads LD_LIBRARY_PATH only at process start,
+        # so the newer one is loaded by path first and satisfies the driver's dependency by its soname.
+        path = icd.parent / "lib" / library
+        if path.is_file():
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 def _cpu_only() -> bool:
