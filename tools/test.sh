@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # README command 2: install what is missing (including the test-only tools), then run the test suite.
 #   bash tools/test.sh            everything: lint, then the whole suite; every distinct pipeline the kernel tests
-#                                 dispatch is also replayed under Dawn/Tint (Chrome's WebGPU) and must match wgpu-py
+#                                 dispatch is also replayed under Dawn/Tint (Chrome's WebGPU) and must match wgpu-py;
+#                                 then the kernels and the drafters' exactness again, in process on Dawn
 #   bash tools/test.sh --quick    the edit-test loop (a few minutes): lint, then the tests not marked slow, parity,
 #                                 browser or realmodel
 #   bash tools/test.sh ARGS...    only `pytest ARGS...` (e.g. tests/kernels -k matmul)
@@ -24,3 +25,10 @@ fi
 lint
 # --durations: the slowest tests, for whoever next trims CI time.
 DOPPLER_DAWN_REPLAY=1 .venv/bin/python -m pytest --durations=30
+# Again on Dawn, the WebGPU implementation Chrome ships (Tint compiling our WGSL): the kernels, and on tiny models
+# every drafter's greedy output against plain decoding and one sampled joint distribution (docs/testing.md).
+.venv/bin/python -m pytest -q --webgpu dawn --durations=10 tests/kernels tests/gpu/test_webgpu_choice.py \
+  tests/speculative/test_engine.py::test_greedy_speculative_equals_plain_greedy \
+  tests/speculative/test_engine.py::test_two_token_joint_distribution_matches_the_target \
+  tests/speculative/trees/test_tree_steps.py::test_greedy_tree_decoding_is_plain_greedy_decoding \
+  tests/speculative/drafters/test_lookahead.py::test_greedy_lookahead_is_plain_greedy_decoding

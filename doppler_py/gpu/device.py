@@ -234,8 +234,14 @@ def create_gpu(
     named = {f: webgpu_impl.feature_name(webgpu, f) for f in OPTIONAL_FEATURES}
     features = [f for f in OPTIONAL_FEATURES if named[f] in adapter.features and f not in disable_features]
     limits = _requested_limits(adapter, browser_limits)
+    own = webgpu_impl.required_features(webgpu)
+    if missing := [f for f in own if f not in adapter.features]:
+        raise NoAdapterError(
+            f"{webgpu}'s adapter {adapter.info.get('device')} lacks {', '.join(missing)}, which doppler-py needs there",
+            advice="update the package of that implementation (pip install -U wgpudawn), or use --webgpu wgpu-native",
+        )
     device = adapter.request_device_sync(
-        label="doppler-py", required_features=[named[f] for f in features], required_limits=limits
+        label="doppler-py", required_features=[named[f] for f in features] + list(own), required_limits=limits
     )
     granted = {k: int(device.limits[k]) for k in limits}
     return Gpu(

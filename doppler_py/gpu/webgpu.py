@@ -95,6 +95,16 @@ def enumerate_adapters(name: str) -> list:
 _DAWN_FEATURE_NAMES = {"subgroup": "subgroups"}
 
 
+# Features the engine needs of an implementation whatever it runs: Dawn's device is safe to call from several threads
+# (the engine's loop, its background compiles, the server's workers) only with this one, which wgpu-native's always is.
+_REQUIRED_FEATURES = {DAWN: ("implicit-device-synchronization",)}
+
+
+def required_features(name: str) -> tuple[str, ...]:
+    """The implementation's own features every device of the engine asks for (see _REQUIRED_FEATURES)."""
+    return _REQUIRED_FEATURES.get(name, ())
+
+
 def feature_name(name: str, feature: str) -> str:
     """The name implementation `name` gives the engine's optional `feature`."""
     return _DAWN_FEATURE_NAMES.get(feature, feature) if name == DAWN else feature
