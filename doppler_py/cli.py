@@ -464,10 +464,14 @@ def _implementations(gpu) -> dict[str, dict]:
     """Each WebGPU implementation's device beside `gpu` (the chosen one's): its summary, or why there is none."""
     from doppler_py.errors import DeviceError
     from doppler_py.gpu.device import default_gpu
-    from doppler_py.gpu.webgpu import IMPLEMENTATIONS
+    from doppler_py.gpu.webgpu import IMPLEMENTATIONS, driver_to_unpack
 
     found = {}
     for name in IMPLEMENTATIONS:
+        if name != gpu.webgpu and (folder := driver_to_unpack(name)):  # `info` downloads nothing unasked
+            why = f"its driver is not unpacked yet: --webgpu {name} unpacks it into {folder} (tools/mesa25.sh)"
+            found[name] = {"webgpu": name, "error": why}
+            continue
         try:
             found[name] = default_gpu(gpu.browser_limits, name).summary()
         except DeviceError as exc:

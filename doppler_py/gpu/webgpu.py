@@ -110,6 +110,13 @@ def feature_name(name: str, feature: str) -> str:
     return _DAWN_FEATURE_NAMES.get(feature, feature) if name == DAWN else feature
 
 
+def driver_to_unpack(name: str) -> Path | None:
+    """The Mesa 25 folder implementation `name` would unpack on its first device here, if it would (None: none)."""
+    if name != DAWN or sys.platform != "linux" or any(os.environ.get(v) for v in _LOADER_ENV) or not _cpu_only():
+        return None
+    return None if (MESA25_DIR / "lvp_icd.json").is_file() else MESA25_DIR
+
+
 def use_mesa25_everywhere() -> Path:
     """Make Mesa 25's lavapipe the only Vulkan driver of every implementation in this process (so wgpu-native and
     Dawn run on the same adapter, e.g. to compare them); call before any device exists. Returns its ICD file."""

@@ -54,5 +54,7 @@ def test_a_device_on_each_implementation_moves_data(name):
     gpu = create_gpu(browser_limits=True, webgpu=name)
     assert gpu.webgpu == name and gpu.summary()["webgpu"] == name
     assert gpu.api.__name__ == {"wgpu-native": "wgpu", "dawn": "wgpudawn"}[name]
+    # Each names subgroups its own way ("subgroup", "subgroups"); the engine gets them from both.
+    assert gpu.has_subgroups == bool({"subgroup", "subgroups"} & set(gpu.adapter.features))
     values = np.arange(37, dtype=np.float32)
     assert np.array_equal(Tensor.from_numpy(gpu, values, label="x").numpy(), values)
