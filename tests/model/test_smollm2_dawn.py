@@ -37,5 +37,5 @@ def test_greedy_generation_on_dawn_equals_wgpu_native(engines, prompt):
         name: engine.generate(PROMPTS[prompt], max_tokens=NEW_TOKENS, speculative=None).tokens
         for name, engine in engines.items()
     }
-    assert len(answers["dawn"]) == NEW_TOKENS
     assert answers["dawn"] == answers["wgpu-native"]
+    assert len(answers["dawn"]) >= 8  # an answer, not an immediate end of turn (the shortest here has 16 tokens)
