@@ -694,6 +694,7 @@ def load(
     kv_budget_mb: int | None = None,
     lora: Mapping[str, str | Path] | None = None,
     merge: bool = False,
+    webgpu: str | None = None,
 ) -> Engine:
     """Load a known model name, an HF folder or a .gguf file (converted once into the cache) onto the GPU.
 
@@ -729,6 +730,8 @@ def load(
     (`Engine.add_adapter`, `remove_adapter`). merge: with exactly one adapter in `lora`, add it into the weights as
     they load instead (B·A into W, then converted to `weights`): no cost per token, every generation answers with it,
     and there is no adapter to pick or remove.
+    webgpu: the WebGPU implementation, "wgpu-native" or "dawn" (Chrome's, compiling WGSL with Tint); None: the
+    DOPPLER_WEBGPU environment variable, else wgpu-native. Ignored when `gpu` is given (its device decides).
     """
     check_warmup(warmup)
     check_kv_cache_mb(kv_cache_mb)
@@ -740,7 +743,7 @@ def load(
         raise GenerationOptionError(
             f"merge=True merges one LoRA adapter into the weights; lora names {len(lora or {})}"
         )
-    gpu = gpu or default_gpu(browser_limits)
+    gpu = gpu or default_gpu(browser_limits, webgpu)
     # The model's files are read under a shared lock (`catalog.open_model`): no converter moves them aside meanwhile.
     with contextlib.ExitStack() as files:
         # GGUF sources are converted keeping their blocks, so every precision is derived from the exact values.

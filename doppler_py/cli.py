@@ -496,6 +496,41 @@ def shader_entry_points(shader_dir: Path) -> dict[str, list[str]]:
     return {path.stem: _ENTRY_POINT.findall(path.read_text()) for path in sorted(shader_dir.glob("*.wgsl"))}
 
 
+def _implementations(gpu) -> dict[str, dict]:
+    """Each WebGPU implementation's device beside `gpu` (the chosen one's): its summary, or why there is none."""
+    from doppler_py.errors import DeviceError
+    from doppler_py.gpu.device import default_gpu
+    from doppler_py.gpu.webgpu import IMPLEMENTATIONS, driver_to_unpack
+
+    found = {}
+    for name in IMPLEMENTATIONS:
+        if name != gpu.webgpu and (folder := driver_to_unpack(name)):  # `info` downloads nothing unasked
+            why = f"its driver is not unpacked yet: --webgpu {name} unpacks it into {folder} (tools/mesa25.sh)"
+            found[name] = {"webgpu": name, "error": why}
+            continue
+        try:
+            found[name] = default_gpu(gpu.browser_limits, name).summary()
+        except DeviceError as exc:
+            found[name] = {"webgpu": name, "error": str(exc)}
+    return found
+
+
+def _print_implementations(found: dict[str, dict]) -> None:
+    print("webgpu implementations (--webgpu):")
+    devices = {name: summary for name, summary in found.items() if "error" not in summary}
+    for name, summary in found.items():
+        if "error" in summary:
+            print(f"  {name:12} unavailable: {summary['error']}")
+        else:
+            print(f"  {name:12} {summary['adapter']} ({summary['backend']}); {summary['driver']}")
+            print(f"  {'':12} features: {', '.join(summary['features']) or 'none'}")
+    if len(devices) > 1:  # the limits side by side
+        names = list(devices)
+        print(f"  {'limits':40} " + " ".join(f"{n:>14}" for n in names))
+        for limit in devices[names[0]]["limits"]:
+            print(f"  {limit:40} " + " ".join(f"{devices[n]['limits'].get(limit, '-'):>14,}" for n in names))
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from doppler_py.bandwidth import cached_stream_rate, format_rate, measure_stream_rate
     from doppler_py.gpu import dispatch_loop
@@ -512,6 +547,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     else:
         stream_rate = cached_stream_rate(gpu)
     info = gpu.summary() | {
+        "implementations": _implementations(gpu),
         "weight_precisions": list(WEIGHT_FORMATS),
         "kernels": shader_entry_points(SHADER_DIR),
         "dispatch_loop": dispatch_loop.status(),
@@ -521,12 +557,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    print(f"webgpu:    {info['webgpu']}")
     print(f"adapter:   {info['adapter']} ({info['adapter_type']}, {info['backend']})")
     print(f"driver:    {info['driver']}")
     print(f"features:  {', '.join(info['features']) or 'none'}")
     print(f"limits:    {info['limits_mode']}")
     for name, value in info["limits"].items():
         print(f"  {name:40} {value:,}")
+    _print_implementations(info["implementations"])
     print(f"weights:   {', '.join(info['weight_precisions'])}")
     print(f"dispatch loop: {info['dispatch_loop']}")
     if stream_rate is None:
@@ -911,11 +949,32 @@ def build_parser() -> argparse.ArgumentParser:
         "selfcheck", help="run a one-layer tiny model on the GPU against a numpy forward, stage by stage"
     )
     check.set_defaults(func=_cmd_selfcheck)
+    _add_webgpu_option(parser)
     return parser
 
 
+def _add_webgpu_option(parser: argparse.ArgumentParser) -> None:
+    """`--webgpu` on every command (the leaves of nested subcommands too)."""
+    from doppler_py.gpu.webgpu import ENV_VAR, IMPLEMENTATIONS
+
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for action in subparsers:
+        for child in action.choices.values():
+            _add_webgpu_option(child)
+    if not subparsers:
+        parser.add_argument(
+            "--webgpu",
+            choices=IMPLEMENTATIONS,
+            help=f"the WebGPU implementation: wgpu-native (default) or dawn, Chrome's (sets {ENV_VAR} for the process)",
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
+    from doppler_py.gpu.webgpu import ENV_VAR
+
     args = build_parser().parse_args(argv)
+    if args.webgpu:  # before any device exists; child processes (a parity run, a server worker) inherit it
+        os.environ[ENV_VAR] = args.webgpu
     try:
         return args.func(args)
     except DopplerError as exc:

@@ -35,6 +35,10 @@ class NoAdapterError(DeviceError):
     """No WebGPU adapter was found (or none matched the requested backend/name)."""
 
 
+class WebGpuImplementationError(DeviceError):
+    """The WebGPU implementation asked for (wgpu-native or Dawn) is unknown or not installed."""
+
+
 class DeviceLimitError(DeviceError):
     """A buffer, binding or dispatch exceeds the device's limits."""
 

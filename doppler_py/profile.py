@@ -42,13 +42,13 @@ class QueryStamps:
     """A timestamp query set and the buffer it resolves into (both freed by `close`)."""
 
     def __init__(self, gpu: Gpu, count: int = MAX_QUERIES):
-        import wgpu
-
         self.gpu = gpu
         self.count = count
         self.query_set = gpu.device.create_query_set(type="timestamp", count=count, label="profile stamps")
         self.resolved = gpu.device.create_buffer(
-            size=8 * count, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, label="profile stamps"
+            size=8 * count,
+            usage=gpu.api.BufferUsage.QUERY_RESOLVE | gpu.api.BufferUsage.COPY_SRC,
+            label="profile stamps",
         )
 
     def read(self, count: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Shared fixtures: one browser-limits WebGPU device and kernel registry for the whole session.
 
 Kernel tests run under the WebGPU default limits (what a browser gives), so a kernel that needs more
-storage buffers or workgroup memory than Chrome allows fails here too.
+storage buffers or workgroup memory than Chrome allows fails here too. `--webgpu dawn` (or DOPPLER_WEBGPU=dawn)
+runs the session's devices on Dawn, Chrome's WebGPU implementation, instead of wgpu-native.
 """
 
 from __future__ import annotations
@@ -25,9 +26,23 @@ from support.trained_heads import (  # noqa: F401  (shared fixtures)
 from doppler_py.gpu import dispatch_loop
 from doppler_py.gpu.device import default_gpu
 from doppler_py.gpu.kernels import KernelRegistry
+from doppler_py.gpu.webgpu import ENV_VAR, IMPLEMENTATIONS
 from doppler_py.model.loader import load_weights
 from doppler_py.model.transformer import Transformer
 from doppler_py.testing.tiny import TinySpec, write_tiny_model
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--webgpu",
+        choices=IMPLEMENTATIONS,
+        help=f"the WebGPU implementation the tests' devices use (default: ${ENV_VAR}, else wgpu-native)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--webgpu"):  # before any device exists: default_gpu() reads it
+        os.environ[ENV_VAR] = config.getoption("--webgpu")
 
 
 @pytest.fixture(scope="session")

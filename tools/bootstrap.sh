@@ -49,5 +49,6 @@ if [ "$mode" = test ]; then
   # Mesa 25's lavapipe beside the system's Mesa, for Dawn only: the JS original's f16 and Q4K paths need shader-f16
   tools/mesa25.sh
 else
-  "${pip[@]}" -e "."
+  # [dawn]: Dawn, Chrome's WebGPU implementation, for --webgpu dawn (wgpu-native stays the default).
+  "${pip[@]}" -e ".[dawn]"
 fi

@@ -2,9 +2,10 @@
 # One short session on a machine with a real GPU: the GPU-relevant tests and the benches, results in a folder.
 #   bash tools/gpu_check.sh OUTDIR
 # Stages (each under `timeout`, all within GPU_CHECK_BUDGET_S, default 470 s: 8 minutes with room to copy the
-# results back): bootstrap (only when .venv is missing), adapter info, kernel + device + profiler tests, the
-# SmolLM2 speculative tests, `doppler-py profile`, tools/bench_serve.py (concurrent clients, batched against
-# one-at-a-time serving), tools/bench_host.py, tools/bench_model.py and a short tools/bench_speculative.py. Each stage writes OUTDIR/<stage>.out and .err (and .json where it makes one); a
+# results back): bootstrap (only when .venv is missing), adapter info (wgpu-native's and Dawn's), kernel + device +
+# profiler tests, the kernel tests again on Dawn (Chrome's WebGPU implementation, --webgpu dawn), the SmolLM2
+# speculative tests, `doppler-py profile`, tools/bench_serve.py (concurrent clients, batched against
+# one-at-a-time serving), tools/bench_host.py, tools/bench_model.py (wgpu-native and Dawn side by side) and a short tools/bench_speculative.py. Each stage writes OUTDIR/<stage>.out and .err (and .json where it makes one); a
 # failing stage does not stop the next. OUTDIR/summary.txt gets one line per stage: exit code and seconds
 # (124: timed out; "skipped": no time left).
 # The adapter is wgpu's best (a discrete GPU before lavapipe) unless DOPPLER_ADAPTER / DOPPLER_BACKEND pick one.
@@ -60,6 +61,7 @@ fi
 
 if [ "$quick" = 1 ]; then
   kernel_tests=(tests/kernels/test_rmsnorm.py tests/gpu/test_device.py tests/test_profile.py)
+  dawn_kernel_tests=(tests/kernels/test_rmsnorm.py tests/gpu/test_webgpu_choice.py)
   smollm2_tests=(-k "prompt-lookup-5 or layer-skip-3")
   profile_args=(--steps 4)
   host_args=(--repeats 5)
@@ -68,6 +70,7 @@ if [ "$quick" = 1 ]; then
   serve_args=(--clients 1,2 --requests 1 --max-tokens 8)
 else
   kernel_tests=(tests/kernels tests/gpu tests/test_profile.py)
+  dawn_kernel_tests=(tests/kernels tests/gpu/test_webgpu_choice.py)
   smollm2_tests=()
   profile_args=(--steps 32)
   host_args=(--repeats 100 --cold)
@@ -81,6 +84,8 @@ command -v nvidia-smi >/dev/null 2>&1 && stage nvidia-smi 15 nvidia-smi
 stage info 30 "$doppler" info
 "$doppler" info --json >"$out/info.json" 2>/dev/null
 stage kernel-tests 110 "$py" -m pytest "${pytest_args[@]}" --junitxml="$out/kernel-tests.xml" "${kernel_tests[@]}"
+stage kernel-tests-dawn 60 "$py" -m pytest "${pytest_args[@]}" --webgpu dawn --junitxml="$out/kernel-tests-dawn.xml" \
+  "${dawn_kernel_tests[@]}"
 stage smollm2-spec-tests 100 "$py" -m pytest "${pytest_args[@]}" --junitxml="$out/smollm2-spec-tests.xml" \
   tests/speculative/test_smollm2_speculative.py "${smollm2_tests[@]}"
 stage profile 50 "$doppler" profile --weights q4_1 --no-progress "${profile_args[@]}" --json "$out/profile.json"
@@ -91,7 +96,7 @@ stage profile 50 "$doppler" profile --weights q4_1 --no-progress "${profile_args
 stage bench-serve 60 "$py" tools/bench_serve.py --parts concurrency "${serve_args[@]}" --batched-speculative auto \
   --json "$out/bench-serve.json"
 stage bench-host 60 "$py" tools/bench_host.py --weights q4_1 "${host_args[@]}" --json "$out/bench-host.json"
-stage bench-model 60 "$py" tools/bench_model.py --no-peers --max-seq 512 "${model_args[@]}" --json "$out/bench-model.json"
+stage bench-model 60 "$py" tools/bench_model.py --no-peers --webgpu wgpu-native,dawn --max-seq 512 "${model_args[@]}" --json "$out/bench-model.json"
 stage bench-speculative 80 "$py" tools/bench_speculative.py --weights q4_1 --repeats 1 --sampled-temperature 0 \
   "${spec_args[@]}" --json "$out/bench-speculative.json"
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # README command 2: install what is missing (including the test-only tools), then run the test suite.
 #   bash tools/test.sh            everything: lint, then the whole suite; every distinct pipeline the kernel tests
-#                                 dispatch is also replayed under Dawn/Tint (Chrome's WebGPU) and must match wgpu-py
+#                                 dispatch is also replayed under Dawn/Tint (Chrome's WebGPU) and must match wgpu-py;
+#                                 then the kernels and the drafters' exactness again, in process on Dawn
 #   bash tools/test.sh --quick    the edit-test loop (a few minutes): lint, then the tests not marked slow, parity,
 #                                 browser or realmodel
 #   bash tools/test.sh ARGS...    only `pytest ARGS...` (e.g. tests/kernels -k matmul)
@@ -24,3 +25,10 @@ fi
 lint
 # --durations: the slowest tests, for whoever next trims CI time.
 DOPPLER_DAWN_REPLAY=1 .venv/bin/python -m pytest --durations=30
+# Again on Dawn, the WebGPU implementation Chrome ships (Tint compiling our WGSL; tests/model/test_smollm2_dawn.py
+# ran above): the kernels whose pipelines Mesa 25's lavapipe, Dawn's driver on a CPU-only machine, compiles in
+# seconds (f32 matmul and attention take it minutes per pipeline here, which also keeps the tiny f32 models'
+# drafter tests off Dawn: docs/testing.md).
+.venv/bin/python -m pytest -q --webgpu dawn --durations=10 tests/gpu/test_webgpu_choice.py \
+  tests/kernels/test_{rmsnorm,softmax,rope,residual,swiglu,embedding,sample,logprobs,token_mask}.py \
+  tests/kernels/test_{penalties,logit_softcap,vocab_scatter,stream_read,tree_ops,spec_verify}.py

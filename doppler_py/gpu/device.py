@@ -7,6 +7,8 @@ One `Gpu` wraps a wgpu adapter + device with the features and limits we asked fo
 * browser limits: exactly the WebGPU default limits a browser gives a page that asks for nothing, so a
   kernel that would fail in Chrome fails in our tests too.
 
+The device is created on wgpu-native (the default) or Dawn: see webgpu.py for the choice and DOPPLER_WEBGPU.
+
 Environment variables:
   DOPPLER_BACKEND         force a backend: vulkan, metal, d3d12, gl
   DOPPLER_ADAPTER         substring of the adapter name/description to pick (case-insensitive)
@@ -24,6 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from doppler_py.errors import DeviceLimitError, NoAdapterError
+from doppler_py.gpu import webgpu as webgpu_impl
 
 OPTIONAL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
 
@@ -98,6 +101,7 @@ class Gpu:
     limits: dict[str, int]
     browser_limits: bool
     info: dict = field(default_factory=dict)
+    webgpu: str = webgpu_impl.WGPU_NATIVE  # the implementation the device is on (webgpu.IMPLEMENTATIONS)
     _sync_buffer: object = field(default=None, repr=False)
     # shader folder -> its gpu.kernels.PipelineCache: the pipelines compiled on this device, for every registry
     pipeline_caches: dict = field(default_factory=dict, repr=False, compare=False)
@@ -105,6 +109,11 @@ class Gpu:
     @property
     def queue(self):
         return self.device.queue
+
+    @property
+    def api(self):
+        """The wgpu-py API module of this device's implementation (its flags, enums and classes)."""
+        return webgpu_impl.api(self.webgpu)
 
     @property
     def backend(self) -> str:
@@ -133,10 +142,8 @@ class Gpu:
 
     def wait_idle(self) -> None:
         """Block until every submitted command has finished (a 4-byte readback queued behind them)."""
-        import wgpu
-
         if self._sync_buffer is None:
-            self._sync_buffer = self.device.create_buffer(size=4, usage=wgpu.BufferUsage.COPY_SRC, label="sync")
+            self._sync_buffer = self.device.create_buffer(size=4, usage=self.api.BufferUsage.COPY_SRC, label="sync")
         self.queue.read_buffer(self._sync_buffer, 0, 4)
 
     def check_buffer_size(self, nbytes: int, what: str, advice: str | None = None) -> None:
@@ -151,6 +158,7 @@ class Gpu:
 
     def summary(self) -> dict:
         return {
+            "webgpu": self.webgpu,
             "adapter": self.name,
             "backend": self.backend,
             "adapter_type": str(self.info.get("adapter_type", "")),
@@ -168,22 +176,21 @@ def _adapter_rank(adapter) -> tuple[int, int]:
     return (_BACKEND_RANK.get(backend, 1), _TYPE_RANK.get(kind, 2))
 
 
-def list_adapters() -> list:
-    """All adapters wgpu can see, best first."""
+def list_adapters(webgpu: str | None = None) -> list:
+    """All adapters implementation `webgpu` (default: `webgpu.chosen()`) can see, best first."""
     _quiet_vulkan_loader()
     _widen_lavapipe_vectors()
-    import wgpu
-
-    return sorted(wgpu.gpu.enumerate_adapters_sync(), key=_adapter_rank)
+    return sorted(webgpu_impl.enumerate_adapters(webgpu_impl.chosen(webgpu)), key=_adapter_rank)
 
 
-def select_adapter(backend: str | None = None, name: str | None = None):
-    """Pick the best adapter, optionally forcing a backend and/or a name substring."""
+def select_adapter(backend: str | None = None, name: str | None = None, webgpu: str | None = None):
+    """Pick the best adapter of implementation `webgpu`, optionally forcing a backend and/or a name substring."""
+    webgpu = webgpu_impl.chosen(webgpu)
     backend = (backend or os.environ.get("DOPPLER_BACKEND") or "").strip().lower() or None
     name = (name or os.environ.get("DOPPLER_ADAPTER") or "").strip().lower() or None
-    adapters = list_adapters()
+    adapters = list_adapters(webgpu)
     if not adapters:
-        raise NoAdapterError(f"No WebGPU adapter found. {INSTALL_HINT}")
+        raise NoAdapterError(f"No WebGPU adapter found on {webgpu}. {INSTALL_HINT}")
     wanted = adapters
     if backend:
         aliases = {"gl": "opengl", "opengl": "opengl"}
@@ -216,14 +223,26 @@ def create_gpu(
     backend: str | None = None,
     adapter_name: str | None = None,
     disable_features: tuple[str, ...] | None = None,
+    webgpu: str | None = None,
 ) -> Gpu:
-    """Create a device on the selected adapter with the optional features it has and explicit limits."""
-    adapter = select_adapter(backend, adapter_name)
+    """Create a device on the selected adapter of implementation `webgpu` (default: `webgpu.chosen()`) with the
+    optional features it has and explicit limits."""
+    webgpu = webgpu_impl.chosen(webgpu)
+    adapter = select_adapter(backend, adapter_name, webgpu)
     if disable_features is None:
         disable_features = tuple(f.strip() for f in os.environ.get("DOPPLER_DISABLE_FEATURES", "").split(",") if f)
-    features = [f for f in OPTIONAL_FEATURES if f in adapter.features and f not in disable_features]
+    named = {f: webgpu_impl.feature_name(webgpu, f) for f in OPTIONAL_FEATURES}
+    features = [f for f in OPTIONAL_FEATURES if named[f] in adapter.features and f not in disable_features]
     limits = _requested_limits(adapter, browser_limits)
-    device = adapter.request_device_sync(label="doppler-py", required_features=features, required_limits=limits)
+    own = webgpu_impl.required_features(webgpu)
+    if missing := [f for f in own if f not in adapter.features]:
+        raise NoAdapterError(
+            f"{webgpu}'s adapter {adapter.info.get('device')} lacks {', '.join(missing)}, which doppler-py needs there",
+            advice="update the package of that implementation (pip install -U wgpudawn), or use --webgpu wgpu-native",
+        )
+    device = adapter.request_device_sync(
+        label="doppler-py", required_features=[named[f] for f in features] + list(own), required_limits=limits
+    )
     granted = {k: int(device.limits[k]) for k in limits}
     return Gpu(
         adapter=adapter,
@@ -232,16 +251,18 @@ def create_gpu(
         limits=granted,
         browser_limits=browser_limits,
         info=dict(adapter.info),
+        webgpu=webgpu,
     )
 
 
-_DEFAULT: dict[bool, Gpu] = {}
+_DEFAULT: dict[tuple[bool, str], Gpu] = {}
 
 
-def default_gpu(browser_limits: bool | None = None) -> Gpu:
-    """The process-wide device for the given limits mode (created on first use)."""
+def default_gpu(browser_limits: bool | None = None, webgpu: str | None = None) -> Gpu:
+    """The process-wide device for the given limits mode and implementation (created on first use)."""
     if browser_limits is None:
         browser_limits = os.environ.get("DOPPLER_BROWSER_LIMITS", "") not in ("", "0")
-    if browser_limits not in _DEFAULT:
-        _DEFAULT[browser_limits] = create_gpu(browser_limits=browser_limits)
-    return _DEFAULT[browser_limits]
+    key = (browser_limits, webgpu_impl.chosen(webgpu))
+    if key not in _DEFAULT:
+        _DEFAULT[key] = create_gpu(browser_limits=browser_limits, webgpu=key[1])
+    return _DEFAULT[key]

@@ -26,6 +26,7 @@ from doppler_py.gpu.native_pass import _NATIVE
 from doppler_py.gpu.recorder import Recorder, Tape
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.gpu.uniforms import UniformLayout, UniformSlot, _UniformArena
+from doppler_py.gpu.webgpu import DAWN, WGPU_NATIVE
 from doppler_py.gpu.wgsl import (
     SHADER_DIR,
     Binding,
@@ -155,7 +156,10 @@ class KernelRegistry:
         self._phased: dict[tuple[int, int], dict[tuple[int, int], tuple[Bound, Bound]]] = {}
         self.max_workgroups = int(gpu.limits.get("max-compute-workgroups-per-dimension", 65535))
         # DOPPLER_PUBLIC_DISPATCH=1 records through wgpu-py's public API only (the tests run both paths).
-        self.native_dispatch = _NATIVE.available and os.environ.get("DOPPLER_PUBLIC_DISPATCH") != "1"
+        # The fast path calls wgpu-native's own functions, so a Dawn device records through the public API.
+        self.native_dispatch = (
+            _NATIVE.available and gpu.webgpu == WGPU_NATIVE and os.environ.get("DOPPLER_PUBLIC_DISPATCH") != "1"
+        )
         # Tapes play their dispatches through the compiled loop once it is built (the tests also play them
         # through the Python loop, which records the same commands).
         self.compiled_loop = self.native_dispatch
@@ -185,7 +189,10 @@ class KernelRegistry:
                 return (*cache.modules[key], 0.0)
             start = time.perf_counter()
             source = self.source(name)
-            code = source_for_naga(source) if self.gpu.has_subgroups else prune_to_entry(source, entry)
+            if not self.gpu.has_subgroups:
+                code = prune_to_entry(source, entry)
+            else:  # Tint requires the `enable subgroups;` that naga rejects
+                code = source if self.gpu.webgpu == DAWN else source_for_naga(source)
             try:
                 module = self.gpu.device.create_shader_module(code=code, label=key)
             except Exception as exc:  # wgpu raises its own error types with the compiler's message
@@ -224,8 +231,6 @@ class KernelRegistry:
 
     def _compile(self, key: tuple) -> tuple[Kernel, float]:
         """The pipeline of `key` and the seconds its shader module took to create (0 if it existed)."""
-        import wgpu
-
         name, entry, constants = key
         module, source, module_s = self._module(name, entry)
         bindings = entry_bindings(source, entry, parse_bindings(source))
@@ -233,7 +238,7 @@ class KernelRegistry:
         entries = [
             {
                 "binding": b.index,
-                "visibility": wgpu.ShaderStage.COMPUTE,
+                "visibility": self.gpu.api.ShaderStage.COMPUTE,
                 "buffer": {"type": b.kind},
             }
             for b in bindings

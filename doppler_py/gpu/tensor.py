@@ -25,10 +25,9 @@ DTYPES: dict[str, np.dtype] = {
 _UPLOAD_CHUNK = 64 << 20
 
 
-def _usage():
-    import wgpu
-
-    return wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+def _usage(gpu: Gpu) -> int:
+    usage = gpu.api.BufferUsage
+    return usage.STORAGE | usage.COPY_SRC | usage.COPY_DST
 
 
 def _padded(nbytes: int) -> int:
@@ -64,7 +63,7 @@ class Tensor:
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         nbytes = _padded(math.prod(shape) * DTYPES[dtype].itemsize)
         gpu.check_buffer_size(nbytes, label or f"tensor {shape} {dtype}")
-        buffer = gpu.device.create_buffer(size=nbytes, usage=_usage(), label=label)
+        buffer = gpu.device.create_buffer(size=nbytes, usage=_usage(gpu), label=label)
         return cls(gpu, buffer, shape, dtype, 0, label)
 
     @classmethod

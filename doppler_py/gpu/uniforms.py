@@ -75,11 +75,9 @@ class _UniformArena:
     SIZE = 65_536
 
     def __init__(self, gpu: Gpu):
-        import wgpu
-
         self.gpu = gpu
         self.buffer = gpu.device.create_buffer(
-            size=self.SIZE, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST, label="uniforms"
+            size=self.SIZE, usage=gpu.api.BufferUsage.UNIFORM | gpu.api.BufferUsage.COPY_DST, label="uniforms"
         )
         self.host = np.zeros(self.SIZE, dtype=np.uint8)
         self.used = 0

@@ -7,6 +7,7 @@ import pytest
 from doppler_py.errors import DeviceLimitError, NoAdapterError
 from doppler_py.gpu import device as device_mod
 from doppler_py.gpu.device import BROWSER_LIMITS, create_gpu, select_adapter
+from doppler_py.gpu.webgpu import feature_name
 
 
 def test_browser_limits_mode_gets_exactly_the_webgpu_defaults(gpu):
@@ -25,7 +26,7 @@ def test_native_mode_requests_the_adapters_buffer_limits():
 
 def test_optional_features_are_requested_when_the_adapter_has_them(gpu):
     for feature in device_mod.OPTIONAL_FEATURES:
-        assert (feature in gpu.features) == (feature in gpu.adapter.features)
+        assert (feature in gpu.features) == (feature_name(gpu.webgpu, feature) in gpu.adapter.features)
 
 
 def test_vulkan_is_preferred_over_the_gl_fallback():
@@ -43,7 +44,7 @@ def test_unknown_backend_gives_a_typed_error_listing_what_exists(monkeypatch):
 
 
 def test_no_adapter_error_says_how_to_install_one(monkeypatch):
-    monkeypatch.setattr(device_mod, "list_adapters", lambda: [])
+    monkeypatch.setattr(device_mod, "list_adapters", lambda webgpu=None: [])
     with pytest.raises(NoAdapterError, match="mesa-vulkan-drivers"):
         select_adapter()
 
