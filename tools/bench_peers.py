@@ -76,7 +76,7 @@ PROMPT = (
     "how far a family should ride each day, and how to keep everyone's spirits up when the weather turns, in a "
     "few short paragraphs."
 )
-LOAD_TIMEOUT_S = 900  # a converted 0.8B model's first load compiles every pipeline on a 2-core software adapter
+LOAD_TIMEOUT_S = 3600  # ours-auto compiles and times its verification pipelines at load: 15+ min on a busy 2-core host
 JOB_TIMEOUT_S = 1800
 MEASURES = ("first_token_s", "prefill_tok_s", "decode_tok_s")
 
@@ -429,7 +429,11 @@ class PeerProcess:
         os.close(log)  # the child holds its own copy
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.ready = self._answer(LOAD_TIMEOUT_S)
+        try:
+            self.ready = self._answer(LOAD_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -442,7 +446,6 @@ class PeerProcess:
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            self.close()
             raise RuntimeError(f"{self.peer} gave no answer within {timeout:g} s") from None
         if line is None:
             self.proc.wait()
@@ -549,7 +552,8 @@ def bench_model(name: str, peers: list[str], args, adapter: tuple[str, dict[str,
                 running[peer].run(prepared.prompt_ids, args.warmup_tokens)  # compiles what the timed runs use
             except Exception as exc:  # a peer that cannot load here is reported, the others still run
                 skipped[peer] = str(exc)
-                running.pop(peer, None)
+                if peer in running:
+                    running.pop(peer).close()
             print(f"{name} {peer}: {ready.get(peer) or skipped[peer]}", file=sys.stderr)
         order = [peer for peer in peers if peer in running]
         for r in range(args.rounds):
