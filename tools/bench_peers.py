@@ -493,6 +493,8 @@ def start_peer(peer: str, prepared: Prepared, args, env: dict[str, str]) -> Peer
             "threads": args.threads,
         }
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", peer, "--config", json.dumps(config)]
+    if peer == "llama.cpp-vulkan":  # ggml-vulkan skips a CPU-type device (lavapipe) unless it is named
+        env = {**env, "GGML_VK_VISIBLE_DEVICES": "0"}
     return PeerProcess(peer, command, env)
 
 
