@@ -609,7 +609,8 @@ def summarise(peer: str, runs: dict[str, list[dict]], ready: dict, prepared: Pre
 # -- output ------------------------------------------------------------------------------------------------------
 
 
-def print_table(results: list[dict], out=sys.stdout) -> None:
+def print_table(results: list[dict], out=None) -> None:
+    out = out or sys.stdout  # looked up per call, so that a replaced sys.stdout is honoured
     header = (
         f"{'model':13s} {'peer':26s} {'load s':>7s} {'1st token s':>11s} {'prefill tok/s':>13s} "
         f"{'decode tok/s':>12s} {'plain ÷ this':>12s} {'peak MiB':>9s} {'agree':>5s}  format"
