@@ -22,15 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from host_cpu import describe_cpu
 
 import doppler_py
 from doppler_py.gpu.kernels import CompileRecord
@@ -50,17 +50,6 @@ def kind(record: CompileRecord) -> str:
     fused = "+norm" if consts.get("RMS_NORM") else "+glu" if consts.get("GLU") else ""
     tile = f"rows{int(consts['ROWS'])}" if "ROWS" in consts else "gemm"
     return f"matmul {FORMATS.get(int(consts.get('FORMAT', 0)), '?')} {tile}{fused}"
-
-
-def cpu_name() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "?"
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    name = fields.get("Model name", "?").strip()
-    avx512 = "avx512f" in fields.get("Flags", "")
-    return f"{name}, {os.cpu_count()} CPUs, {'AVX-512' if avx512 else 'AVX2 only'}"
 
 
 def summarise(records: list[CompileRecord], phases: dict[str, tuple[float, float]]) -> dict:
@@ -139,7 +128,7 @@ def main() -> None:
 
     records = list(cache.records)
     report = {
-        "cpu": cpu_name(),
+        "cpu": describe_cpu(),
         "adapter": engine.model.gpu.summary()["adapter"],
         "mode": mode,
         "mesa_shader_cache": os.environ.get("MESA_SHADER_CACHE_DIR", "~/.cache/mesa_shader_cache (default)"),

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from host_cpu import describe_cpu
 
 import doppler_py
 from doppler_py.model.catalog import DEFAULT_MODEL
@@ -27,14 +27,6 @@ from doppler_py.model.catalog import DEFAULT_MODEL
 SUBJECTS = ["rivers", "trains", "bread", "stars", "glass", "moss", "wolves", "clocks"]
 TEMPLATES = ["A note about {}.", "Why {} matter to people", "The history of {} in brief", "{} at night"]
 TEXTS = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 32 short texts (4-8 tokens each)
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor()
 
 
 def main() -> None:
@@ -68,7 +60,7 @@ def main() -> None:
                 "speedup": round(per_s["batched"] / per_s["one_at_a_time"], 2),
                 "seconds": {k: [round(x, 3) for x in v] for k, v in seconds.items()},
                 "adapter": adapter,
-                "cpu": cpu_name(),
+                "cpu": describe_cpu(),
             }
         )
     )

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from host_cpu import describe_cpu
 
 import doppler_py
 from doppler_py.model.config import ModelConfig
@@ -64,14 +64,6 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int, modules: tuple[s
     peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules)}
     (folder / "adapter_config.json").write_text(json.dumps(peft_config))
     return folder
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor()
 
 
 def main() -> None:
@@ -131,7 +123,7 @@ def main() -> None:
     for name, row in rows.items():
         print(f"| {name} | {row['step_ms']} | {row['ratio_vs_base']}x |")
     report = {"weights": args.weights, "rounds": args.rounds, "steps": args.steps, "variants": rows}
-    print(json.dumps(report | {"adapter": adapter, "cpu": cpu_name()}))
+    print(json.dumps(report | {"adapter": adapter, "cpu": describe_cpu()}))
 
 
 if __name__ == "__main__":

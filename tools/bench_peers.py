@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: import this checkout's doppler_py
     sys.path.insert(0, str(ROOT))
 
+from host_cpu import describe_cpu  # noqa: E402
+
 from doppler_py.testing.tiny import TINY_SPECS, TinySpec  # noqa: E402
 
 NODE_DRIVER = Path(__file__).with_name("bench_peers.mjs")
@@ -674,12 +676,8 @@ def machine() -> dict:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() or None
 
-    cpu = None
-    if shutil.which("lscpu"):
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        cpu = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), None)
     return {
-        "cpu": cpu,
+        "cpu": describe_cpu(),
         "cores": os.cpu_count(),
         "commit": commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
