@@ -1,8 +1,8 @@
 """Embeddings: a text's vector from the model's final hidden states, pooled as its sentence-transformers files say.
 
     texts ─ tokenizer (its post-processor: Qwen3-Embedding appends <|endoftext|>) ─▶ ids
-    ids ─ the transformer's layers (causal attention, each input over its own KV cache; several inputs' rows in one
-          forward, `Transformer.record_batch`) ─▶ x ─ final RMSNorm ─▶ h [T, H]      (read back; no LM head)
+    ids ─ the transformer's layers (causal or bidirectional attention, each input over its own KV cache; several
+          inputs' rows in one forward, `Transformer.record_batch`) ─▶ x ─ final RMSNorm ─▶ h [T, H]   (no LM head)
     h ─ pooling (last token | mean | first token) ─ Dense layers ─ [:dimensions] ─ L2 normalise ─▶ vector
 
 The head (pooling, Dense layers, Normalize, named prompts) comes from the files sentence-transformers keeps beside
@@ -11,8 +11,14 @@ the model (`EmbeddingHead.from_folder`): `modules.json`, the pooling module's `c
 Dense module's `config.json` and weights, and `config_sentence_transformers.json`'s `prompts`. A folder without them
 (a plain causal LM) is pooled at its last token and normalised, and keeps its full width.
 
-Attention stays causal: a model that needs bidirectional attention (EmbeddingGemma's `use_bidirectional_attention`)
-is refused, since the attention kernels here only look back.
+A model whose config asks for bidirectional attention (Gemma 3's `use_bidirectional_attention`: EmbeddingGemma) runs
+its embedding forwards with every token seeing every token of its input (sliding layers: those less than
+sliding_window // 2 + 1 positions away either way, as transformers reads the field). A token then depends on the
+tokens after it, so each input runs whole in one forward, and an input longer than a forward's rows
+(`Transformer.max_rows`, 64) is refused; such forwards take up to max_rows rows, not `rows_alone` (GPUs: an input
+batched with others may round differently from the same input alone, within the tolerance). Generation from such a
+model stays causal. A config that asks for it on another architecture, or says `is_causal: false`, is refused
+(`check_causal`).
 """
 
 from __future__ import annotations
@@ -231,7 +237,11 @@ class Embedder:
         self.head = head
         self.gpu_lock = gpu_lock
         cfg = model.config
+        self.bidirectional = cfg.bidirectional_attention
         self.max_length = min(model.max_positions, head.max_length or model.max_positions)
+        # Bidirectional: an input's rows must share one forward, of up to max_rows rows (module docstring).
+        self.forward_rows = model.max_rows if self.bidirectional else model.rows_alone
+        self.max_rows_per_input = model.max_rows if self.bidirectional else self.max_length
         self.width = head.width(cfg.hidden_size)
         # h = rmsnorm(x)·w over a forward's rows: the final norm the LM head fuses into its matmul, on its own.
         self.hidden = Tensor.empty(model.gpu, (model.max_rows, cfg.hidden_size), "f32", "embedding rows")
@@ -292,6 +302,12 @@ class Embedder:
                 raise GenerationOptionError(
                     f"{where} is {ids.size} tokens, past the context of {self.max_length}", option="input"
                 )
+            if ids.size > self.max_rows_per_input:
+                raise GenerationOptionError(
+                    f"{where} is {ids.size} tokens: this model attends both ways, so an input runs whole in one "
+                    f"forward, which takes at most {self.max_rows_per_input} tokens",
+                    option="input",
+                )
             out.append(ids.astype(np.uint32))
         return out
 
@@ -339,9 +355,9 @@ class Embedder:
                 "this model's mean pooling leaves its prompt's tokens out (include_prompt: false), which doppler-py "
                 "does not do: embed without a prompt"
             )
-        rows = self.model.rows_alone
+        rows = self.forward_rows
         groups = input_groups([i.size for i in ids], rows)
-        plans = [plan_forwards([ids[n].size for n in group], rows) for group in groups]
+        plans = [plan_forwards([ids[n].size for n in group], rows, whole=self.bidirectional) for group in groups]
         self.compile([forward for plan in plans for forward in plan])  # before taking the GPU: generations step on
         pooled: list[np.ndarray] = []
         for group, plan in zip(groups, plans, strict=True):
@@ -406,7 +422,12 @@ class Embedder:
             model.ids.view((take,), offset_bytes=4 * row0).write(ids[n][start : start + take])
             row0 += take
         rec = model.registry.recorder()
-        model.record_batch(rec, [(caches[n], start, take) for n, start, take in segments], logit_rows=0)
+        model.record_batch(
+            rec,
+            [(caches[n], start, take) for n, start, take in segments],
+            logit_rows=0,
+            bidirectional=self.bidirectional,
+        )
         self.final_norm.record(rec, rows)  # rmsnorm: h = rmsnorm(x)·w_final
         rec.submit()
         h = model.config.hidden_size
@@ -458,16 +479,19 @@ def input_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
     return groups
 
 
-def plan_forwards(lengths: Sequence[int], max_rows: int) -> list[list[tuple[int, int, int]]]:
+def plan_forwards(lengths: Sequence[int], max_rows: int, *, whole: bool = False) -> list[list[tuple[int, int, int]]]:
     """The forwards that run inputs of these token counts: each a list of (input, start, rows) segments of at most
     `max_rows` rows in all, inputs in order, each input's next rows in the first forward with room after its previous
-    ones (a long input's chunks in consecutive forwards, short ones filling the rest)."""
+    ones (a long input's chunks in consecutive forwards, short ones filling the rest). `whole`: an input goes only
+    into a forward with room for all of it (bidirectional attention; every length at most `max_rows`)."""
+    if whole and any(length > max_rows for length in lengths):
+        raise ValueError(f"inputs of {max(lengths)} tokens cannot run whole in forwards of {max_rows} rows")
     done = [0] * len(lengths)
     plan = []
     while any(d < n for d, n in zip(done, lengths, strict=True)):
         segments, rows = [], 0
         for n, length in enumerate(lengths):
-            if done[n] < length and rows < max_rows:
+            if done[n] < length and rows < max_rows and not (whole and rows + length > max_rows):
                 take = min(length - done[n], max_rows - rows)
                 segments.append((n, done[n], take))
                 done[n] += take
@@ -480,13 +504,21 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+# model_type of the configs whose use_bidirectional_attention the loader reads (ModelConfig.bidirectional_attention).
+BIDIRECTIONAL_MODEL_TYPES = ("gemma3_text",)
+
+
 def check_causal(folder: Path | None) -> None:
-    """Refuse a model whose config asks for bidirectional attention (EmbeddingGemma): its vectors would be wrong."""
+    """Refuse a model whose config asks for bidirectional attention where it is not run: `is_causal: false`, or
+    use_bidirectional_attention on an architecture other than Gemma 3's text model (EmbeddingGemma), since its
+    vectors would be wrong."""
     if folder is None or not (folder / "config.json").exists():
         return
     config = _json(folder / "config.json")
-    if config.get("use_bidirectional_attention") or config.get("is_causal") is False:
+    asks = config.get("use_bidirectional_attention") is True
+    if config.get("is_causal") is False or (asks and config.get("model_type") not in BIDIRECTIONAL_MODEL_TYPES):
         raise UnsupportedModelError(
-            f"{folder}: this model attends both ways (use_bidirectional_attention); doppler-py's attention is causal "
-            "only, so its embeddings would be wrong"
+            f"{folder}: this model attends both ways (use_bidirectional_attention / is_causal: false); doppler-py runs "
+            f"bidirectional attention for {', '.join(BIDIRECTIONAL_MODEL_TYPES)} models only (EmbeddingGemma), so "
+            "its embeddings would be wrong"
         )

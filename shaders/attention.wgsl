@@ -1,4 +1,4 @@
-// attention: causal grouped-query attention of new tokens' queries over one layer's KV cache.
+// attention: causal (or bidirectional, see below) grouped-query attention of new tokens over one layer's KV cache.
 //   out[row, h, :] = softmax_j(q[row, h, :] · k[j, g, :] * scale) · v[j, g, :]
 //   over keys j in (p - window, p] (all j <= p when window == 0), p = start_pos + row, with kv head
 //   g = h / (n_heads / n_kv_heads). The cache keeps every position; a sliding window only masks (and skips
@@ -58,6 +58,12 @@
 // slot start_pos + r, and a tree key's RoPE and window position is start_pos + its row's depth. Chains
 // (tree == 0) are the special case depth(r) = r, every earlier row an ancestor.
 //
+// Bidirectional (Params.bidirectional == 1, chains only; embedding models such as EmbeddingGemma): every row
+// sees the cached keys before start_pos and the keys of ALL of the call's rows, later ones included; with a
+// window, the keys within window - 1 positions either way (|p - j| < window, transformers' Gemma 3 bidirectional
+// sliding layers). Only a row's upper key limit and the workgroup's key end change; the host forbids key
+// splits (attention_reduce combines splits up to a row's own position) and trees for such calls.
+//
 // Several sequences in one dispatch (PAGED, ops/attention.py BatchedAttention): grid (1, n_kv_heads, segments),
 // ONE workgroup per (kv head, segment) holding all of its segment's blocks (no key splits). Segment s is
 // described by words [8s, 8s + 8) of `words`: row0, rows, start_pos (as the Params fields of a solo call),
@@ -92,7 +98,8 @@
 //         cache and call, share one q and one out buffer; positions, cache slots, the tree layout and the
 //         partials stay indexed by r);
 //         block (PAGED: positions per pool block, a power of two);
-//         pack_max_keys (packed kv heads for calls over fewer keys, as above; 0 = never).
+//         pack_max_keys (packed kv heads for calls over fewer keys, as above; 0 = never);
+//         bidirectional (1: rows also see later rows' keys, as above; 0: causal).
 //         PAGED reads rows, start_pos, tree and row0 from each segment's header instead, and needs n_splits 1
 //         and a split_len above every context.
 // Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE
@@ -125,6 +132,7 @@ struct Params {
   row0: u32,
   block: u32,
   pack_max_keys: u32,
+  bidirectional: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -501,7 +509,9 @@ fn key_range(wid: vec3<u32>) -> Keys {
     window_begin = first_pos + 1u - params.window;
   }
   let key_begin = max(split * params.split_len, window_begin);
-  let key_end = min((split + 1u) * params.split_len, seg.start_pos + last_pair / group + 1u);
+  // Causal: up to the latest row's own key; bidirectional: up to the call's last row's.
+  let rows_seen = select(last_pair / group + 1u, seg.rows, params.bidirectional == 1u);
+  let key_end = min((split + 1u) * params.split_len, seg.start_pos + rows_seen);
   let per = packed_heads(key_end - key_begin, n_blocks);
   let heads = min(per, params.n_kv_heads - min(wid.y * per, params.n_kv_heads));
   // The last workgroup may hold fewer blocks than the others: its spare groups become more key lanes while
@@ -596,6 +606,12 @@ fn prepare(wid: vec3<u32>, t: u32, keys: Keys) -> Work {
       limit[c] = seg.start_pos + row + 1u;  // slots up to the row's own (a tree's ancestors come before it)
       if (params.window > 0u && q_pos[c] + 1u > params.window) {
         lower[c] = q_pos[c] + 1u - params.window;
+      }
+      if (params.bidirectional == 1u) {  // every row of the call, within window - 1 positions after its own
+        limit[c] = seg.start_pos + seg.rows;
+        if (params.window > 0u) {
+          limit[c] = min(limit[c], q_pos[c] + params.window);
+        }
       }
       row_head[c] = (pair / group) * params.n_heads + head;
       q_head[c] = (seg.row0 + row) * params.q_stride + head * hd4;

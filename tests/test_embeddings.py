@@ -3,7 +3,8 @@ tests lay out as sentence-transformers keeps them (tests/support/embedding_model
 
 Tolerances: f32 weights, max |ours − theirs| ≤ 1e-5 over unit vectors (seen: ~3e-7); f16 weights against the same
 model computed in float32 with its weights rounded to f16, ≤ 1e-4. Bad input is a `GenerationOptionError` naming
-the field.
+the field. The EmbeddingGemma-shaped Gemma 3 (bidirectional attention, sliding layers, mean pooling, Dense layers) is
+held to the same f32 tolerance, and the same forwards run causally must miss it by 100 times that.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import json
 
 import numpy as np
 import pytest
-from support.embedding_models import QUERY_PROMPT, QWEN3, qwen3_embedding_folder, saved_by_sentence_transformers
+from support.embedding_models import (
+    QUERY_PROMPT,
+    QWEN3,
+    embedding_gemma_folder,
+    qwen3_embedding_folder,
+    saved_by_sentence_transformers,
+)
 
 from doppler_py.api import load
 from doppler_py.embeddings import Embedder, EmbeddingHead, EmbeddingResult, input_groups, plan_forwards
@@ -165,12 +172,16 @@ def test_a_plain_language_model_keeps_its_full_width(engine):
         plain.close()
 
 
-def test_a_model_that_attends_both_ways_is_refused(tmp_path):
+def test_bidirectional_attention_on_another_architecture_is_refused(tmp_path):
     folder = write_tiny_model(tmp_path / "bidirectional", QWEN3)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"use_bidirectional_attention": True}))
-    with load(folder, weights="f32", progress=False) as engine, pytest.raises(UnsupportedModelError, match="causal"):
-        engine.embed("hi")
+    for asks in ({"use_bidirectional_attention": True}, {"is_causal": False}):
+        (folder / "config.json").write_text(json.dumps(config | asks))
+        with (
+            load(folder, weights="f32", progress=False) as engine,
+            pytest.raises(UnsupportedModelError, match="gemma3_text models only"),
+        ):
+            engine.embed("hi")
 
 
 def test_embedding_result_encodes_floats_as_lists(engine):
@@ -245,3 +256,40 @@ def test_inputs_are_grouped_so_that_their_caches_stay_bounded():
     assert input_groups([5] * 60, 64) == [list(range(51)), list(range(51, 60))]  # 255 tokens, then the rest
     assert input_groups([200, 100, 300, 10], 64) == [[0], [1], [2], [3]]  # 256 tokens at most, one long alone
     assert input_groups([100, 100, 50, 10], 64) == [[0, 1, 2], [3]]
+
+
+# -- EmbeddingGemma-style: Gemma 3 with use_bidirectional_attention, mean pooling, Dense layers ------------------
+# One text shorter than the sliding layers' window (keys less than 3 positions away either way), two longer.
+GEMMA_TEXTS = ["hi", "hello world", "the quick brown fox jumps over the lazy dog"]
+
+
+def test_bidirectional_gemma3_embeddings_equal_sentence_transformers(tmp_path, monkeypatch):
+    """f32, the module's tolerance (≤ 1e-5 over unit vectors). Mutation check: the same forwards with causal
+    attention are far off, so the comparison tells the two apart."""
+    saved = embedding_gemma_folder(tmp_path / "embedding-gemma")
+    reference = st.SentenceTransformer(str(saved), device="cpu")
+    assert reference[0].auto_model.config.use_bidirectional_attention
+    theirs = reference.encode(GEMMA_TEXTS)
+    with load(saved, weights="f32", progress=False) as engine:
+        embedder = engine.embedder
+        assert embedder.bidirectional and embedder.head.pooling == "mean" and len(embedder.head.dense) == 2
+        ours = np.asarray(engine.embed(GEMMA_TEXTS))
+        assert ours.shape == theirs.shape == (3, 48)
+        assert np.abs(ours - theirs).max() <= F32_TOLERANCE
+        # Batched whole (several inputs per forward, none split across forwards) equals each alone.
+        together = np.asarray(engine.embed(GEMMA_TEXTS * 3))
+        np.testing.assert_allclose(together, np.tile(ours, (3, 1)), rtol=0, atol=1e-6)
+        # An input longer than one forward cannot run whole: refused, naming the field.
+        with pytest.raises(GenerationOptionError, match="attends both ways") as raised:
+            engine.embed("x" * (engine.model.max_rows + 1))
+        assert raised.value.option == "input"
+        monkeypatch.setattr(embedder, "bidirectional", False)
+        causal = np.asarray(engine.embed(GEMMA_TEXTS[1:]))
+    assert np.abs(causal - theirs[1:]).max() > 100 * F32_TOLERANCE
+
+
+def test_whole_inputs_are_planned_into_forwards_with_room_for_them():
+    plan = plan_forwards([3, 60, 2, 64, 5], 64, whole=True)
+    assert plan == [[(0, 0, 3), (1, 0, 60)], [(2, 0, 2), (4, 0, 5)], [(3, 0, 64)]]
+    with pytest.raises(ValueError, match="whole"):
+        plan_forwards([65], 64, whole=True)

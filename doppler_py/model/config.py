@@ -160,6 +160,9 @@ class ModelConfig:
     linear_attention: LinearAttention | None = None
     attention_gate: bool = False
     rotary_dim: int | None = None  # None: the whole head
+    # Gemma 3's use_bidirectional_attention (EmbeddingGemma): embedding forwards attend both ways (Embedder);
+    # generation stays causal.
+    bidirectional_attention: bool = False
 
     def is_linear(self, layer: int) -> bool:
         """Whether `layer` is a linear-attention (Gated DeltaNet) layer rather than an attention layer."""
@@ -309,6 +312,7 @@ def _text_part(data: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
 
 
 BARE_MODELS = {name.removesuffix("ForCausalLM") + "Model": name for name in ARCHITECTURES}
+BARE_MODELS["Gemma3TextModel"] = "Gemma3ForCausalLM"  # transformers' bare Gemma 3 text model (EmbeddingGemma's)
 
 
 def _architecture(data: dict[str, Any], source: str) -> str:
@@ -442,8 +446,10 @@ def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str
             softcaps[name] = gemma2_default if gemma2 else None
         else:
             softcaps[name] = None if fields.data[name] is None else fields.positive_float(name, None)
-    if fields.boolean("use_bidirectional_attention", default=False):
-        raise UnsupportedModelError(f"{source}: use_bidirectional_attention = true is not supported")
+    # Gemma 3 (EmbeddingGemma): embeddings attend both ways; transformers' Gemma 2 has no such field.
+    bidirectional = fields.boolean("use_bidirectional_attention", default=False)
+    if bidirectional and gemma2:
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention = true is not supported on Gemma 2")
     hidden_act = fields.get("hidden_activation", None) or fields.get("hidden_act", "gelu_pytorch_tanh")
     if hidden_act not in HIDDEN_ACTIVATIONS:
         raise UnsupportedModelError(
@@ -456,6 +462,8 @@ def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     layer_types = _layer_kinds(layer_types, layers, "sliding_attention", source)
     window = fields.positive_int("sliding_window", default=4096)
+    if bidirectional:  # transformers' Gemma3TextConfig: the field spans both ways, (window // 2 + 1) - 1 each way
+        window = window // 2 + 1
 
     # transformers 5 nests the RoPE of each layer type in rope_parameters; transformers 4 spells the global
     # base rope_theta (+ rope_scaling) and the local one rope_local_base_freq.
@@ -483,6 +491,7 @@ def _gemma(fields: _Fields, ints: dict[str, int], architecture: str, source: str
         "layer_types": tuple(layer_types),
         "rope_local_theta": local[0],
         "rope": full,
+        "bidirectional_attention": bidirectional,
         **softcaps,
     }
 

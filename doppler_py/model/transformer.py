@@ -768,13 +768,15 @@ class Transformer:
         logit_rows: int | None = None,
         *,
         tree: int | None = None,
+        bidirectional: bool = False,
     ) -> bool:
         """Record one forward over the rows of several sequences, stacked in `self.ids` in the order given: each
         (cache, start_pos, rows) segment's rows attend over its own cache (and write their K/V there), every
         matmul runs once over all rows (≤ max_rows). Writes the logits of the first `logit_rows` rows (default all;
         ≤ max_logit_rows): steps first, then prefills, which need none. `tree`: the index of the one segment whose
         rows are a token tree, its layout in `self.tree` (as `record_forward`'s). True when attention ran once per
-        layer for some of them (`_pageable`)."""
+        layer for some of them (`_pageable`). `bidirectional`: each segment's rows also see each other's later keys
+        (embedding forwards of a model that asks for it, `doppler_py.embeddings`; each segment attends alone)."""
         total = sum(rows for _, _, rows in segments)
         logit_rows = total if logit_rows is None else logit_rows
         if not 1 <= total <= self.max_rows or not 0 <= logit_rows <= min(total, self.max_logit_rows):
@@ -794,7 +796,7 @@ class Transformer:
         lora = self.adapters.place(adapted)  # each row's adapter: its sequence's (none: no LoRA dispatch at all)
         self.forwards += 1
         paged = None
-        slab, shared = self._pageable(segments, tree)
+        slab, shared = (None, []) if bidirectional else self._pageable(segments, tree)
         if slab is not None:
             layout, ops = self._paged_ops(slab)
             words = [
@@ -804,7 +806,18 @@ class Transformer:
             filled = next(op for op in ops if op is not None).layout_words(words)
             layout.view((filled.size,)).write(filled)
             paged = Paged(ops, words, frozenset(shared))
-        self._record_layers(rec, total, stacked, "all", None, False, paged=paged, logit_rows=logit_rows, lora=lora)
+        self._record_layers(
+            rec,
+            total,
+            stacked,
+            "all",
+            None,
+            False,
+            paged=paged,
+            logit_rows=logit_rows,
+            lora=lora,
+            bidirectional=bidirectional,
+        )
         for cache, start_pos, rows in segments:
             cache.advance_to(max(cache.length, start_pos + rows))
             if cache.recurrent is not None:
@@ -824,6 +837,7 @@ class Transformer:
         paged: Paged | None = None,
         logit_rows: int | None = None,
         lora: tuple[int, ...] = (),
+        bidirectional: bool = False,
     ) -> dict[tuple[tuple, str], list[UniformSlot]]:
         """Record the forward's dispatches over `rows` rows, each segment's attending over its own cache (those of
         `paged` in one dispatch per attention layer, its layout written); returns the uniform slots whose values
@@ -866,7 +880,12 @@ class Transformer:
                 op = seg.attention[i]
                 segment_tree = tree or seg.tree
                 for kind, slot in op.record(
-                    rec, rows=seg.rows, start_pos=seg.start_pos, tree=segment_tree, row0=seg.row0
+                    rec,
+                    rows=seg.rows,
+                    start_pos=seg.start_pos,
+                    tree=segment_tree,
+                    row0=seg.row0,
+                    bidirectional=bidirectional,
                 ):
                     positioned.setdefault((self._layer_group[i], kind), []).append(slot)
             if layer.attn_gate is not None and layer.gate is not None:

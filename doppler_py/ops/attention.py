@@ -32,6 +32,10 @@ With `kv_shared=True` (and `rope=`) the op serves a layer that attends over anot
 none (Gemma 4's KV-shared layers): q holds only that layer's query rows, rotated as they are loaded, in every
 call ("shared", rope == 3).
 
+A call with `bidirectional=True` (embedding models: EmbeddingGemma) lets every row see all of the call's rows'
+keys, later ones included, and the cached keys before start_pos; in a sliding window, the keys less than `window`
+positions away either way. Such calls take no key splits and no token tree.
+
 `BatchedAttention` runs one layer's attention for the rows of several sequences (segments) in ONE dispatch, each
 segment's keys and values read (and its new ones written) through its block table in pools shared by all
 sequences (the shader's PAGED variant); `paged_layout_words` builds the u32 words that describe the segments.
@@ -302,12 +306,19 @@ class Attention:
         if self.rope is not None:
             self.rope.release(registry)
 
-    def plan(self, rows: int, start_pos: int, splits: int | None = None) -> tuple[int, int, int]:
-        """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped)."""
+    def plan(
+        self, rows: int, start_pos: int, splits: int | None = None, *, bidirectional: bool = False
+    ) -> tuple[int, int, int]:
+        """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped). A bidirectional
+        call is never split: attention_reduce combines a row's splits up to its own position only."""
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
         context = start_pos + rows
         keys = context_keys(rows, start_pos, self.window)
-        if splits is None:
+        if bidirectional:
+            if splits is not None and splits > 1:
+                raise ValueError(f"splits={splits}: a bidirectional call is not split")
+            splits = 1
+        elif splits is None:
             if rows > SPLIT_MAX_ROWS:
                 splits = 1
             else:
@@ -336,10 +347,19 @@ class Attention:
         return key_lanes, split_len, workgroups(context, split_len)
 
     def call(
-        self, rows: int, start_pos: int, splits: int | None = None, *, tree: bool = False, row0: int = 0
+        self,
+        rows: int,
+        start_pos: int,
+        splits: int | None = None,
+        *,
+        tree: bool = False,
+        row0: int = 0,
+        bidirectional: bool = False,
     ) -> tuple[dict[str, dict], tuple[int, int, int]]:
         """What a call sets, per kind of uniform slot its dispatches use ("attention", and "rope" when a rope.wgsl
         dispatch goes first), and the attention dispatch's grid (`record` records the call)."""
+        if tree and bidirectional:
+            raise ValueError("a token tree attends causally: tree and bidirectional exclude each other")
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"rows={rows} must be in 1..{self.max_rows}")
         if row0 < 0 or row0 + rows > self.max_rows:
@@ -348,7 +368,7 @@ class Attention:
             raise ValueError(f"a tree call needs the op's tree layout tensor and rows <= {MAX_TREE_ROWS}, got {rows}")
         if start_pos < 0 or start_pos + rows > self.max_seq:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
-        key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits)
+        key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits, bidirectional=bidirectional)
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
         heads = call_heads(self, rows, start_pos) if n_splits == 1 else 1
         grid = (workgroups(blocks, self.lane_groups // key_lanes), workgroups(self.n_kv_heads, heads), n_splits)
@@ -365,6 +385,7 @@ class Attention:
                 "rope": ROPE_PARAM[rope],
                 "tree": int(tree),
                 "row0": row0,
+                "bidirectional": int(bidirectional),
             }
         }
         if rope == "dispatch":
@@ -393,15 +414,16 @@ class Attention:
         splits: int | None = None,
         tree: bool = False,
         row0: int = 0,
+        bidirectional: bool = False,
     ) -> list[tuple[str, UniformSlot]]:
         """Record attention for `rows` queries at positions start_pos..start_pos+rows-1; returns the uniform slots
         the dispatches used (the ops' own, or in a phase their copies), each with its kind as in `call`.
 
         `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose. `tree`: the
         rows are the token tree laid out in the op's tree tensor. `row0`: the rows' first row in q and out (class
-        docstring).
+        docstring). `bidirectional`: the rows also see each other's later keys (module docstring).
         """
-        values, grid = self.call(rows, start_pos, splits, tree=tree, row0=row0)
+        values, grid = self.call(rows, start_pos, splits, tree=tree, row0=row0, bidirectional=bidirectional)
         used = []
         if "rope" in values:
             used.append(("rope", self.rope.record(rec, rows, start_pos, tree=tree, row0=row0)))

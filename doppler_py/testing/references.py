@@ -143,15 +143,18 @@ def attention(
     window: int = 0,
     scale: float | None = None,
     softcap: float = 0.0,
+    bidirectional: bool = False,
     dtype: DType = np.float64,
 ) -> np.ndarray:
-    """Causal GQA softmax attention over a KV cache.
+    """Causal (or bidirectional) GQA softmax attention over a KV cache.
 
     q [T, n_heads, hd] or [T, n_heads * hd] holds the queries of positions start_pos .. start_pos + T - 1;
     k, v [S, n_kv_heads, hd] with S >= start_pos + T (later positions are never read). Query head h reads KV
     head h // (n_heads / n_kv_heads); scores are q.k * scale (default 1 / sqrt(hd)); row t at position
     p = start_pos + t sees positions <= p, and with `window` > 0 only those > p - window (HF's sliding window);
-    `softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2).
+    `softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2). `bidirectional`: every
+    row sees all positions < start_pos + T, with `window` those less than `window` away either way (transformers'
+    Gemma 3 with use_bidirectional_attention).
     Returns [T, n_heads * hd].
     """
     rows, context = len(q), start_pos + len(q)
@@ -164,9 +167,12 @@ def attention(
     if softcap:  # Gemma 2: HF caps the scaled scores before the mask
         scores = softcap * np.tanh(scores / softcap)
     key_pos, query_pos = np.arange(context)[None, :], start_pos + np.arange(rows)[:, None]
-    hidden = key_pos > query_pos
-    if window:
-        hidden |= key_pos <= query_pos - window
+    if bidirectional:
+        hidden = np.abs(key_pos - query_pos) >= window if window else np.zeros((rows, context), bool)
+    else:
+        hidden = key_pos > query_pos
+        if window:
+            hidden |= key_pos <= query_pos - window
     scores[..., hidden] = -np.inf
     out = softmax(scores, dtype=dtype) @ values  # [n_kv, group, T, hd]
     return out.transpose(2, 0, 1, 3).reshape(rows, _width(q))

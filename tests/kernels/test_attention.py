@@ -48,8 +48,9 @@ class Case:
         softcap=0.0,
         tq=None,
         out=None,
+        bidirectional=False,
     ):
-        self.window, self.scale, self.softcap = window, scale, softcap
+        self.window, self.scale, self.softcap, self.bidirectional = window, scale, softcap, bidirectional
         if tq is None:
             self.q = rng.standard_normal((max_rows, n_heads * head_dim)).astype(np.float32)
             tq = Tensor.from_numpy(gpu, self.q)
@@ -88,7 +89,7 @@ class Case:
     def run(self, registry, rows, start_pos, splits=None):
         self.upload_cache(start_pos + rows)
         rec = registry.recorder()
-        self.op.record(rec, rows, start_pos, splits=splits)
+        self.op.record(rec, rows, start_pos, splits=splits, bidirectional=self.bidirectional)
         rec.submit()
         return self.out.numpy()
 
@@ -101,6 +102,7 @@ class Case:
             window=self.window,
             scale=self.scale,
             softcap=self.softcap,
+            bidirectional=self.bidirectional,
         )
 
     def check(self, got, rows, start_pos, row0=0):
@@ -317,13 +319,14 @@ class RopeCase:
         mode="local",
         qkv=None,
         out=None,
+        bidirectional=False,
     ):
         """`mode`: the path the op may take besides a rope dispatch, "local", "fused" or "rope-dispatch" (none);
         None: the adapter's default. `qkv`, `out`: buffers shared with other cases (a batch of sequences)."""
         self.tree = Tensor.empty(gpu, (MAX_TREE_ROWS, 2), "u32")
         self.shape = (n_heads, n_kv_heads, head_dim)
         self.q_size, self.kv_size = n_heads * head_dim, n_kv_heads * head_dim
-        self.window, self.rng, self.max_rows = window, rng, max_rows
+        self.window, self.rng, self.max_rows, self.bidirectional = window, rng, max_rows, bidirectional
         self.table = rope_table(head_dim, max_seq + 3, 1e4)
         self.k = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
         self.v = rng.standard_normal((max_seq, n_kv_heads, head_dim)).astype(np.float32)
@@ -359,7 +362,7 @@ class RopeCase:
         self.qkv.write(qkv)
         self.load_caches(start_pos, rows, parents)
         rec = registry.recorder()
-        self.op.record(rec, rows, start_pos, splits=splits, tree=parents is not None)
+        self.op.record(rec, rows, start_pos, splits=splits, tree=parents is not None, bidirectional=self.bidirectional)
         rec.submit()
         self.check(qkv, self.out.numpy(), rows, start_pos, parents)
 
@@ -387,7 +390,7 @@ class RopeCase:
         k_cache[slots] = new_k.reshape(rows, *self.k.shape[1:])
         v_cache[slots] = new_v.reshape(rows, *self.v.shape[1:])
         if parents is None:
-            expected = attention(q, k_cache, v_cache, start_pos, window=self.window)
+            expected = attention(q, k_cache, v_cache, start_pos, window=self.window, bidirectional=self.bidirectional)
         else:
             expected = tree_attention(q, k_cache, v_cache, start_pos, parents, window=self.window)
         got = out[row0 : row0 + rows]

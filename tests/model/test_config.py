@@ -316,6 +316,18 @@ def test_qwen3_and_gemma3_configs_saved_by_transformers_read_back_the_same(tmp_p
     assert (cfg.norm_offset, cfg.hidden_act, cfg.rms_norm_eps) == (1.0, "gelu_pytorch_tanh", 1e-6)
 
 
+def test_a_bidirectional_gemma3_reads_its_window_as_transformers_does():
+    """EmbeddingGemma's config: use_bidirectional_attention, sliding_window 512 spanning both ways; transformers'
+    Gemma3TextConfig reads it as 512 // 2 + 1 = 257 (keys less than 257 positions away either way)."""
+    gemma3 = dict(architectures=["Gemma3TextModel"], model_type="gemma3_text", head_dim=64, sliding_window=512)
+    cfg = config(**gemma3, use_bidirectional_attention=True)
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.bidirectional_attention and cfg.sliding_window == 257
+    causal = config(**gemma3)
+    assert not causal.bidirectional_attention and causal.sliding_window == 512
+    with pytest.raises(UnsupportedModelError, match="Gemma 2"):
+        config(architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=64, use_bidirectional_attention=True)
+
+
 def test_gemma3_in_the_transformers_4_spelling():
     """rope_theta / rope_local_base_freq and no layer_types (transformers 4 files, e.g. gemma-3-270m's)."""
     cfg = config(

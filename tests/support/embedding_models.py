@@ -5,6 +5,8 @@
 sentence-transformers 2–5 files: modules.json, 1_Pooling/config.json with pooling_mode_lasttoken, 2_Normalize, and
 config_sentence_transformers.json with a "query" prompt). `saved_by_sentence_transformers`: a folder that
 sentence-transformers itself writes (its own current layout) for a pooling mode and optional Dense layers.
+`embedding_gemma_folder`: a tiny random Gemma 3 with use_bidirectional_attention, saved as EmbeddingGemma is (mean
+pooling, two Dense layers, Normalize).
 """
 
 from __future__ import annotations
@@ -21,6 +23,21 @@ QWEN3 = TinySpec(
     arch="qwen3", num_attention_heads=4, num_key_value_heads=2, explicit_head_dim=32, rope_theta=1e6, seed=21
 )
 QUERY_PROMPT = "Instruct: find the passage\nQuery:"
+# EmbeddingGemma's shape in small: Gemma 3 layers sliding, full, sliding, grouped-query heads. With bidirectional
+# attention transformers reads sliding_window 5 as 5 // 2 + 1 = 3 (saved again as 4, read as 3): keys less than 3
+# positions away either way, far fewer than the tests' longer texts hold.
+GEMMA3 = TinySpec(
+    arch="gemma3",
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    explicit_head_dim=32,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    seed=23,
+    embed_std=0.02,
+    sliding_window=5,
+)
 
 
 def _write_json(path: Path, data) -> None:
@@ -102,3 +119,16 @@ def saved_by_sentence_transformers(source: Path, folder: Path, pooling: str, den
     settings["modality_config"].pop("message", None)
     _write_json(folder / "sentence_bert_config.json", settings)
     return folder
+
+
+def embedding_gemma_folder(folder: Path, dense: tuple[int, ...] = (96, 48)) -> Path:
+    """The tiny Gemma 3 (GEMMA3) with use_bidirectional_attention, saved by sentence-transformers with mean pooling,
+    Dense layers of these widths (EmbeddingGemma: 768 -> 3072 -> 768) and Normalize."""
+    source = write_tiny_model(folder.with_name(folder.name + "-source"), GEMMA3)
+    config = json.loads((source / "config.json").read_text())
+    _write_json(source / "config.json", config | {"use_bidirectional_attention": True})
+    # transformers' Gemma tokenizer class rebuilds the tokenizer from Gemma's own vocabulary; the tiny one is read
+    # from tokenizer.json as it is.
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    _write_json(source / "tokenizer_config.json", tokenizer_config | {"tokenizer_class": "PreTrainedTokenizerFast"})
+    return saved_by_sentence_transformers(source, folder, "mean", dense=dense)
