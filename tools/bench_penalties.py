@@ -1,6 +1,7 @@
 """What penalties cost a decode step: SmolLM2 generations with and without them, interleaved in one process.
 
     python tools/bench_penalties.py --rounds 16
+    python tools/bench_penalties.py --modes none,eagle --rounds 6 --new-tokens 128   # does speculation pay under one?
 
 Per decoding mode (plain, prompt lookup), each round runs one generation per variant, the order alternating between
 rounds, so every variant sees the same phase of a noisy shared machine; what counts is each round's step-time ratio
@@ -36,6 +37,7 @@ def measure(spec, prompt: list[int], new_tokens: int, rounds: int) -> dict[str, 
     for params in VARIANTS.values():  # every pipeline compiled before the timings
         spec.generate(prompt, 8, params)
     runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in VARIANTS}  # (step ms, tok/s, forwards)
+    acceptance: dict[str, list[tuple[int, int]]] = {name: [] for name in VARIANTS}  # (accepted, drafted)
     for r in range(rounds):
         for name in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
             start = time.perf_counter()
@@ -43,12 +45,14 @@ def measure(spec, prompt: list[int], new_tokens: int, rounds: int) -> dict[str, 
             wall = time.perf_counter() - start
             forwards = result.stats.steps + result.stats.plain_steps
             runs[name].append((1000 * wall / forwards, len(result.tokens) / wall, forwards))
+            acceptance[name].append((result.stats.accepted, result.stats.drafted))
     return {
         name: {
             "step_ms": statistics.median(run[0] for run in rows),
             "tok_s": statistics.median(run[1] for run in rows),
             "forwards": statistics.median(run[2] for run in rows),
             "step_ratio_vs_off": statistics.median(a[0] / b[0] for a, b in zip(rows, runs["off"], strict=True)),
+            "accepted_of_drafted": [sum(a for a, _ in acceptance[name]), sum(d for _, d in acceptance[name])],
         }
         for name, rows in runs.items()
     }
@@ -59,12 +63,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--weights", default="q4_1")
+    parser.add_argument("--modes", default="none,prompt-lookup", help="comma-separated drafters (none: plain decoding)")
     args = parser.parse_args()
     engine = doppler_py.load(weights=args.weights, progress=False, max_seq=512, warmup="now")
     prompt = engine.encode_prompt(PROMPT, chat=True)
     report = {
         mode: measure(engine.speculative_engine(mode), prompt, args.new_tokens, args.rounds)
-        for mode in ("none", "prompt-lookup")
+        for mode in args.modes.split(",")
     }
     engine.close()
     print(json.dumps(report, indent=1))
