@@ -11,13 +11,14 @@ pooling, two Dense layers, Normalize).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from doppler_py.testing.tiny import TinySpec, write_tiny_model
+from doppler_py.testing.tiny import TINY_SPECS, TinySpec, write_tiny_model
 
 QWEN3 = TinySpec(
     arch="qwen3", num_attention_heads=4, num_key_value_heads=2, explicit_head_dim=32, rope_theta=1e6, seed=21
@@ -26,18 +27,7 @@ QUERY_PROMPT = "Instruct: find the passage\nQuery:"
 # EmbeddingGemma's shape in small: Gemma 3 layers sliding, full, sliding, grouped-query heads. With bidirectional
 # attention transformers reads sliding_window 5 as 5 // 2 + 1 = 3 (saved again as 4, read as 3): keys less than 3
 # positions away either way, far fewer than the tests' longer texts hold.
-GEMMA3 = TinySpec(
-    arch="gemma3",
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    explicit_head_dim=32,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    seed=23,
-    embed_std=0.02,
-    sliding_window=5,
-)
+GEMMA3 = dataclasses.replace(TINY_SPECS["gemma3-sliding"], seed=23, sliding_window=5)
 
 
 def _write_json(path: Path, data) -> None:
