@@ -373,11 +373,22 @@ def chain_acceptance(head, corpus, which: list[int], embed, stats: FeatureStats,
 
 
 def torch_drafts(
-    head, stats: FeatureStats, draft_ids, embed, features, tokens: list[int], committed: int, n: int, taps=None
+    head,
+    stats: FeatureStats,
+    draft_ids,
+    embed,
+    features,
+    tokens: list[int],
+    committed: int,
+    n: int,
+    taps=None,
+    adjust: Callable[[object, list[int]], object] | None = None,
 ) -> list[int]:
     """The n tokens the torch head drafts after tokens[:committed] (greedy), as the GPU drafter does: the pairs
     (f_p, t_{p+1}) for p < committed - 1 from the target's `features` (raw, [T, H]) and tapped layers' outputs
-    (raw, [T, taps, H]), then its own predicted features for the tokens it drafted (no taps there)."""
+    (raw, [T, taps, H]), then its own predicted features for the tokens it drafted (no taps there). `adjust`,
+    given the head's row (logits over the draft vocabulary) and the tokens so far (committed, then drafted),
+    returns the row to pick from: the target's penalties, as the GPU drafter applies them to its rows."""
     import torch
 
     feats, ids, out = stats.features(features[: committed - 1]), list(tokens[1:committed]), []
@@ -385,7 +396,8 @@ def torch_drafts(
     with torch.no_grad():
         for _ in range(n):
             pred, logits = head(embed[torch.tensor(ids)][None], feats[None], None if tapped is None else tapped[None])
-            out.append(int(draft_ids[int(logits[0, -1].argmax())]))
+            row = logits[0, -1] if adjust is None else adjust(logits[0, -1], [*tokens[:committed], *out])
+            out.append(int(draft_ids[int(row.argmax())]))
             feats, ids = torch.cat([feats, pred[0, -1:]]), [*ids, out[-1]]
             if tapped is not None:  # a drafted position has no target layers: its tapped input is zero
                 tapped = torch.cat([tapped, tapped.new_zeros(1, tapped.shape[1])])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 from speculative.conftest import (
     HEAD_TARGETS,
@@ -31,6 +32,7 @@ from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import SpeculativeEngine
 from doppler_py.speculative.drafters.heads.eagle import EagleDrafter, load_head
 from doppler_py.speculative.policy.confidence import ConfidenceCalibration
+from doppler_py.testing.penalty_reference import penalize
 
 torch = pytest.importorskip("torch")  # the trainer's optional dependency (installed in CI)
 
@@ -69,15 +71,24 @@ def head(heads):
     return heads("eagle-1")[1]
 
 
-def torch_accepted(head_dir, target_folder, tokens: list[int], prompt_len: int, k: int) -> int:
-    """Drafts accepted when the trainer's torch head drafts (greedy, k pinned) over a known greedy output."""
+def torch_accepted(
+    head_dir, target_folder, tokens: list[int], prompt_len: int, k: int, params: SamplingParams = GREEDY
+) -> int:
+    """Drafts accepted when the trainer's torch head drafts (greedy, k pinned) over a known greedy output; under
+    penalties each of its rows is spread over the target vocabulary and penalised by the host reference."""
     hf, _ = load_target(target_folder)
     ref, stats, draft_ids = import_head(head_dir, hf.config)
     features, _, taps = target_features(hf, [tokens], taps=stats.tap_layers)[0]
     embed = hf.get_input_embeddings().weight.detach()
 
+    def penalised(row, context: list[int]):
+        spread = np.full(hf.config.vocab_size, -np.inf, np.float32)
+        spread[draft_ids] = row.numpy()
+        return torch.from_numpy(penalize(spread, context, prompt_len, params)[draft_ids])
+
     def drafts(committed: int, n: int) -> list[int]:
-        return torch_drafts(ref, stats, draft_ids, embed, features, tokens, committed, n, taps)
+        adjust = penalised if params.penalized else None
+        return torch_drafts(ref, stats, draft_ids, embed, features, tokens, committed, n, taps, adjust)
 
     return replay_accepted(drafts, tokens, prompt_len, k)
 
@@ -104,6 +115,30 @@ def test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does(
     expected = torch_accepted(folder, tiny_folder(HEAD_TARGETS[family]), prompt + result.tokens, len(prompt), k)
     assert expected > 0  # the trained head is right sometimes, so this compares something
     assert abs(result.stats.accepted - expected) <= 1, (expected, result.stats.as_dict())  # 1: a near-tie
+
+
+@pytest.mark.parametrize(("kind", "k"), [("eagle-1", 3), ("eagle-3", 8)])
+def test_greedy_eagle_under_penalties_drafts_as_the_trainer_does_with_penalised_rows(
+    head_targets, heads, tiny_folder, kind, k
+):
+    """A head's row for draft i is changed as the target's row i will be (the committed tokens and drafts 0..i-1
+    counted): the GPU drafter accepts what the torch head accepts when its rows are penalised so, and not what it
+    accepts unpenalised. A bias lifts one draft-vocabulary token until its frequency penalty outweighs it, so
+    which drafts match turns on the counts along each chain."""
+    target = head_targets("llama")
+    folder, head = heads(kind, "llama")
+    lifted = int(head.draft_to_target[1])
+    params = SamplingParams(frequency_penalty=2.0, presence_penalty=0.5, logit_bias={lifted: 9.0})
+    prompt = held_in_prompt(folder.parent / "work", "long")
+    engine = SpeculativeEngine(target, EagleDrafter(target, head))
+    result = engine.generate(prompt, 40, params, k=k)
+    engine.close()
+    assert result.tokens == reference_decode(target, prompt, 40, params)
+    answer, hf_folder = prompt + result.tokens, tiny_folder(HEAD_TARGETS["llama"])
+    expected = torch_accepted(folder, hf_folder, answer, len(prompt), k, params)
+    unpenalised = torch_accepted(folder, hf_folder, answer, len(prompt), k)
+    assert abs(expected - unpenalised) > 1, (expected, unpenalised)  # the penalties change the head's drafts here
+    assert abs(result.stats.accepted - expected) <= 1, (expected, unpenalised, result.stats.as_dict())
 
 
 @pytest.mark.parametrize(
