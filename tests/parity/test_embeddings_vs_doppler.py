@@ -37,6 +37,7 @@ from doppler_py.api import load
 from doppler_py.embeddings import EmbeddingHead
 from doppler_py.parity import doppler_embed
 from doppler_py.parity.doppler_model import DopplerParityError
+from doppler_py.testing.tiny import TINY_SPECS
 from tests.parity.test_model_vs_doppler import assert_float32_kernels
 
 pytestmark = pytest.mark.parity
@@ -115,6 +116,14 @@ def test_pooling_the_original_cannot_do_is_refused_by_name(doppler_gpu_dir, qwen
     head = dataclasses.replace(EmbeddingHead.from_folder(qwen3_embedding, hf["hidden_size"]), pooling="cls")
     with pytest.raises(DopplerParityError, match="pooling 'cls'"):
         doppler_embed.embedding_conversion_config(hf, head, doppler_gpu_dir, "tiny")
+
+
+def test_inputs_and_folders_the_lane_cannot_embed_are_refused_by_name(doppler_gpu_dir, tiny_folder, tmp_path):
+    with pytest.raises(DopplerParityError, match="at least one token id"):
+        doppler_embed.embed(tmp_path, [[3, 4], []], doppler_gpu_dir)
+    plain = tiny_folder(TINY_SPECS["llama-tied-gqa"])  # a language model without sentence-transformers files
+    with pytest.raises(DopplerParityError, match=r"no modules\.json"):
+        doppler_embed.convert_embedding_model(plain, tmp_path / "rdrr", doppler_gpu_dir)
 
 
 def test_last_token_embeddings_agree_in_all_three_engines(doppler_ready, qwen3_embedding):
