@@ -71,6 +71,7 @@ FORMAT_TEMPLATES = {
     },
 }
 GEMMA_TYPES = ("gemma3_text",)
+GEMMA_ROPE_KINDS = ("full_attention", "sliding_attention")  # the keys of transformers 5's per-layer-type RoPE
 # Qwen 3.5 text: Gated DeltaNet layers between gated full-attention layers, (1 + w) norms, partial RoPE.
 QWEN3_5_TYPES = ("qwen3_5_text",)
 QWEN3_5_LAYER_TYPES = ("linear_attention", "full_attention")
@@ -176,6 +177,8 @@ def conversion_config(hf: dict, package: Path, model_id: str, fmt: str = "f32") 
         slidingWindow=hf.get("sliding_window") if gemma else None,
         queryKeyNorm=model_type != "llama",
         attentionBias=bool(hf.get("attention_bias", False)),
+        # EmbeddingGemma's Gemma 3 attends both ways (transformers: use_bidirectional_attention)
+        causal=not hf.get("use_bidirectional_attention", False),
     )
     if qwen3_5:  # HF's Qwen 3.5 attention always gates its output by sigmoid(gate), q_proj holding [q | gate]
         inference["attention"]["attentionOutputGate"] = True
@@ -190,7 +193,7 @@ def conversion_config(hf: dict, package: Path, model_id: str, fmt: str = "f32") 
     inference["ffn"]["activation"] = "gelu" if activation.startswith("gelu") else activation
     inference["rope"].update(
         ropeTheta=rope.get("rope_theta", 10000.0),
-        ropeLocalTheta=hf.get("rope_local_base_freq") if gemma else None,
+        ropeLocalTheta=hf.get("rope_local_base_freq", rope.get("rope_local_base_freq")) if gemma else None,
     )
     if qwen3_5:
         # Plain (not multimodal) RoPE unless the folder names sections: the template's mrope sections fit the
@@ -362,8 +365,13 @@ def _check_gemma4(hf: dict) -> None:
 
 
 def _rope_parameters(hf: dict, model_type: str) -> dict:
-    """rope_theta and friends, from config.json's top level or from transformers 5's `rope_parameters`."""
+    """rope_theta and friends, from config.json's top level or from transformers 5's `rope_parameters`. A Gemma 3
+    folder that transformers 5 saved keeps them per layer type: the full layers' base is `rope_theta`, the sliding
+    layers' `rope_local_base_freq` (the names of the older top-level form)."""
     rope = dict(hf.get("rope_parameters") or {})
+    if model_type in GEMMA_TYPES and "full_attention" in rope:
+        full, sliding = (_rope_parameters({"rope_parameters": rope.get(kind)}, model_type) for kind in GEMMA_ROPE_KINDS)
+        return full | {"rope_local_base_freq": sliding.get("rope_theta")}
     if "rope_theta" in hf:
         rope.setdefault("rope_theta", hf["rope_theta"])
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -490,12 +498,15 @@ def convert(
     *,
     timeout: float = CONVERT_TIMEOUT_S,
     fmt: str = "f32",
+    config: dict | None = None,
 ) -> Path:
-    """Convert the HF folder into RDRR in format `fmt` (see `conversion_config`) with doppler-gpu's converter
-    within `timeout` seconds; returns `out_dir` (manifest.json inside)."""
+    """Convert the HF folder into RDRR in format `fmt` (see `conversion_config`; `config`: a conversion config to
+    use as it is instead) with doppler-gpu's converter within `timeout` seconds; returns `out_dir` (manifest.json
+    inside)."""
     package = package or fetch_package(DOPPLER_GPU)
-    hf = json.loads((model_dir / "config.json").read_text())
-    config = conversion_config(hf, package, model_id=model_dir.name.lower(), fmt=fmt)
+    if config is None:
+        hf = json.loads((model_dir / "config.json").read_text())
+        config = conversion_config(hf, package, model_id=model_dir.name.lower(), fmt=fmt)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "conversion.json"
     config_path.write_text(json.dumps(config, indent=1))
@@ -560,20 +571,48 @@ def run_greedy(
 ) -> DopplerRun:
     """Greedy generation of `steps` tokens after `prompt_ids` in the JS original, with each step's logits, all
     within `timeout` seconds (Node's start, the model's load and every step); `log` gets each phase line."""
+    job = {"ids": list(prompt_ids), "steps": steps}
+    done = run_driver(DRIVER, rdrr_dir, job, package, timeout=timeout, what="doppler-gpu's generation", log=log)
+    return DopplerRun(
+        tokens=[int(t) for t in done.result["tokens"]],
+        logits=float32_rows(done.result["logits"]),
+        adapter=done.result["adapter"],
+        phases=done.phases,
+        driver=done.driver,
+    )
+
+
+@dataclass(frozen=True)
+class DriverRun:
+    """What a Node driver of the lane wrote (its OUT json), the phases it reported and the Vulkan driver it ran on."""
+
+    result: dict
+    phases: list[tuple[str, float]]
+    driver: str
+
+
+def run_driver(
+    script: Path,
+    rdrr_dir: Path,
+    job: dict,
+    package: Path | None = None,
+    *,
+    timeout: float,
+    what: str,
+    log: Callable[[str], None] | None = None,
+) -> DriverRun:
+    """`node SCRIPT PACKAGE_DIR RDRR_DIR JOB.json OUT.json` on Dawn (`dawn_driver()`) within `timeout` seconds."""
     package = package or fetch_package(DOPPLER_GPU)
     driver = dawn_driver()
     env = node_environment(driver)
     with tempfile.TemporaryDirectory(prefix="doppler-run-") as scratch:
-        job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
-        job.write_text(json.dumps({"ids": list(prompt_ids), "steps": steps}))
-        command = [_node(), str(DRIVER), str(package), str(rdrr_dir), str(job), str(out)]
-        lines = _run(command, timeout=timeout, what="doppler-gpu's generation", env=env, log=log)
-        result = json.loads(out.read_text())
-    rows = [np.frombuffer(base64.b64decode(row), dtype=np.float32) for row in result["logits"]]
-    return DopplerRun(
-        tokens=[int(t) for t in result["tokens"]],
-        logits=np.stack(rows),
-        adapter=result["adapter"],
-        phases=_phases(lines),
-        driver=driver.name,
-    )
+        job_path, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job_path.write_text(json.dumps(job))
+        command = [_node(), str(script), str(package), str(rdrr_dir), str(job_path), str(out)]
+        lines = _run(command, timeout=timeout, what=what, env=env, log=log)
+        return DriverRun(json.loads(out.read_text()), _phases(lines), driver.name)
+
+
+def float32_rows(rows: list[str]) -> np.ndarray:
+    """[n, width] float32 from the base64 rows a Node driver wrote."""
+    return np.stack([np.frombuffer(base64.b64decode(row), dtype=np.float32) for row in rows])

@@ -14,6 +14,8 @@ from typing import NoReturn
 
 import pytest
 
+from doppler_py.parity import doppler_model
+from doppler_py.parity.doppler_model import DopplerParityError
 from doppler_py.parity.npm import DOPPLER_GPU, NpmUnavailableError, fetch_package
 
 
@@ -38,3 +40,14 @@ def doppler_gpu_dir() -> Path:
         return fetch_package(DOPPLER_GPU)
     except NpmUnavailableError as exc:
         skip_unless_ci(f"cannot fetch {DOPPLER_GPU.spec}: {exc}")
+
+
+@pytest.fixture(scope="session")
+def doppler_ready(node_executable, doppler_gpu_dir) -> Path:
+    """Node, the package and a Vulkan driver Dawn accepts (lavapipe 25 or SwiftShader), or a skip (a failure under
+    CI); the package's folder."""
+    try:
+        doppler_model.node_environment()
+    except DopplerParityError as exc:
+        skip_unless_ci(str(exc))
+    return doppler_gpu_dir

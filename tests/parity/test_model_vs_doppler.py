@@ -66,16 +66,6 @@ RMSNORM_SUBGROUP_SLOTS = 32
 SMOLLM2_OPT_IN = "DOPPLER_PARITY_SMOLLM2"  # the real-model run takes minutes on SwiftShader: only on request
 
 
-@pytest.fixture(scope="module")
-def doppler_ready(node_executable, doppler_gpu_dir):
-    """Node, the package and a Vulkan driver Dawn accepts (SwiftShader), or a skip (a failure under CI)."""
-    try:
-        doppler_model.node_environment()
-    except DopplerParityError as exc:
-        skip_unless_ci(str(exc))
-    return doppler_gpu_dir
-
-
 @pytest.fixture
 def on_swiftshader(doppler_ready, monkeypatch):
     """doppler-gpu on SwiftShader even where Mesa 25's lavapipe is there: for the findings whose numpy models

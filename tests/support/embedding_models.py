@@ -35,6 +35,27 @@ def _write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
+POOLING_FLAGS = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+
+
+def pooling_flags(mode: str, width: int) -> dict:
+    """A pooling config as sentence-transformers before its `pooling_mode` key wrote it (one boolean per mode), the
+    layout the Hub's EmbeddingGemma and Qwen3-Embedding ship; `mode` is one of POOLING_FLAGS."""
+    if mode not in POOLING_FLAGS:
+        raise ValueError(f"pooling mode {mode!r} is not one of {POOLING_FLAGS}")
+    flags = {f"pooling_mode_{f}": f == mode for f in POOLING_FLAGS}
+    return {"word_embedding_dimension": width} | flags | {"include_prompt": True}
+
+
+def with_pooling_flags(folder: Path) -> Path:
+    """A folder saved by sentence-transformers 6 with its Pooling config rewritten in the boolean-key layout."""
+    config_file = folder / "1_Pooling" / "config.json"
+    config = json.loads(config_file.read_text())
+    mode = {"mean": "mean_tokens", "lasttoken": "lasttoken", "cls": "cls_token"}[config["pooling_mode"]]
+    _write_json(config_file, pooling_flags(mode, config["embedding_dimension"]))
+    return folder
+
+
 def qwen3_embedding_folder(folder: Path, spec: TinySpec = QWEN3, *, f16_rounded: bool = False) -> Path:
     """The tiny Qwen3 as Qwen3-Embedding lays itself out (module docstring). `f16_rounded`: its weights rounded to
     float16 and stored as float32 (what f16 weights compute with, for a reference in float32)."""
@@ -67,9 +88,7 @@ def qwen3_embedding_folder(folder: Path, spec: TinySpec = QWEN3, *, f16_rounded:
             {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
         ],
     )
-    flags = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken"]
-    pooling = {"word_embedding_dimension": spec.hidden_size} | {f"pooling_mode_{f}": f == "lasttoken" for f in flags}
-    _write_json(folder / "1_Pooling" / "config.json", pooling | {"include_prompt": True})
+    _write_json(folder / "1_Pooling" / "config.json", pooling_flags("lasttoken", spec.hidden_size))
     (folder / "2_Normalize").mkdir(exist_ok=True)
     _write_json(folder / "sentence_bert_config.json", {"max_seq_length": 200, "do_lower_case": False})
     _write_json(
@@ -111,10 +130,10 @@ def saved_by_sentence_transformers(source: Path, folder: Path, pooling: str, den
     return folder
 
 
-def embedding_gemma_folder(folder: Path, dense: tuple[int, ...] = (96, 48)) -> Path:
-    """The tiny Gemma 3 (GEMMA3) with use_bidirectional_attention, saved by sentence-transformers with mean pooling,
+def embedding_gemma_folder(folder: Path, dense: tuple[int, ...] = (96, 48), spec: TinySpec = GEMMA3) -> Path:
+    """The tiny Gemma 3 (`spec`) with use_bidirectional_attention, saved by sentence-transformers with mean pooling,
     Dense layers of these widths (EmbeddingGemma: 768 -> 3072 -> 768) and Normalize."""
-    source = write_tiny_model(folder.with_name(folder.name + "-source"), GEMMA3)
+    source = write_tiny_model(folder.with_name(folder.name + "-source"), spec)
     config = json.loads((source / "config.json").read_text())
     _write_json(source / "config.json", config | {"use_bidirectional_attention": True})
     # transformers' Gemma tokenizer class rebuilds the tokenizer from Gemma's own vocabulary; the tiny one is read
