@@ -42,11 +42,10 @@ class StepClock:
         self.gpu_timing = "timestamp-query" in gpu.features
         self._query_set = self._resolved = None
         if self.gpu_timing:
-            import wgpu
-
+            usage = gpu.api.BufferUsage
             self._query_set = gpu.device.create_query_set(type="timestamp", count=_STAMPS, label="step stamps")
             self._resolved = gpu.device.create_buffer(
-                size=8 * _STAMPS, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, label="stamps"
+                size=8 * _STAMPS, usage=usage.QUERY_RESOLVE | usage.COPY_SRC, label="stamps"
             )
         self._marks: list[float] = []
         self._stamping = False
