@@ -952,17 +952,21 @@ class Transformer:
         if logits == "all" or (logits == "last" and rows == 1):
             self.lm_head.record(rec, rows=head_rows if logits == "all" else 1)  # matmul: logits = rmsnorm(x)·Wlm
         elif logits == "last":
-            row_bytes = self.config.hidden_size * 4
-            rec.copy(  # copy: x_last = x[rows - 1]
-                self.x.view((1, self.config.hidden_size), offset_bytes=0),
-                self.x_last,
-                row_bytes,
-                src_offset=(rows - 1) * row_bytes,
-            )
-            self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[last])·Wlm
+            self.record_row_logits(rec, rows - 1)
+            return positioned
         if self.logit_softcap is not None and logits != "none":
             self.logit_softcap.record(rec, rows=head_rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
         return positioned
+
+    def record_row_logits(self, rec: Recorder, row: int) -> None:
+        """The logits of row `row` of x alone, into logits[0] (after a forward's layers; a forward with logits
+        "last" records it for its last row, a batch for each sequence's last row in turn: its uniforms are the same
+        every time, so one submit may hold several, each read before the next, e.g. copied out)."""
+        row_bytes = self.config.hidden_size * 4
+        rec.copy(self.x, self.x_last, row_bytes, src_offset=row * row_bytes)  # copy: x_last = x[row]
+        self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[row])·Wlm
+        if self.logit_softcap is not None:
+            self.logit_softcap.record(rec, rows=1)  # Gemma 2: logits = cap·tanh(logits/cap)
 
     def _record_qkv(self, rec: Recorder, layer: _LayerOps, rows: int, i: int, lora: tuple[int, ...]) -> None:
         """An attention layer's projection of x into [q | k | v] rows, before attention."""
