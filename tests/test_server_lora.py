@@ -94,9 +94,7 @@ def test_anthropic_messages_pick_adapters_as_the_openai_routes_do(url, engine):
     """/v1/messages: "model": "<id>:<name>" (or the field `adapter`) answers as that adapter alone; an unknown adapter
     is a 400 in Anthropic's error shape, naming it."""
     messages = [{"role": "user", "content": PROMPT}]
-    alone = {
-        name: engine.generate(messages, max_tokens=8, speculative=None, adapter=name).text for name in ("a", None)
-    }
+    alone = {name: engine.generate(messages, max_tokens=8, speculative=None, adapter=name).text for name in ("a", None)}
     assert alone["a"] != alone[None], "the adapter does not change the answer: the test could not fail"
     with httpx.Client(base_url=url, timeout=120) as client:
         for fields, name in (({"model": "tiny:a"}, "a"), ({"model": "tiny", "adapter": "a"}, "a"), ({}, None)):
