@@ -204,6 +204,8 @@ class Engine:
         self.batch.close()
         if self._embedder is not None:
             self._embedder.close()
+        if self._reranker is not None:
+            self._reranker.close()
         self.prefix_cache.clear()
         for head in self.heads.values():
             head.close()
@@ -292,7 +294,9 @@ class Engine:
     ) -> tuple[list[RerankResult], int]:
         """`rerank`'s results and the tokens it read (the server's usage)."""
         if self._reranker is None:
-            self._reranker = Reranker(self.model, self.tokenizer, gpu_lock=self.batch.gpu)
+            with self._leases:
+                if self._reranker is None:
+                    self._reranker = Reranker(self.model, self.tokenizer, gpu_lock=self.batch.gpu)
         return self._reranker.rerank(query, documents, instruction=instruction, top_n=top_n)
 
     # -- speculative engines ----------------------------------------------------------------------------

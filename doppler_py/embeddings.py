@@ -14,11 +14,14 @@ Dense module's `config.json` and weights, and `config_sentence_transformers.json
 A model whose config asks for bidirectional attention (Gemma 3's `use_bidirectional_attention`: EmbeddingGemma) runs
 its embedding forwards with every token seeing every token of its input (sliding layers: those less than
 sliding_window // 2 + 1 positions away either way, as transformers reads the field). A token then depends on the
-tokens after it, so each input runs whole in one forward, and an input longer than a forward's rows
-(`Transformer.max_rows`, 64) is refused; such forwards take up to max_rows rows, not `rows_alone` (GPUs: an input
-batched with others may round differently from the same input alone, within the tolerance). Generation from such a
-model stays causal. A config that asks for it on another architecture, or says `is_causal: false`, is refused
-(`check_causal`).
+tokens after it, so an input cannot be split across forwards as a causal prefill is: an input of up to a forward's
+rows (`Transformer.max_rows`, 64) runs whole in one forward, several such inputs side by side (forwards of up to
+max_rows rows, not `rows_alone`: on GPUs an input batched with others may round differently from the same input
+alone, within the tolerance); a longer one, up to the model's context, runs alone, layer by layer over chunks of
+max_rows rows, every chunk's keys written before any chunk attends (`Transformer.run_bidirectional`). Generation
+from such a model stays causal. A config that asks for it on another architecture, or says `is_causal: false`, is
+refused (`check_causal`). The context is the engine's, the model's max_position_embeddings or sentence-transformers'
+max_seq_length, whichever is least: a longer input is refused.
 """
 
 from __future__ import annotations
@@ -238,10 +241,12 @@ class Embedder:
         self.gpu_lock = gpu_lock
         cfg = model.config
         self.bidirectional = cfg.bidirectional_attention
-        self.max_length = min(model.max_positions, head.max_length or model.max_positions)
-        # Bidirectional: an input's rows must share one forward, of up to max_rows rows (module docstring).
+        # The context: the engine's positions, the model's own (sentence-transformers truncates there) and the
+        # sentence-transformers max_seq_length, whichever ends first.
+        self.max_length = min(model.max_positions, cfg.max_position_embeddings, head.max_length or model.max_positions)
+        # Bidirectional: an input's rows share one forward, of up to max_rows rows, or run layer by layer when it
+        # is longer (module docstring).
         self.forward_rows = model.max_rows if self.bidirectional else model.rows_alone
-        self.max_rows_per_input = model.max_rows if self.bidirectional else self.max_length
         self.width = head.width(cfg.hidden_size)
         # h = rmsnorm(x)·w over a forward's rows: the final norm the LM head fuses into its matmul, on its own.
         self.hidden = Tensor.empty(model.gpu, (model.max_rows, cfg.hidden_size), "f32", "embedding rows")
@@ -302,12 +307,6 @@ class Embedder:
                 raise GenerationOptionError(
                     f"{where} is {ids.size} tokens, past the context of {self.max_length}", option="input"
                 )
-            if ids.size > self.max_rows_per_input:
-                raise GenerationOptionError(
-                    f"{where} is {ids.size} tokens: this model attends both ways, so an input runs whole in one "
-                    f"forward, which takes at most {self.max_rows_per_input} tokens",
-                    option="input",
-                )
             out.append(ids.astype(np.uint32))
         return out
 
@@ -356,17 +355,28 @@ class Embedder:
                 "does not do: embed without a prompt"
             )
         rows = self.forward_rows
-        groups = input_groups([i.size for i in ids], rows)
+        # Bidirectional inputs longer than a forward run alone, layer by layer; the others in shared forwards.
+        alone = [n for n, i in enumerate(ids) if self.bidirectional and i.size > rows]
+        batched = [n for n in range(len(ids)) if n not in alone]
+        groups = [[batched[k] for k in group] for group in input_groups([ids[n].size for n in batched], rows)]
         plans = [plan_forwards([ids[n].size for n in group], rows, whole=self.bidirectional) for group in groups]
-        self.compile([forward for plan in plans for forward in plan])  # before taking the GPU: generations step on
-        pooled: list[np.ndarray] = []
+        row_counts = {sum(take for _, _, take in forward) for plan in plans for forward in plan}
+        for n in alone:
+            row_counts |= {rows, ids[n].size % rows or rows}
+        self.compile(row_counts)  # before taking the GPU: generations step on
+        pooled: list[np.ndarray | None] = [None] * len(ids)
         for group, plan in zip(groups, plans, strict=True):
             with self.gpu_lock():  # per group: generations step between them
-                if self.closed:
-                    raise DopplerError("the engine was closed", advice="load the model again")
-                pooled += self.pool([ids[n] for n in group], plan)
+                self._check_open()
+                for n, v in zip(group, self.pool([ids[n] for n in group], plan), strict=True):
+                    pooled[n] = v
+        for n in alone:
+            with self.gpu_lock():
+                self._check_open()
+                pooled[n] = self.pool_alone(ids[n])
         vectors = []
         for v in pooled:
+            assert v is not None
             for layer in self.head.dense:
                 v = layer(v)
             v = v[:dims]
@@ -376,12 +386,15 @@ class Embedder:
             vectors.append(v.astype(np.float32))
         return EmbeddingResult(np.stack(vectors), int(sum(i.size for i in ids)))
 
-    def compile(self, plan: list[list[tuple[int, int, int]]]) -> None:
-        """The matmul pipelines of the planned forwards' row counts, compiled several at once (a CPU adapter compiles
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DopplerError("the engine was closed", advice="load the model again")
+
+    def compile(self, rows: set[int]) -> None:
+        """The matmul pipelines of the forwards' row counts, compiled several at once (a CPU adapter compiles
         each on one core) rather than one by one as the forwards meet them."""
         model = self.model
         heads = (model.lm_head, model.lm_head_last)
-        rows = {sum(take for _, _, take in segments) for segments in plan}
         compile_at_once([(linear, n) for n in sorted(rows) for linear in model.linears() if linear not in heads])
 
     def pool(self, ids: list[np.ndarray], plan: list[list[tuple[int, int, int]]]) -> list[np.ndarray]:
@@ -413,6 +426,31 @@ class Embedder:
                 self._give_cache(cache)
         assert all(v is not None for v in out)
         return [v for v in out if v is not None]
+
+    def pool_alone(self, ids: np.ndarray) -> np.ndarray:
+        """One bidirectional input longer than a forward, pooled: its rows run layer by layer
+        (`Transformer.run_bidirectional`), then the final norm over each chunk of max_rows rows."""
+        model, mode = self.model, self.head.pooling
+        n, h, step = ids.size, model.config.hidden_size, model.max_rows
+        cache = self._take_cache(n)
+        rows_out = Tensor.empty(model.gpu, (n, h), "f32", "bidirectional rows")
+        try:
+            model.run_bidirectional(cache, ids, rows_out)
+            for p in range(0, n, step):  # a submit per chunk: the norm's uniforms hold one row count per submit
+                rows = min(step, n - p)
+                rec = model.registry.recorder()
+                rec.copy(rows_out, model.x, rows * h * 4, src_offset=p * h * 4)  # copy: x = x_all[c]
+                self.final_norm.record(rec, rows)  # rmsnorm: h = rmsnorm(x)·w_final
+                rec.copy(self.hidden, rows_out, rows * h * 4, dst_offset=p * h * 4)  # copy: x_all[c] = h
+                rec.submit()
+            hidden = np.frombuffer(model.gpu.queue.read_buffer(rows_out.buffer, 0, n * h * 4), np.float32)
+        finally:
+            rows_out.destroy()
+            self._give_cache(cache)
+        hidden = hidden.reshape(n, h)
+        if mode == "mean":
+            return (hidden.sum(axis=0, dtype=np.float64) / n).astype(np.float32)
+        return (hidden[-1] if mode == "lasttoken" else hidden[0]).copy()
 
     def _forward(self, ids: list[np.ndarray], caches: list[KVCache], segments: list, rows: int) -> np.ndarray:
         """One forward over the segments' rows (no LM head), then the final norm; the normed rows [rows, H]."""

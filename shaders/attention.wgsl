@@ -58,11 +58,13 @@
 // slot start_pos + r, and a tree key's RoPE and window position is start_pos + its row's depth. Chains
 // (tree == 0) are the special case depth(r) = r, every earlier row an ancestor.
 //
-// Bidirectional (Params.bidirectional == 1, chains only; embedding models such as EmbeddingGemma): every row
-// sees the cached keys before start_pos and the keys of ALL of the call's rows, later ones included; with a
-// window, the keys within window - 1 positions either way (|p - j| < window, transformers' Gemma 3 bidirectional
-// sliding layers). Only a row's upper key limit and the workgroup's key end change; the host forbids key
-// splits (attention_reduce combines splits up to a row's own position) and trees for such calls.
+// Bidirectional (Params.bidirectional_end > 0, chains only; embedding models such as EmbeddingGemma): every row
+// sees the keys before position bidirectional_end: the cached keys before start_pos, ALL of the call's rows' keys,
+// later ones included (bidirectional_end = start_pos + rows), and past them the keys an input longer than one call
+// has in the caches already (its later rows', written by earlier rope.wgsl dispatches; the host then passes
+// rope == 0); with a window, the keys within window - 1 positions either way (|p - j| < window, transformers'
+// Gemma 3 bidirectional sliding layers). Only a row's upper key limit and the workgroup's key end change; the
+// host forbids key splits (attention_reduce combines splits up to a row's own position) and trees for such calls.
 //
 // Several sequences in one dispatch (PAGED, ops/attention.py BatchedAttention): grid (1, n_kv_heads, segments),
 // ONE workgroup per (kv head, segment) holding all of its segment's blocks (no key splits). Segment s is
@@ -99,7 +101,7 @@
 //         partials stay indexed by r);
 //         block (PAGED: positions per pool block, a power of two);
 //         pack_max_keys (packed kv heads for calls over fewer keys, as above; 0 = never);
-//         bidirectional (1: rows also see later rows' keys, as above; 0: causal).
+//         bidirectional_end (> 0: every row sees the keys before it, later rows' included, as above; 0: causal).
 //         PAGED reads rows, start_pos, tree and row0 from each segment's header instead, and needs n_splits 1
 //         and a split_len above every context.
 // Overrides: HEAD_DIM (a multiple of 16, at most 512: two lane groups of 32 lanes per workgroup); FUSED_ROPE
@@ -110,8 +112,9 @@
 //           blocks = ceil(rows * n_heads / n_kv_heads / 4), y = ceil(n_kv_heads / packed_heads), z = n_splits.
 //           PAGED: x = 1, y = ceil(n_kv_heads / the fewest packed heads of a segment), z = segments, each
 //           segment's blocks at most 64 / (HEAD_DIM / 16).
-// Workgroup memory: 9 KiB (main_subgroups uses it only to merge key lanes). Keys at or beyond start_pos + rows are never read (they may hold garbage), nor,
-// with rope == 1, those at or beyond start_pos.
+// Workgroup memory: 9 KiB (main_subgroups uses it only to merge key lanes). Keys at or beyond start_pos + rows
+// (bidirectional: bidirectional_end) are never read (they may hold garbage), nor, with rope == 1, those at or
+// beyond start_pos.
 
 enable subgroups;
 
@@ -132,7 +135,7 @@ struct Params {
   row0: u32,
   block: u32,
   pack_max_keys: u32,
-  bidirectional: u32,
+  bidirectional_end: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -509,9 +512,10 @@ fn key_range(wid: vec3<u32>) -> Keys {
     window_begin = first_pos + 1u - params.window;
   }
   let key_begin = max(split * params.split_len, window_begin);
-  // Causal: up to the latest row's own key; bidirectional: up to the call's last row's.
-  let rows_seen = select(last_pair / group + 1u, seg.rows, params.bidirectional == 1u);
-  let key_end = min((split + 1u) * params.split_len, seg.start_pos + rows_seen);
+  // Causal: up to the latest row's own key; bidirectional: up to bidirectional_end.
+  let causal_end = seg.start_pos + last_pair / group + 1u;
+  let seen_end = select(causal_end, params.bidirectional_end, params.bidirectional_end > 0u);
+  let key_end = min((split + 1u) * params.split_len, seen_end);
   let per = packed_heads(key_end - key_begin, n_blocks);
   let heads = min(per, params.n_kv_heads - min(wid.y * per, params.n_kv_heads));
   // The last workgroup may hold fewer blocks than the others: its spare groups become more key lanes while
@@ -607,8 +611,8 @@ fn prepare(wid: vec3<u32>, t: u32, keys: Keys) -> Work {
       if (params.window > 0u && q_pos[c] + 1u > params.window) {
         lower[c] = q_pos[c] + 1u - params.window;
       }
-      if (params.bidirectional == 1u) {  // every row of the call, within window - 1 positions after its own
-        limit[c] = seg.start_pos + seg.rows;
+      if (params.bidirectional_end > 0u) {  // every key before it, within window - 1 positions after its own
+        limit[c] = params.bidirectional_end;
         if (params.window > 0u) {
           limit[c] = min(limit[c], q_pos[c] + params.window);
         }

@@ -279,9 +279,18 @@ def test_bidirectional_gemma3_embeddings_equal_sentence_transformers(tmp_path, m
         # Batched whole (several inputs per forward, none split across forwards) equals each alone.
         together = np.asarray(engine.embed(GEMMA_TEXTS * 3))
         np.testing.assert_allclose(together, np.tile(ours, (3, 1)), rtol=0, atol=1e-6)
-        # An input longer than one forward cannot run whole: refused, naming the field.
-        with pytest.raises(GenerationOptionError, match="attends both ways") as raised:
-            engine.embed("x" * (engine.model.max_rows + 1))
+        # Inputs up to a forward's rows and past it (run layer by layer, `Transformer.run_bidirectional`), alone
+        # and beside short ones, up to the model's context (its max_position_embeddings, 256); past it refused.
+        rows = engine.model.max_rows
+        assert rows == 64 and embedder.max_length == 256
+        # Varied characters (a token each): an input of one repeated token attends alike to any of its keys.
+        pangrams = "the quick brown fox jumps over the lazy dog while five boxing wizards jump quickly " * 2
+        long_texts = [pangrams[:n] for n in (1, rows - 1, rows, rows + 1, 150)]
+        assert [i.size for i in embedder.token_lists(long_texts)] == [1, 63, 64, 65, 150]
+        long_ours = np.asarray(engine.embed([*long_texts, *GEMMA_TEXTS]))
+        assert np.abs(long_ours - reference.encode([*long_texts, *GEMMA_TEXTS])).max() <= F32_TOLERANCE
+        with pytest.raises(GenerationOptionError, match="past the context of 256") as raised:
+            engine.embed("x" * 257)
         assert raised.value.option == "input"
         monkeypatch.setattr(embedder, "bidirectional", False)
         causal = np.asarray(engine.embed(GEMMA_TEXTS[1:]))

@@ -4,6 +4,7 @@ vectors themselves are held to sentence-transformers in test_embeddings.py)."""
 from __future__ import annotations
 
 import base64
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -129,3 +130,38 @@ def test_embeddings_beside_a_generation_are_each_as_alone(api, engine):
         for answer in vectors:
             got = np.asarray([d.embedding for d in answer.result().data], np.float32)
             np.testing.assert_array_equal(got, alone)
+
+
+def test_embeddings_and_rerank_are_admitted_beside_generations_and_get_429_when_full(engine, monkeypatch):
+    """queue_size=0, one generation at a time: an embeddings call that runs fills the server, so another embeddings
+    request, a rerank and a completion each get 429 (rate_limit_error, Retry-After); once it is done, the server
+    admits again."""
+    running, release = threading.Event(), threading.Event()
+    embeddings = engine.embeddings
+
+    def held(*args, **kwargs):  # the first call holds the server until the test releases it
+        running.set()
+        release.wait(60)
+        return embeddings(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "embeddings", held)
+    config = ServerConfig(model_id="tiny-embed", queue_size=0, defaults={"speculative": None})
+    with serving_in_background(OpenAIServer(engine, config).app) as url, ThreadPoolExecutor(1) as pool:
+        try:
+            first = pool.submit(httpx.post, f"{url}/v1/embeddings", json={"input": "held"}, timeout=60)
+            assert running.wait(60)
+            for route, body in (
+                ("/v1/embeddings", {"input": "hi"}),
+                ("/v1/rerank", {"query": "where?", "documents": ["here"]}),
+                ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+            ):
+                refused = httpx.post(f"{url}{route}", json=body, timeout=60)
+                assert refused.status_code == 429 and refused.headers["retry-after"] == "1", route
+                assert refused.json()["error"]["type"] == "rate_limit_error"
+            health = httpx.get(f"{url}/health", timeout=60).json()
+            assert health["running"] == 1 and health["rejected"] == 3
+        finally:
+            release.set()
+        assert first.result().status_code == 200
+        assert httpx.post(f"{url}/v1/embeddings", json={"input": "hi"}, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=60).json()["completed"] == 2

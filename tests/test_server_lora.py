@@ -88,3 +88,22 @@ def test_without_lora_admin_adapters_cannot_be_added_or_removed(engine, folders)
         assert client.post("/v1/adapters", json={"name": "x", "path": str(folders[2])}).status_code == 403
         assert client.delete("/v1/adapters/a").status_code == 403
         assert [card["id"] for card in client.get("/v1/adapters").json()["data"]] == ["a"]
+
+
+def test_anthropic_messages_pick_adapters_as_the_openai_routes_do(url, engine):
+    """/v1/messages: "model": "<id>:<name>" (or the field `adapter`) answers as that adapter alone; an unknown adapter
+    is a 400 in Anthropic's error shape, naming it."""
+    messages = [{"role": "user", "content": PROMPT}]
+    alone = {name: engine.generate(messages, max_tokens=8, speculative=None, adapter=name).text for name in ("a", None)}
+    assert alone["a"] != alone[None], "the adapter does not change the answer: the test could not fail"
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for fields, name in (({"model": "tiny:a"}, "a"), ({"model": "tiny", "adapter": "a"}, "a"), ({}, None)):
+            body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": messages} | fields
+            answer = client.post("/v1/messages", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["content"][0]["text"] == alone[name]
+        refused = client.post("/v1/messages", json={"model": "tiny:zzz", "max_tokens": 8, "messages": messages})
+        assert refused.status_code == 400
+        error = refused.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert "'zzz'" in error["error"]["message"]

@@ -824,6 +824,66 @@ class Transformer:
                 cache.recurrent.ran(start_pos, rows)
         return paged is not None
 
+    def run_bidirectional(self, cache: KVCache, ids: np.ndarray, out: Tensor) -> None:
+        """Run the layers over one input of any length up to the cache's with every token seeing every token of it
+        (embedding models that attend both ways, `doppler_py.embeddings`), leaving x after the last layer in
+        `out` [len(ids), H]; no logits. A token depends on the later ones at the layer before, so an input of more
+        than `max_rows` rows cannot run chunk after chunk as a causal prefill does: it runs layer by layer, each
+        layer over chunks of at most max_rows rows (the shapes of any forward), keys first:
+
+            x_all[c] = E[ids[c]]                                                           each chunk c
+            each layer:  x = x_all[c]; qkv = rmsnorm(x)·Wqkv; RoPE: q rotated, k, v → cache; qkv_all[c] = qkv
+                                                                                           each chunk, then
+                         qkv = qkv_all[c]; attn = attention(q over cache[0 : n]); x = x_all[c]
+                         x += attn·Wo; x += MLP(x); x_all[c] = x                           each chunk
+
+        One submit per chunk and step: an op's uniform slot holds one set of values per submit. The cache holds
+        the input's keys and values afterwards. Only models whose every layer is plain attention writing its own
+        keys (not a hybrid, no KV-shared layers, no per-layer inputs) and without taps."""
+        n, h = int(ids.size), self.config.hidden_size
+        if self.hybrid or self.per_layer_inputs or self.taps:
+            raise GenerationOptionError(
+                "a bidirectional input longer than a forward runs on attention-only models without per-layer inputs "
+                "or taps"
+            )
+        if out.numel < n * h:
+            raise ValueError(f"run_bidirectional: out holds {out.numel} floats, needs {n} x {h}")
+        cache.truncate(0)
+        cache.check_room(0, n)
+        ops = self.attention_ops(cache)
+        widths = [self._qkv_width(i) for i in range(len(self.layers))]
+        qkv_all = Tensor.empty(self.gpu, (n, max(widths)), "f32", "bidirectional qkv rows")
+        chunks = [(p, min(self.max_rows, n - p)) for p in range(0, n, self.max_rows)]
+        try:
+            for p, rows in chunks:
+                self.ids.view((rows,)).write(ids[p : p + rows].astype(np.uint32))
+                rec = self.registry.recorder()
+                self.embed.record(rec, rows=rows)  # embedding: x = E[ids] (· sqrt(H) for Gemma)
+                rec.copy(self.x, out, rows * h * 4, dst_offset=p * h * 4)  # copy: x_all[c] = x
+                rec.submit()
+            for i, layer in enumerate(self.layers):
+                op, width = ops[i], widths[i] * 4
+                assert isinstance(op, Attention)
+                for p, rows in chunks:  # every chunk's keys and values into the cache first
+                    rec = self.registry.recorder()
+                    rec.copy(out, self.x, rows * h * 4, src_offset=p * h * 4)  # copy: x = x_all[c]
+                    self._record_qkv(rec, layer, rows, i, ())
+                    op.write_keys(rec, rows, p)  # rope: q rotated in qkv; k, v → cache[p ..]
+                    rec.copy(self.qkv, qkv_all, rows * width, dst_offset=p * width)  # copy: qkv_all[c] = qkv
+                    rec.submit()
+                for p, rows in chunks:  # then each chunk's attention over all of them, and the rest of the layer
+                    rec = self.registry.recorder()
+                    rec.copy(qkv_all, self.qkv, rows * width, src_offset=p * width)  # copy: qkv = qkv_all[c]
+                    op.record(rec, rows, p, bidirectional=True, key_end=n)  # attention: attn = softmax(q·K)·V
+                    rec.copy(out, self.x, rows * h * 4, src_offset=p * h * 4)  # copy: x = x_all[c]
+                    self._record_after_attention(rec, layer, rows, i, ())
+                    rec.copy(self.x, out, rows * h * 4, dst_offset=p * h * 4)  # copy: x_all[c] = x
+                    rec.submit()
+        finally:
+            qkv_all.destroy()
+        self.forwards += 1
+        cache.advance_to(n)
+
     def _record_layers(
         self,
         rec: Recorder,
@@ -865,10 +925,7 @@ class Transformer:
                 adapters.record(rec, i, "o", rows, lora)  # LoRA: x += B·A·core
                 self._record_mlp(rec, layer, rows, i, lora)
                 continue
-            layer.qkv.record(rec, rows=rows)  # matmul: qkv = rmsnorm(x)·Wqkv (+ b)
-            adapters.record(rec, i, "qkv", rows, lora)  # LoRA: qkv += B·A·rmsnorm(x) (adapted rows)
-            if layer.qk_norm:
-                layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
+            self._record_qkv(rec, layer, rows, i, lora)
             # attention: q, k rotated (RoPE); k, v → cache; attn = softmax(q·K)·V
             alone = segments
             if paged is not None:
@@ -888,32 +945,49 @@ class Transformer:
                     bidirectional=bidirectional,
                 ):
                     positioned.setdefault((self._layer_group[i], kind), []).append(slot)
-            if layer.attn_gate is not None and layer.gate is not None:
-                layer.attn_gate.record(rec, rows=rows)  # matmul: gate = rmsnorm(x)·Wgate
-                adapters.record(rec, i, "attn_gate", rows, lora)  # LoRA: gate += B·A·rmsnorm(x)
-                layer.gate.record(rec, rows=rows)  # attn *= sigmoid(gate)
-            layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
-            adapters.record(rec, i, "o", rows, lora)  # LoRA: x (Gemma: y) += B·A·attn
-            if layer.post_attn:
-                layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
-            self._record_mlp(rec, layer, rows, i, lora)
+            self._record_after_attention(rec, layer, rows, i, lora)
         head_rows = rows if logit_rows is None else logit_rows
         if logits == "all" and head_rows == 0:
             logits = "none"
         if logits == "all" or (logits == "last" and rows == 1):
             self.lm_head.record(rec, rows=head_rows if logits == "all" else 1)  # matmul: logits = rmsnorm(x)·Wlm
         elif logits == "last":
-            row_bytes = self.config.hidden_size * 4
-            rec.copy(  # copy: x_last = x[rows - 1]
-                self.x.view((1, self.config.hidden_size), offset_bytes=0),
-                self.x_last,
-                row_bytes,
-                src_offset=(rows - 1) * row_bytes,
-            )
-            self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[last])·Wlm
+            self.record_row_logits(rec, rows - 1)
+            return positioned
         if self.logit_softcap is not None and logits != "none":
             self.logit_softcap.record(rec, rows=head_rows if logits == "all" else 1)  # Gemma 2: cap·tanh(logits/cap)
         return positioned
+
+    def record_row_logits(self, rec: Recorder, row: int) -> None:
+        """The logits of row `row` of x alone, into logits[0] (after a forward's layers; a forward with logits
+        "last" records it for its last row, a batch for each sequence's last row in turn: its uniforms are the same
+        every time, so one submit may hold several, each read before the next, e.g. copied out)."""
+        row_bytes = self.config.hidden_size * 4
+        rec.copy(self.x, self.x_last, row_bytes, src_offset=row * row_bytes)  # copy: x_last = x[row]
+        self.lm_head_last.record(rec, rows=1)  # matmul: logits = rmsnorm(x[row])·Wlm
+        if self.logit_softcap is not None:
+            self.logit_softcap.record(rec, rows=1)  # Gemma 2: logits = cap·tanh(logits/cap)
+
+    def _record_qkv(self, rec: Recorder, layer: _LayerOps, rows: int, i: int, lora: tuple[int, ...]) -> None:
+        """An attention layer's projection of x into [q | k | v] rows, before attention."""
+        layer.qkv.record(rec, rows=rows)  # matmul: qkv = rmsnorm(x)·Wqkv (+ b)
+        self.adapters.record(rec, i, "qkv", rows, lora)  # LoRA: qkv += B·A·rmsnorm(x) (adapted rows)
+        if layer.qk_norm:
+            layer.qk_norm.record(rec, rows=rows)  # rmsnorm: each q and k head of qkv, in place
+
+    def _record_after_attention(
+        self, rec: Recorder, layer: _LayerOps, rows: int, i: int, lora: tuple[int, ...]
+    ) -> None:
+        """An attention layer's rest after attention wrote attn: its output projection into x, then the MLP."""
+        if layer.attn_gate is not None and layer.gate is not None:
+            layer.attn_gate.record(rec, rows=rows)  # matmul: gate = rmsnorm(x)·Wgate
+            self.adapters.record(rec, i, "attn_gate", rows, lora)  # LoRA: gate += B·A·rmsnorm(x)
+            layer.gate.record(rec, rows=rows)  # attn *= sigmoid(gate)
+        layer.o.record(rec, rows=rows)  # matmul: x += attn·Wo (Gemma: y = attn·Wo)
+        self.adapters.record(rec, i, "o", rows, lora)  # LoRA: x (Gemma: y) += B·A·attn
+        if layer.post_attn:
+            layer.post_attn.record(rec, rows=rows)  # rmsnorm: x += rmsnorm(y)
+        self._record_mlp(rec, layer, rows, i, lora)
 
     def _record_mlp(self, rec: Recorder, layer: _LayerOps, rows: int, i: int, lora: tuple[int, ...]) -> None:
         """The layer's MLP (and the updates of the adapters in `lora`), Gemma 4's per-layer input, and the copy of its

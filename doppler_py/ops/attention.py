@@ -34,7 +34,10 @@ call ("shared", rope == 3).
 
 A call with `bidirectional=True` (embedding models: EmbeddingGemma) lets every row see all of the call's rows'
 keys, later ones included, and the cached keys before start_pos; in a sliding window, the keys less than `window`
-positions away either way. Such calls take no key splits and no token tree.
+positions away either way. Such calls take no key splits and no token tree. An input longer than a call's rows
+runs in two steps per layer (`Transformer.run_bidirectional`): `write_keys` puts every chunk's keys and values in
+the caches (and rotates its queries in place), then each chunk's call with `key_end` = the input's length sees
+them all.
 
 `BatchedAttention` runs one layer's attention for the rows of several sequences (segments) in ONE dispatch, each
 segment's keys and values read (and its new ones written) through its block table in pools shared by all
@@ -122,10 +125,11 @@ def packed_heads(keys: int, blocks: int, n_kv_heads: int, lane_groups: int, pack
     return min(n_kv_heads, lane_groups // (PACKED_KEY_LANES * blocks))
 
 
-def context_keys(rows: int, start_pos: int, window: int) -> int:
-    """Keys the rows of a call see over all: a sliding window caps them, whatever the context."""
-    context = start_pos + rows
-    return min(context, window + rows - 1) if window else context
+def context_keys(rows: int, start_pos: int, window: int, key_end: int | None = None) -> int:
+    """Keys the rows of a call see over all (those before `key_end`, default start_pos + rows): a sliding window
+    caps them, whatever the context, at the keys from the first row's window on."""
+    end = start_pos + rows if key_end is None else key_end
+    return min(end, end - start_pos - 1 + window) if window else end
 
 
 def pack_max_keys(registry: KernelRegistry) -> int:
@@ -133,10 +137,10 @@ def pack_max_keys(registry: KernelRegistry) -> int:
     return PACK_MAX_KEYS if registry.gpu.on_cpu else 0
 
 
-def call_heads(op: Attention | BatchedAttention, rows: int, start_pos: int) -> int:
+def call_heads(op: Attention | BatchedAttention, rows: int, start_pos: int, key_end: int | None = None) -> int:
     """kv heads per workgroup of `op`'s call (or PAGED segment) of `rows` rows at start_pos, without key splits."""
     blocks = workgroups(rows * op.group, QUERIES_PER_BLOCK)
-    keys = context_keys(rows, start_pos, op.window)
+    keys = context_keys(rows, start_pos, op.window, key_end)
     return packed_heads(keys, blocks, op.n_kv_heads, op.lane_groups, op.pack_max_keys)
 
 
@@ -307,13 +311,20 @@ class Attention:
             self.rope.release(registry)
 
     def plan(
-        self, rows: int, start_pos: int, splits: int | None = None, *, bidirectional: bool = False
+        self,
+        rows: int,
+        start_pos: int,
+        splits: int | None = None,
+        *,
+        bidirectional: bool = False,
+        key_end: int | None = None,
     ) -> tuple[int, int, int]:
         """(key_lanes, split_len, n_splits) for a call; `splits` forces the split count (clamped). A bidirectional
-        call is never split: attention_reduce combines a row's splits up to its own position only."""
+        call is never split: attention_reduce combines a row's splits up to its own position only. `key_end`: the
+        end of the keys a bidirectional call sees (`call`)."""
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
-        context = start_pos + rows
-        keys = context_keys(rows, start_pos, self.window)
+        context = start_pos + rows if key_end is None else key_end
+        keys = context_keys(rows, start_pos, self.window, key_end)
         if bidirectional:
             if splits is not None and splits > 1:
                 raise ValueError(f"splits={splits}: a bidirectional call is not split")
@@ -355,11 +366,19 @@ class Attention:
         tree: bool = False,
         row0: int = 0,
         bidirectional: bool = False,
+        key_end: int | None = None,
     ) -> tuple[dict[str, dict], tuple[int, int, int]]:
         """What a call sets, per kind of uniform slot its dispatches use ("attention", and "rope" when a rope.wgsl
-        dispatch goes first), and the attention dispatch's grid (`record` records the call)."""
+        dispatch goes first), and the attention dispatch's grid (`record` records the call). `key_end`
+        (bidirectional calls): the rows see every key before it, which `write_keys` has put in the caches, this
+        call's rows' included, their queries rotated; the call then writes nothing (`record`)."""
         if tree and bidirectional:
             raise ValueError("a token tree attends causally: tree and bidirectional exclude each other")
+        if key_end is not None and not (bidirectional and start_pos + rows <= key_end <= self.max_seq):
+            raise ValueError(
+                f"key_end={key_end}: a bidirectional call's keys end at or past its rows' ({start_pos + rows}) and "
+                f"within the cache ({self.max_seq})"
+            )
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"rows={rows} must be in 1..{self.max_rows}")
         if row0 < 0 or row0 + rows > self.max_rows:
@@ -368,13 +387,16 @@ class Attention:
             raise ValueError(f"a tree call needs the op's tree layout tensor and rows <= {MAX_TREE_ROWS}, got {rows}")
         if start_pos < 0 or start_pos + rows > self.max_seq:
             raise DeviceLimitError(f"positions {start_pos}..{start_pos + rows - 1} exceed the cache ({self.max_seq})")
-        key_lanes, split_len, n_splits = self.plan(rows, start_pos, splits, bidirectional=bidirectional)
+        key_lanes, split_len, n_splits = self.plan(
+            rows, start_pos, splits, bidirectional=bidirectional, key_end=key_end
+        )
         blocks = workgroups(rows * self.group, QUERIES_PER_BLOCK)
-        heads = call_heads(self, rows, start_pos) if n_splits == 1 else 1
+        heads = call_heads(self, rows, start_pos, key_end) if n_splits == 1 else 1
         grid = (workgroups(blocks, self.lane_groups // key_lanes), workgroups(self.n_kv_heads, heads), n_splits)
         if heads > 1:
             key_lanes = 1  # the workgroup grows its key lanes for all of its heads' blocks (attention.wgsl)
-        rope = self.rope_mode(rows, grid)
+        # With key_end the caches hold every key and q is rotated already (`write_keys`): nothing to rotate or write.
+        rope = None if key_end is not None else self.rope_mode(rows, grid)
         values: dict[str, dict] = {
             "attention": {
                 "rows": rows,
@@ -385,7 +407,7 @@ class Attention:
                 "rope": ROPE_PARAM[rope],
                 "tree": int(tree),
                 "row0": row0,
-                "bidirectional": int(bidirectional),
+                "bidirectional_end": (start_pos + rows if key_end is None else key_end) if bidirectional else 0,
             }
         }
         if rope == "dispatch":
@@ -415,15 +437,19 @@ class Attention:
         tree: bool = False,
         row0: int = 0,
         bidirectional: bool = False,
+        key_end: int | None = None,
     ) -> list[tuple[str, UniformSlot]]:
         """Record attention for `rows` queries at positions start_pos..start_pos+rows-1; returns the uniform slots
         the dispatches used (the ops' own, or in a phase their copies), each with its kind as in `call`.
 
         `splits` forces the number of key-range splits (tests, benchmarks); None lets `plan` choose. `tree`: the
         rows are the token tree laid out in the op's tree tensor. `row0`: the rows' first row in q and out (class
-        docstring). `bidirectional`: the rows also see each other's later keys (module docstring).
+        docstring). `bidirectional`: the rows also see each other's later keys (module docstring), and with `key_end`
+        every key before it, put in the caches by `write_keys` (`call`).
         """
-        values, grid = self.call(rows, start_pos, splits, tree=tree, row0=row0, bidirectional=bidirectional)
+        values, grid = self.call(
+            rows, start_pos, splits, tree=tree, row0=row0, bidirectional=bidirectional, key_end=key_end
+        )
         used = []
         if "rope" in values:
             used.append(("rope", self.rope.record(rec, rows, start_pos, tree=tree, row0=row0)))
@@ -433,6 +459,14 @@ class Attention:
             reduce = rec.dispatch(self.reduce, workgroups(rows * self.n_heads * self.head_dim // 4, LANES))
             used.append(("attention", reduce.params))
         return used
+
+    def write_keys(self, rec: Recorder, rows: int, start_pos: int) -> None:
+        """Record the rope.wgsl dispatch alone: the rows' queries rotated in place in q, their keys rotated and
+        their values copied into the caches at start_pos.. (an input longer than a call, before its calls with
+        `key_end`; module docstring)."""
+        if self.rope is None:
+            raise ValueError("write_keys: the op has no rope= table (or serves a KV-shared layer): it writes no keys")
+        self.rope.record(rec, rows, start_pos)
 
 
 # -- several sequences in one dispatch, K/V through block tables (PAGED) --------------------------------------

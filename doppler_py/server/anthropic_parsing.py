@@ -27,7 +27,8 @@ from doppler_py.server.parsing import GenerationRequest, _describe, _field, _opt
 
 # Sampling fields of Anthropic's with the same name and meaning as GenerationOptions', and this server's extensions
 # (as on the OpenAI routes).
-_SAME = ("temperature", "top_p", "top_k", "seed", "speculative", "k")
+# "adapter": the LoRA adapter `adapters_route.request_adapter` resolved from `model` ("<id>:<name>") or the field.
+_SAME = ("adapter", "temperature", "top_p", "top_k", "seed", "speculative", "k")
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool", which names one
 _BLOCKS = ("text", "tool_use", "tool_result")
 

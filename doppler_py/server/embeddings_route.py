@@ -2,7 +2,8 @@
 a token list or a list of token lists; `dimensions` (Matryoshka truncation, embedding models only); `encoding_format`
 "float" or "base64" (each vector's little-endian float32 bytes); `prompt_name` (ours: one of the model's named
 prompts, e.g. "query"). Every input runs in the request's forwards, several side by side; the GPU is shared with
-the generations' loop between its steps. Refusals are 400s naming the field."""
+the generations' loop between its steps. The request is admitted as a generation is (`GenerationQueue.call`: 429
+when the server is full). Refusals are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from doppler_py.embeddings import check_encoding_format
-from doppler_py.server.disconnect import _DISCONNECTED, engine_call
+from doppler_py.server.disconnect import _DISCONNECTED
 from doppler_py.server.errors import RequestError, _engine_error
 from doppler_py.server.parsing import _field
 
@@ -35,7 +36,7 @@ async def embeddings(server: OpenAIServer, request: Request) -> Response:
     except Exception as exc:
         raise _engine_error(exc) from None
     run = partial(server.engine.embeddings, body["input"], dimensions=dimensions, prompt_name=prompt_name)
-    result = await engine_call(request, run)
+    result = await server.queue.call(request, run)  # admitted beside the generations (429 when full)
     if result is _DISCONNECTED:
         return Response(status_code=499)
     data = [

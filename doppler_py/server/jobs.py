@@ -1,6 +1,9 @@
 """Generations and their admission: a `Job` is one generation, run on a GPU worker thread with its events delivered
 to the event loop; `GenerationQueue` admits a request's jobs (all or none; 429 when full) and runs them on the
-engine's `parallel` workers; `_JobEvents` hands a request the events of its jobs as they come."""
+engine's `parallel` workers; `_JobEvents` hands a request the events of its jobs as they come. An embeddings or
+rerank request is a `Call`, admitted and counted beside the jobs (`GenerationQueue.call`: one more running or
+waiting, the same 429 when full) and run on a thread of its own, one call at a time in the order admitted (the
+engine shares the GPU between a call's forwards and the generations' steps)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,15 @@ import asyncio
 import contextlib
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from starlette.requests import Request
+
 from doppler_py.api import Engine, GenerationResult
-from doppler_py.server.errors import _CLIENT_ERRORS, RequestError
+from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
+from doppler_py.server.errors import _CLIENT_ERRORS, RequestError, _engine_error
 from doppler_py.server.parsing import GenerationRequest
 
 # ("piece", (text, its tokens' logprobs or None)) | ("done", GenerationResult) | ("error", Exception)
@@ -89,6 +96,43 @@ class Job:
                 raise value
 
 
+class Call:
+    """An embeddings or rerank request's blocking engine call, admitted and counted as a generation is
+    (`GenerationQueue.call`); `record` stays None (no generation to count)."""
+
+    def __init__(self, run: Callable[[], Any]):
+        self._run = run
+        self.cancel_requested = threading.Event()
+        self.started = False  # set by the call thread
+        self.ended = False
+        self.outcome = "queued"
+        self.record: GenerationResult | None = None
+
+    @property
+    def wanted(self) -> bool:
+        return not self.ended and (self.started or not self.cancel_requested.is_set())
+
+    def cancel(self) -> None:
+        self.cancel_requested.set()
+
+    def run(self) -> Any:
+        """Call thread: the engine call's result (None when its client left before it started)."""
+        self.started = True
+        try:
+            if self.cancel_requested.is_set():
+                self.outcome = "cancelled"
+                return None
+            try:
+                result = self._run()
+            except Exception as exc:
+                self.outcome = "refused" if isinstance(exc, _CLIENT_ERRORS) else "failed"
+                raise
+            self.outcome = "completed"
+            return result
+        finally:
+            self.ended = True
+
+
 class GenerationQueue:
     """Runs jobs on the engine's `parallel` worker threads (their steps batched by the engine); admits a job while
     fewer than parallel + queue_size others are running or waiting (jobs whose clients left are not counted: the
@@ -99,11 +143,12 @@ class GenerationQueue:
             raise ValueError(f"queue_size must be >= 0, got {queue_size}")
         self.engine = engine
         self.queue_size = queue_size
-        self.jobs: set[Job] = set()  # admitted and not finished; touched on the event loop thread only
+        self.jobs: set[Job | Call] = set()  # admitted and not finished; touched on the event loop thread only
         self.counts: Counter[str] = Counter()
         self.totals: Counter[str] = Counter()  # over completed generations (`metrics`)
         self.workers = engine.parallel
         self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="doppler-gpu")
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="doppler-calls")
 
     def submit(self, request: GenerationRequest) -> list[Job]:
         """The jobs of the request's generations (`GenerationRequest.generations`), admitted all or none. Beside other
@@ -117,14 +162,7 @@ class GenerationQueue:
                 f"{self.queue_size}",
                 param="n",
             )
-        if sum(job.wanted for job in self.jobs) + len(generations) > capacity:
-            self.counts["rejected"] += 1
-            raise RequestError(
-                429,
-                f"the server is busy ({self.workers} running, {self.queue_size} waiting); retry later",
-                kind="rate_limit_error",
-                code="queue_full",
-            )
+        self._admit(len(generations))
         loop = asyncio.get_running_loop()
         jobs: list[Job] = []
         stagger = self.engine.parallel > 1 and self.engine.prefix_cache.budget_bytes > 0
@@ -136,7 +174,37 @@ class GenerationQueue:
             future.add_done_callback(lambda _, job=job: self._finished(job))
         return jobs
 
-    def _finished(self, job: Job) -> None:
+    def _admit(self, count: int) -> None:
+        """429 unless `count` more fit beside the jobs and calls running or waiting."""
+        if sum(job.wanted for job in self.jobs) + count > self.workers + self.queue_size:
+            self.counts["rejected"] += 1
+            raise RequestError(
+                429,
+                f"the server is busy ({self.workers} running, {self.queue_size} waiting); retry later",
+                kind="rate_limit_error",
+                code="queue_full",
+            )
+
+    async def call(self, request: Request, run: Callable[[], Any]) -> Any:
+        """`run` (a blocking engine call: embeddings, rerank) admitted as one more job (429 when full) and run on the
+        call thread: its result, or _DISCONNECTED when the client went away first (a call not yet started then never
+        runs: it is skipped); the engine's errors raised as the request's (`_engine_error`)."""
+        self._admit(1)
+        call = Call(run)
+        self.jobs.add(call)
+        future = asyncio.get_running_loop().run_in_executor(self._calls, call.run)
+        future.add_done_callback(lambda _: self._finished(call))
+        try:
+            # Shielded: a client that leaves does not cancel the future, so the call stays counted until its thread
+            # is done with it (a call that has not started then returns at once, cancelled).
+            result = await _unless_disconnected(request, asyncio.shield(future))
+        except Exception as exc:
+            raise _engine_error(exc) from None
+        if result is _DISCONNECTED:
+            call.cancel()
+        return result
+
+    def _finished(self, job: Job | Call) -> None:
         self.jobs.discard(job)
         self.counts[job.outcome] += 1
         if job.record is not None:
@@ -163,6 +231,7 @@ class GenerationQueue:
         for job in list(self.jobs):
             job.cancel()
         self._executor.shutdown(wait=True, cancel_futures=False)
+        self._calls.shutdown(wait=True, cancel_futures=False)
 
 
 class _JobEvents:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from doppler_py.server import adapters_route
 from doppler_py.server.anthropic_parsing import parse_messages
 from doppler_py.server.anthropic_shapes import MessageEvents, error_body, error_response, message_response, sse_event
 from doppler_py.server.disconnect import _DISCONNECTED, _unless_disconnected
@@ -47,7 +48,7 @@ async def _read(server: OpenAIServer, request: Request, *, counting: bool = Fals
     model = body.get("model")
     if not isinstance(model, str):  # required in Anthropic's API
         raise RequestError(400, f"'model' must be a string naming the model, got {_describe(model)}", param="model")
-    server._check_model(model)
+    body = adapters_route.request_adapter(server, body)  # the 404 of another model, a LoRA adapter's 400
     return parse_messages(body, server.config.defaults, counting=counting)
 
 

@@ -1,6 +1,7 @@
 """`POST /v1/rerank` (also `/rerank`), in the shape llama.cpp's server and Jina/Cohere-style clients use: `query`,
 `documents` (strings), `top_n`, `return_documents`, and `instruction` (ours: the task line of Qwen3-Reranker's
-prompt) in; `results` of `index` and `relevance_score`, highest first, out (`Engine.rerank`)."""
+prompt) in; `results` of `index` and `relevance_score`, highest first, out (`Engine.rerank`). The request is admitted
+as a generation is (`GenerationQueue.call`: 429 when the server is full)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from doppler_py.server.disconnect import _DISCONNECTED, engine_call
+from doppler_py.server.disconnect import _DISCONNECTED
 from doppler_py.server.errors import RequestError
 from doppler_py.server.parsing import _field
 
@@ -30,7 +31,7 @@ async def rerank(server: OpenAIServer, request: Request) -> Response:
     instruction = _field(body, "instruction", (str,), "a string")
     return_documents = _field(body, "return_documents", (bool,), "true or false")
     run = partial(server.engine.rerank_with_usage, query, documents, instruction=instruction, top_n=top_n)
-    answer = await engine_call(request, run)
+    answer = await server.queue.call(request, run)  # admitted beside the generations (429 when full)
     if answer is _DISCONNECTED:
         return Response(status_code=499)
     ranked, tokens = answer

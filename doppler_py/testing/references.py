@@ -144,6 +144,7 @@ def attention(
     scale: float | None = None,
     softcap: float = 0.0,
     bidirectional: bool = False,
+    key_end: int | None = None,
     dtype: DType = np.float64,
 ) -> np.ndarray:
     """Causal (or bidirectional) GQA softmax attention over a KV cache.
@@ -154,10 +155,14 @@ def attention(
     p = start_pos + t sees positions <= p, and with `window` > 0 only those > p - window (HF's sliding window);
     `softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2). `bidirectional`: every
     row sees all positions < start_pos + T, with `window` those less than `window` away either way (transformers'
-    Gemma 3 with use_bidirectional_attention).
-    Returns [T, n_heads * hd].
+    Gemma 3 with use_bidirectional_attention); `key_end` (bidirectional): all positions < key_end instead (an
+    input longer than the call: its later rows' keys too). Returns [T, n_heads * hd].
     """
     rows, context = len(q), start_pos + len(q)
+    if key_end is not None:
+        if not bidirectional or key_end < context:
+            raise ValueError(f"key_end={key_end}: a bidirectional call's keys end at or past {context}")
+        context = key_end
     _, n_kv, head_dim = k.shape
     # Query heads sharing a KV head side by side: [n_kv, group, T, hd].
     qg = np.asarray(q, dtype).reshape(rows, n_kv, _width(q) // (n_kv * head_dim), head_dim).transpose(1, 2, 0, 3)

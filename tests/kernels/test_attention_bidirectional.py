@@ -17,6 +17,7 @@ from test_attention import SMOLLM2, TOLERANCE, Case, RopeCase
 
 from doppler_py.ops import attention as attention_module
 from doppler_py.ops.attention import WEBGPU_MIN_SUBGROUP
+from doppler_py.testing.references import attention
 
 SHAPES = {
     "gqa3-64": SMOLLM2,
@@ -83,3 +84,59 @@ def test_splits_and_trees_are_refused(gpu, registry, rng):
         case.op.call(1, 500, 3, bidirectional=True)
     with pytest.raises(ValueError, match="tree and bidirectional"):
         case.op.call(2, 0, tree=True, bidirectional=True)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize(("rows", "start_pos", "key_end"), [(1, 0, 70), (7, 64, 90), (23, 20, 150), (40, 100, 157)])
+def test_a_call_with_key_end_sees_the_later_keys_in_the_caches(gpu, registry, rng, window, rows, start_pos, key_end):
+    """`key_end`: the rows see every key before it (an input longer than one call: its later chunks' keys, in the
+    caches already), and none after it (NaN there)."""
+    case = Case(gpu, registry, rng, **SHAPES["gqa4-128"], max_seq=160, max_rows=40, window=window)
+    case.upload_cache(key_end)
+    rec = registry.recorder()
+    case.op.record(rec, rows, start_pos, bidirectional=True, key_end=key_end)
+    rec.submit()
+    expected = attention(case.q[:rows], case.k, case.v, start_pos, window=window, bidirectional=True, key_end=key_end)
+    atol = TOLERANCE * np.abs(case.v).max()
+    np.testing.assert_allclose(case.out.numpy()[:rows], expected, rtol=0, atol=atol)
+    own_rows_only = attention(case.q[:rows], case.k, case.v, start_pos, window=window, bidirectional=True)
+    assert np.abs(expected - own_rows_only).max() > 100 * atol  # the later keys are within reach: the test tells
+    with pytest.raises(ValueError, match="key_end"):
+        case.op.call(rows, start_pos, bidirectional=True, key_end=start_pos + rows - 1)
+    with pytest.raises(ValueError, match="key_end"):
+        case.op.call(rows, start_pos, key_end=key_end)
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_write_keys_then_calls_with_key_end_attend_over_a_whole_long_input(gpu, registry, rng, window):
+    """An input of 45 rows in chunks of 16 (`Transformer.run_bidirectional`'s two steps): every chunk's keys and
+    values written by `write_keys` first (queries rotated in place), then each chunk's call over all 45 keys equals
+    the bidirectional reference over the whole input."""
+    n, chunk = 45, 16
+    case = RopeCase(gpu, registry, rng, **SMOLLM2, max_seq=64, max_rows=chunk, window=window, mode="rope-dispatch")
+    width = case.q_size + 2 * case.kv_size
+    qkv = rng.standard_normal((n, width)).astype(np.float32)
+    case.load_caches(0, n)
+    chunks = [(p, min(chunk, n - p)) for p in range(0, n, chunk)]
+    rotated = np.empty_like(qkv)
+    for p, r in chunks:
+        case.qkv.view((r, width)).write(qkv[p : p + r])
+        rec = registry.recorder()
+        case.op.write_keys(rec, r, p)
+        rec.submit()
+        rotated[p : p + r] = case.qkv.numpy().reshape(-1, width)[:r]
+    got = np.empty((n, case.q_size), np.float32)
+    for p, r in chunks:
+        case.qkv.view((r, width)).write(rotated[p : p + r])
+        rec = registry.recorder()
+        case.op.record(rec, r, p, bidirectional=True, key_end=n)
+        rec.submit()
+        got[p : p + r] = case.out.numpy().reshape(-1, case.q_size)[:r]
+    positions = np.arange(n)
+    q = case.rotate(qkv[:, : case.q_size], positions)
+    k = case.rotate(qkv[:, case.q_size : case.q_size + case.kv_size], positions).reshape(n, *case.k.shape[1:])
+    v = qkv[:, case.q_size + case.kv_size :].reshape(n, *case.v.shape[1:])
+    expected = attention(q, k, v, 0, window=window, bidirectional=True)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE * np.abs(v).max())
+    np.testing.assert_allclose(case.tk.numpy().reshape(case.k.shape)[:n], k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(case.tv.numpy().reshape(case.v.shape)[:n], v)
