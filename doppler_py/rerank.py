@@ -146,6 +146,20 @@ class Reranker:
         assert all(p is not None for p in pair_logits)
         return [yes_probability(*p) for p in pair_logits if p is not None]
 
+    def scores_one_by_one(self, pairs: list[list[int]]) -> list[float]:
+        """`scores` without batching: each pair's whole prompt in one forward over a cache of its own, its last
+        logits read back. What the batched path is checked against (tests) and timed against (the bench)."""
+        model, out = self.model, []
+        for ids in pairs:
+            with self.gpu_lock():
+                cache = model.new_cache(len(ids))
+                try:
+                    logits = model.forward(ids, cache, 0, logits="last")
+                finally:
+                    model.release_cache(cache)
+            out.append(yes_probability(float(logits[self.yes]), float(logits[self.no])))
+        return out
+
     def close(self) -> None:
         if not self.closed:
             self.picked.destroy()

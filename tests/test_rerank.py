@@ -11,7 +11,7 @@ import pytest
 
 from doppler_py.api import load
 from doppler_py.errors import GenerationOptionError, UnsupportedModelError
-from doppler_py.rerank import PREFIX, SUFFIX, common_prefix, yes_probability
+from doppler_py.rerank import PREFIX, SUFFIX, common_prefix
 from doppler_py.testing.tiny import TinySpec, write_tiny_model
 
 torch = pytest.importorskip("torch")
@@ -70,29 +70,15 @@ def test_scores_equal_the_cards_recipe_in_transformers_highest_first(engine, fol
     np.testing.assert_allclose([mine[0], mine[1]], custom, rtol=0, atol=1e-5)
 
 
-def one_forward_per_document(engine, query: str, documents: list[str]) -> list[float]:
-    """The unbatched path: each pair's ids through `Transformer.forward` over a cache of its own, its last logits."""
-    reranker, model = engine._reranker, engine.model
-    scores = []
-    for ids in reranker.token_ids(query, documents):
-        cache = model.new_cache(len(ids))
-        try:
-            logits = model.forward(ids, cache, 0, logits="last")
-        finally:
-            model.release_cache(cache)
-        scores.append(yes_probability(float(logits[reranker.yes]), float(logits[reranker.no])))
-    return scores
-
-
 def test_batched_scores_equal_one_forward_per_document(engine):
     """The shared prefix run once, the documents' own rows side by side (one document's rows across forwards: 150
     tokens of its own against a forward's 64 rows), each score from its last row: equal to a forward per document
     within the module's tolerance, in the request's order."""
     documents = [*DOCUMENTS, "the sea takes the rivers, and then the rain. " * 4, "doc 7", "doc 8"]
     ours = {r.index: r.relevance_score for r in engine.rerank(QUERY, documents)}
-    theirs = one_forward_per_document(engine, QUERY, documents)
-    np.testing.assert_allclose([ours[n] for n in range(len(documents))], theirs, rtol=0, atol=1e-5)
     pairs = engine._reranker.token_ids(QUERY, documents)
+    theirs = engine._reranker.scores_one_by_one(pairs)
+    np.testing.assert_allclose([ours[n] for n in range(len(documents))], theirs, rtol=0, atol=1e-5)
     shared = common_prefix(pairs)
     assert shared > len(engine._reranker.prefix) and max(len(ids) - shared for ids in pairs) > engine.model.max_rows
 

@@ -34,21 +34,10 @@ QUERY = "what lives in the forest at night?"
 
 
 def one_forward_per_document(engine, documents: list[str]) -> list[float]:
-    """The reranker before batching: each pair's whole prompt in one `Transformer.forward` over its own cache."""
-    from doppler_py.rerank import yes_probability
-
+    """The reranker before batching: each pair's whole prompt in one forward over its own cache."""
     engine.rerank(QUERY, documents[:1])  # makes the engine's reranker
-    reranker, model = engine._reranker, engine.model
-    scores = []
-    for ids in reranker.token_ids(QUERY, documents):
-        with engine.batch.gpu():
-            cache = model.new_cache(len(ids))
-            try:
-                logits = model.forward(ids, cache, 0, logits="last")
-            finally:
-                model.release_cache(cache)
-        scores.append(yes_probability(float(logits[reranker.yes]), float(logits[reranker.no])))
-    return scores
+    reranker = engine._reranker
+    return reranker.scores_one_by_one(reranker.token_ids(QUERY, documents))
 
 
 TASKS = {

@@ -16,8 +16,8 @@
 // which the package's own Node bootstrap reads.
 
 import { readFileSync, writeFileSync } from 'node:fs';
-import { performance } from 'node:perf_hooks';
-import { pathToFileURL } from 'node:url';
+
+import { exitOnUncaught, loadModel, phaseClock } from './node_driver.mjs';
 
 const [packageDir, rdrrDir, jobPath, outPath] = process.argv.slice(2);
 if (!outPath) {
@@ -25,29 +25,11 @@ if (!outPath) {
   process.exit(2);
 }
 const job = JSON.parse(readFileSync(jobPath, 'utf8'));
-const { load } = await import(pathToFileURL(`${packageDir}/src/index.js`).href);
-
-let phaseStart = 0;  // performance.now() counts from the process's start: the first phase includes Node's start
-function endPhase(name) {
-  const now = performance.now();
-  console.error(`doppler-gpu phase ${name} ${((now - phaseStart) / 1000).toFixed(3)}`);
-  phaseStart = now;
-}
+const endPhase = phaseClock();
 endPhase('import');
 
-// A failure's message is the last line on stderr, where the Python side reads it (a stack trace ends in frames).
-process.on('uncaughtException', (error) => {
-  console.error(error?.stack ?? error);
-  console.error(`doppler-gpu failed: ${error?.message ?? error}`);
-  process.exit(1);
-});
-
-// The manifest's KV dtype goes in as the runtime's, as doppler_model.mjs does (docs/parity-findings.md, finding 8:
-// otherwise an f32 model's attention meets an f16 cache on an adapter with shader-f16).
-const manifest = JSON.parse(readFileSync(`${rdrrDir}/manifest.json`, 'utf8'));
-const kvDtype = manifest.inference?.session?.kvcache?.kvDtype;
-const runtimeConfig = kvDtype ? { inference: { session: { kvcache: { kvDtype } } } } : undefined;
-const model = await load({ url: pathToFileURL(rdrrDir).href }, { runtimeConfig });
+exitOnUncaught();
+const model = await loadModel(packageDir, rdrrDir);
 endPhase('load');
 try {
   const vectors = [];

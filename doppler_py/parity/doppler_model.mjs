@@ -18,8 +18,9 @@
 // which the package's own Node bootstrap reads.
 
 import { readFileSync, writeFileSync } from 'node:fs';
-import { performance } from 'node:perf_hooks';
 import { pathToFileURL } from 'node:url';
+
+import { exitOnUncaught, loadModel, phaseClock } from './node_driver.mjs';
 
 const [packageDir, rdrrDir, jobPath, outPath] = process.argv.slice(2);
 if (!outPath) {
@@ -27,39 +28,17 @@ if (!outPath) {
   process.exit(2);
 }
 const job = JSON.parse(readFileSync(jobPath, 'utf8'));
-const fromPackage = (path) => import(pathToFileURL(`${packageDir}/src/${path}`).href);
-const { load } = await fromPackage('index.js');
-const { applyRepetitionPenalty, sample } = await fromPackage('inference/pipelines/text/sampling.js');
-
-// performance.now() counts from the process's start, so the first phase includes Node's start and the imports.
-let phaseStart = 0;
-// Ends the phase that began at the previous call and reports it at once.
-function endPhase(name) {
-  const now = performance.now();
-  const seconds = (now - phaseStart) / 1000;
-  phaseStart = now;
-  console.error(`doppler-gpu phase ${name} ${seconds.toFixed(3)}`);
-}
+const endPhase = phaseClock();
+const { applyRepetitionPenalty, sample } = await import(
+  pathToFileURL(`${packageDir}/src/inference/pipelines/text/sampling.js`).href
+);
 endPhase('import');
 
 const GREEDY = { temperature: 0 };
 const NO_PENALTY = 1.0;
 
-// A failure's message is the last line on stderr, where the Python side reads it (a stack trace ends in frames).
-process.on('uncaughtException', (error) => {
-  console.error(error?.stack ?? error);
-  console.error(`doppler-gpu failed: ${error?.message ?? error}`);
-  process.exit(1);
-});
-
-// The KV cache is allocated from the runtime config's session, whose default kvDtype is f16 (src/config/schema/
-// kvcache.schema.js), not from the manifest's session: on an adapter with shader-f16 an f32 model's attention
-// steps then meet an f16 cache and its precision contract refuses them (docs/parity-findings.md, finding 8).
-// The manifest's own kvDtype goes in as the runtime's.
-const manifest = JSON.parse(readFileSync(`${rdrrDir}/manifest.json`, 'utf8'));
-const kvDtype = manifest.inference?.session?.kvcache?.kvDtype;
-const runtimeConfig = kvDtype ? { inference: { session: { kvcache: { kvDtype } } } } : undefined;
-const model = await load({ url: pathToFileURL(rdrrDir).href }, { runtimeConfig });
+exitOnUncaught();
+const model = await loadModel(packageDir, rdrrDir);
 endPhase('load');
 try {
   const ids = [...job.ids];
