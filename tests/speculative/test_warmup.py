@@ -12,6 +12,7 @@ import pytest
 from support.decode import reference_decode
 
 import doppler_py
+from doppler_py.ops.linear import row_tile
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
@@ -51,6 +52,11 @@ def test_background_warmup_streams_plain_tokens_then_speculates(models):
     assert engine.policy.limit is None and engine.readiness.usable_rows == max(engine.verify_rows())
     assert len(calibrated) == 1 and sorted(calibrated[0]) == engine.verify_rows()
     assert all(seconds > 0 for seconds in calibrated[0].values())
+    # Calibrating compiled each row count's own row tile: no step runs the small ones a CPU adapter falls back on.
+    target = models["target"]
+    for linear in target.linears():
+        for rows in engine.verify_rows():
+            assert rows > linear.max_rows or linear.tile(rows) == row_tile(rows, linear.tiled_gemm), (linear, rows)
 
 
 def test_a_seeded_sampled_generation_waits_for_the_warmup(models):
@@ -228,8 +234,8 @@ def test_the_compile_pays_by_its_pipelines_and_the_tokens_to_come(models, monkey
     from doppler_py.speculative.readiness import compile_gate
 
     target = models["target"]
-    monkeypatch.setattr(compile_gate, "pipelines_to_compile", lambda target, rows: 10)
-    monkeypatch.setattr(target.registry.pipelines, "mean_compile_s", lambda shader: 1.0)
+    monkeypatch.setattr(compile_gate, "missing_pipelines", lambda target, rows: [("matmul", "main", ())] * 10)
+    monkeypatch.setattr(compile_gate, "compile_estimate_s", lambda cache, keys: 1.0 * len(keys))
     # 10 pipelines × 1 s against tokens × 0.1 s × (1 - 1/2)
     assert compile_gate.compile_pays(target, [1, 2], tokens=100, plain_token_s=0.1, speedup=2.0) == (False, 10.0, 5.0)
     assert compile_gate.compile_pays(target, [1, 2], tokens=300, plain_token_s=0.1, speedup=2.0)[0]
@@ -278,7 +284,9 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
 
     target = models["target"]
     asked: list[set[int]] = []
-    monkeypatch.setattr(transformer, "compile_at_once", lambda calls: asked.append({rows for _, rows in calls}))
+    monkeypatch.setattr(
+        transformer, "compile_at_once", lambda calls, small_tiles: asked.append({rows for _, rows in calls})
+    )
     monkeypatch.setattr(target, "_generation_rows", set())
     target.compile_generation(40)  # a chunk of 32 rows, one of 8, then plain steps
     target.compile_generation(40)  # ... once
@@ -296,9 +304,9 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
     threads: set[str] = set()
     compile_rows = Linear.compile
 
-    def compile(linear: Linear, rows: int) -> None:
+    def compile(linear: Linear, rows: int, *, small: bool = False) -> None:
         threads.add(threading.current_thread().name)
-        compile_rows(linear, rows)
+        compile_rows(linear, rows, small=small)
 
     monkeypatch.setattr(Linear, "compile", compile)
     compiled: list[int] = []  # matmul pipelines compiled when `compile_generation` returned
@@ -315,7 +323,7 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
         engine.close()
     layer = target.layers[0]
     for linear, rows in [(layer.qkv, 3), (layer.down, 3), (layer.o, 1), (target.lm_head_last, 1)]:
-        assert target.registry.compiled(linear.pipeline_key(rows))
+        assert target.registry.compiled(linear.pipeline_key(rows, small=True))  # a short prompt's (`row_tile`)
     assert compiled == [len(fresh.compile_s["matmul"])]  # the generation compiled no matmul itself
     if (os.cpu_count() or 1) > 1:  # several at once
         assert len(threads) >= 2, threads
