@@ -66,9 +66,10 @@ def row_tile(rows: int, tiled_gemm: bool) -> int:
     On CPU adapters this is the tile a call runs once its pipeline is compiled (`Linear.tile`): until then a call
     of more rows runs in tiles of SMALL_TILE_ROWS. There an 8-row q4_1 tile takes ~2.3 s to create alone (8.7 s
     each when a first generation creates its six pipelines at once) and as much again in LLVM at its first
-    dispatch, a 2-row tile ~1 s; a 48-row prefill in 2-row tiles took 1.4-1.6x as long as in 8-row ones (SmolLM2
-    q4_1 matmuls; docs/latency.md), ~6 ms more per prompt row, so a prompt repays the 8-row tiles only
-    past a few hundred rows (LONG_PROMPT_ROWS). Verification compiles its own tiles ahead of use (the warm-up).
+    dispatch, a 2-row tile ~1 s; a 48-row prefill in 2-row tiles took 1.3-1.7x as long as in 8-row ones (SmolLM2
+    q4_1 matmuls, `tools/bench_tiles.py`), 6-18 ms more per prompt row, so a prompt repays the 8-row tiles only
+    past several hundred rows (LONG_PROMPT_ROWS). Verification compiles its own tiles ahead of use (calibration).
+    The converse, a 2-row call in the 8-row tile, costs 1.8-2.4x the 2-row tile: lavapipe computes every row.
     """
     if rows > REGISTER_TILED_MAX_ROWS and tiled_gemm:
         return 0
