@@ -62,11 +62,6 @@ def missing_pipelines(target: Transformer, rows: Sequence[int]) -> list[tuple]:
     return [key for key in keys if not target.registry.compiled(key)]
 
 
-def pipelines_to_compile(target: Transformer, rows: Sequence[int]) -> int:
-    """How many of the target's matmul pipelines for `rows` are not compiled yet (`missing_pipelines`)."""
-    return len(missing_pipelines(target, rows))
-
-
 def _tile_weight(key: tuple) -> float:
     return TILE_COMPILE_WEIGHTS.get(int(dict(key[2]).get("ROWS", 0)), 1.0)
 
