@@ -283,14 +283,18 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
     from doppler_py.ops.linear import Linear
 
     target = models["target"]
-    asked: list[set[int]] = []
+    asked: list[tuple[set[int], bool]] = []
     monkeypatch.setattr(
-        transformer, "compile_at_once", lambda calls, small_tiles: asked.append({rows for _, rows in calls})
+        transformer,
+        "compile_at_once",
+        lambda calls, small_tiles: asked.append(({rows for _, rows in calls}, small_tiles)),
     )
     monkeypatch.setattr(target, "_generation_rows", set())
     target.compile_generation(40)  # a chunk of 32 rows, one of 8, then plain steps
     target.compile_generation(40)  # ... once
-    assert asked == [{32, 8, 1}]
+    # A short prompt gets the small row tiles; one of LONG_PROMPT_ROWS rows its own (compiled again for it).
+    target.compile_generation(transformer.LONG_PROMPT_ROWS)
+    assert asked == [({32, 8, 1}, True), ({32, 1}, False)]
     monkeypatch.undo()
 
     prompt = [5, 9, 11, 4]  # 3 prefill rows: small row tiles, quick to compile
