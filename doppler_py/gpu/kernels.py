@@ -119,11 +119,6 @@ class PipelineCache:
         self.compile_s: dict[str, list[float]] = {}  # per shader: how long each of its pipelines took to compile
         self.records: list[CompileRecord] = []  # every pipeline compiled, in order (appended under `lock`)
 
-    def mean_compile_s(self, shader: str) -> float | None:
-        """Seconds a pipeline of `shader` took to compile here, on average (None: none compiled yet)."""
-        times = list(self.compile_s.get(shader, ()))
-        return sum(times) / len(times) if times else None
-
     @staticmethod
     def of(gpu: Gpu, shader_dir: Path) -> PipelineCache:
         with _CACHES_LOCK:

@@ -67,7 +67,14 @@ from doppler_py.ops.attention import (
 from doppler_py.ops.elementwise import LogitSoftCap, PerLayerGate, SigmoidGate
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.kv_compact import KVCompact
-from doppler_py.ops.linear import REGISTER_TILED_MAX_ROWS, GatedInput, InputNorm, Linear, compile_at_once
+from doppler_py.ops.linear import (
+    LONG_PROMPT_ROWS,
+    REGISTER_TILED_MAX_ROWS,
+    GatedInput,
+    InputNorm,
+    Linear,
+    compile_at_once,
+)
 from doppler_py.ops.linear_attention import (
     GatedDeltaNet,
     LayerState,
@@ -245,7 +252,7 @@ class Transformer:
         # Forwards recorded so far: whoever keeps rows of the activations (`speculative.batch`) knows from it
         # whether another forward has overwritten them since.
         self.forwards = 0
-        self._generation_rows: set[int] = set()  # row counts `compile_generation` compiled
+        self._generation_rows: set[tuple[int, bool]] = set()  # (row count, small tiles) `compile_generation` compiled
         # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
         # latest forward that ran it (`tap_layers`).
         self.taps: dict[int, Tensor] = {}
@@ -435,14 +442,18 @@ class Transformer:
 
     def compile_generation(self, prompt_rows: int) -> None:
         """Compile, several at once (`compile_at_once`), the matmul pipelines a generation runs first: its prefill's
-        chunks of `prompt_rows` rows in all, then plain steps with the last row's logits."""
+        chunks of `prompt_rows` rows in all, then plain steps with the last row's logits. On a CPU adapter a prompt
+        shorter than LONG_PROMPT_ROWS gets the small row tiles (`row_tile`: the 8-row ones cost more to compile
+        than they save it)."""
+        small = prompt_rows < LONG_PROMPT_ROWS
         chunks = {min(self.max_rows, prompt_rows - begin) for begin in range(0, prompt_rows, self.max_rows)}
-        rows = sorted({*chunks, 1} - self._generation_rows)
+        rows = sorted({(n, small) for n in {*chunks, 1}} - self._generation_rows)
         if not rows:
             return
         heads = (self.lm_head, self.lm_head_last)  # prefill chunks need no logits, plain steps the last row's
         layers = [linear for linear in self.linears() if linear not in heads]
-        compile_at_once([*((linear, n) for n in rows for linear in layers), (self.lm_head_last, 1)])
+        calls = [(linear, n) for n, _ in rows for linear in layers]
+        compile_at_once([*calls, (self.lm_head_last, 1)], small_tiles=small)
         self._generation_rows.update(rows)
 
     @property

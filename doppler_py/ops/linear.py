@@ -47,6 +47,10 @@ MAX_TILE_ROWS = 8  # x rows per invocation (register kernels)
 GEMM_TILE_ROWS, GEMM_TILE_COLS = 32, 64  # per workgroup of the tiled GEMM (fixed in the shader)
 REGISTER_TILED_MAX_ROWS = 16
 FUSED_GLU_MAX_ROWS = 16  # longer calls run the gated activation as its own dispatch (module docstring)
+# CPU adapters: a call of more rows whose own tile (4 or 8 rows) is not compiled runs in tiles of this many rows
+# instead, and a first generation's prompt of fewer than LONG_PROMPT_ROWS rows compiles only those (`row_tile`).
+SMALL_TILE_ROWS = 2
+LONG_PROMPT_ROWS = 512
 
 
 def row_tile(rows: int, tiled_gemm: bool) -> int:
@@ -58,6 +62,14 @@ def row_tile(rows: int, tiled_gemm: bool) -> int:
     exact tiles 1..8 made a first process's verification compile 26 target and 32 EAGLE-head pipelines
     (`tools/bench_compile.py`). Tiles 1, 2, 4 and 8 halve that, for masked rows that cost a SmolLM2 q4_1 forward
     of 3, 5, 6 or 7 rows on lavapipe within 0.98-1.05x of the exact tile.
+
+    On CPU adapters this is the tile a call runs once its pipeline is compiled (`Linear.tile`): until then a call
+    of more rows runs in tiles of SMALL_TILE_ROWS. There an 8-row q4_1 tile takes ~2.3 s to create alone (8.7 s
+    each when a first generation creates its six pipelines at once) and as much again in LLVM at its first
+    dispatch, a 2-row tile ~1 s; a 48-row prefill in 2-row tiles took 1.3-1.7x as long as in 8-row ones (SmolLM2
+    q4_1 matmuls, `tools/bench_tiles.py`), 6-18 ms more per prompt row, so a prompt repays the 8-row tiles only
+    past several hundred rows (LONG_PROMPT_ROWS). Verification compiles its own tiles ahead of use (calibration).
+    The converse, a 2-row call in the 8-row tile, costs 1.8-2.4x the 2-row tile: lavapipe computes every row.
     """
     if rows > REGISTER_TILED_MAX_ROWS and tiled_gemm:
         return 0
@@ -77,22 +89,23 @@ def compile_rows(linears: Sequence[Linear], stop: threading.Event | None = None)
                 linear.compile(rows)
 
 
-def compile_at_once(calls: Iterable[tuple[Linear, int]]) -> None:
+def compile_at_once(calls: Iterable[tuple[Linear, int]], *, small_tiles: bool = False) -> None:
     """Compile the pipelines of these (linear, rows) calls that are not compiled yet, several at once, a thread per
     core: a CPU adapter compiles each with LLVM on one core (0.4-1.8 s on lavapipe), and a first generation needs
     about six (its prompt's row tile and decoding's, each with and without the fused norm, and the LM head's), which
-    one after the other held its first token back by ~6 s."""
+    one after the other held its first token back by ~6 s. `small_tiles`: on a CPU adapter, the tiles the calls run
+    until their own are compiled (`row_tile`), e.g. for a short prompt."""
     missing: dict[tuple, tuple[Linear, int]] = {}
     for linear, rows in calls:
-        key = linear.pipeline_key(rows)
+        key = linear.pipeline_key(rows, small=small_tiles)
         if key not in missing and not linear.registry.compiled(key):
             missing[key] = (linear, rows)
     if len(missing) < 2:
         for linear, rows in missing.values():
-            linear.compile(rows)
+            linear.compile(rows, small=small_tiles)
         return
     with ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1), thread_name_prefix="doppler-compile") as pool:
-        for done in [pool.submit(linear.compile, rows) for linear, rows in missing.values()]:
+        for done in [pool.submit(linear.compile, rows, small=small_tiles) for linear, rows in missing.values()]:
             done.result()
 
 
@@ -201,14 +214,33 @@ class Linear:
         # (row tile, gated activation fused) -> [(bound, grid x)] per weight part
         self._variants: dict[tuple[int, bool], list[tuple[Bound, int]]] = {}
 
-    def compile(self, rows: int) -> None:
+    def compile(self, rows: int, *, small: bool = False) -> None:
         """Compile the pipeline a call of `rows` rows runs (and nothing else: no bind group, no uniform), so
-        another thread may do it ahead of the first such call (~0.6-1.4 s each on lavapipe)."""
-        self._kernel(row_tile(rows, self.tiled_gemm), self._fuses_glu(rows))
+        another thread may do it ahead of the first such call (~0.6-1.4 s each on lavapipe). `small`: the tile
+        such a call runs until its own is compiled (CPU adapters, `row_tile`)."""
+        self._kernel(self._tile(rows, small), self._fuses_glu(rows))
 
-    def pipeline_key(self, rows: int) -> tuple:
+    def pipeline_key(self, rows: int, *, small: bool = False) -> tuple:
         """The pipeline a call of `rows` rows runs (`KernelRegistry.kernel_key`): matmuls of one shape share it."""
-        entry, constants = self._pipeline(row_tile(rows, self.tiled_gemm), self._fuses_glu(rows))
+        return self._key(self._tile(rows, small), self._fuses_glu(rows))
+
+    def tile(self, rows: int) -> int:
+        """The row tile a call of `rows` rows runs now: `row_tile`'s, or on a CPU adapter, while that tile's
+        pipeline is not compiled, SMALL_TILE_ROWS (the reason is in `row_tile`)."""
+        tile = row_tile(rows, self.tiled_gemm)
+        small = self._tile(rows, small=True)
+        if small != tile and not self.registry.compiled(self._key(tile, self._fuses_glu(rows))):
+            return small
+        return tile
+
+    def _tile(self, rows: int, small: bool) -> int:
+        tile = row_tile(rows, self.tiled_gemm)
+        if small and self.registry.gpu.on_cpu and tile > SMALL_TILE_ROWS:
+            return SMALL_TILE_ROWS
+        return tile
+
+    def _key(self, tile: int, fused_glu: bool) -> tuple:
+        entry, constants = self._pipeline(tile, fused_glu)
         return self.registry.kernel_key(SHADER, entry, **constants)
 
     def _fuses_glu(self, rows: int) -> bool:
@@ -265,7 +297,7 @@ class Linear:
             raise ValueError(
                 f"Linear({self.weight.name or 'weight'}): rows must be in [1, {self.max_rows}], got {rows}"
             )
-        tile = row_tile(rows, self.tiled_gemm)
+        tile = self.tile(rows)
         grid_y = workgroups(rows, tile or GEMM_TILE_ROWS)
         if tile == 0 and self._tiled_norm is not None:
             self._tiled_norm.record(rec, rows)

@@ -614,6 +614,10 @@ class SpeculativeEngine:
         target = self.target
         # Every verification size the policy may use (this also compiles their pipelines up front).
         rows = [r for r in (rows or self.verify_rows()) if r <= self.capacity + 1]
+        for linear in target.linears():  # each matmul's own row tile: a step of more than 2 rows would otherwise
+            for n in rows:  # run the small tiles a CPU adapter falls back on until it is compiled (`row_tile`)
+                if n <= linear.max_rows:
+                    linear.compile(n)
         context = min(context, target.max_positions - max(rows) - 1)
         cache = target.new_cache(context + max(rows) + 1)
         tokens = [0] * (context + 1)

@@ -65,6 +65,7 @@ def _run_linear(gpu, registry, w_raw, fmt, shape, x, *, rows, bias=None, out_ini
     out = Tensor.from_numpy(gpu, init)
     bias_t = Tensor.from_numpy(gpu, bias) if bias is not None else None
     linear = Linear(registry, weight, x_t, out, max_rows=max_rows, bias=bias_t, **kwargs)
+    linear.compile(rows)  # the call's own row tile, not the small tiles a CPU adapter runs until it is compiled
     rec = registry.recorder()
     linear.record(rec, rows)
     rec.submit()
@@ -329,6 +330,47 @@ def test_fallback_without_subgroups_matches(gpu, registry, rng, monkeypatch, row
     x = rng.standard_normal((rows, k)).astype(np.float32)
     got = _run_linear(gpu, registry, raw, "q4_0", (n, k), x, rows=rows)
     _check(got, x, raw, "q4_0", (n, k), x.astype(np.float64) @ dequantize_blocks(raw, "q4_0", (n, k)).T)
+
+
+@pytest.mark.parametrize("rows", [5, 40])
+def test_a_call_whose_row_tile_is_not_compiled_runs_in_small_tiles_on_a_cpu_adapter(
+    gpu, registry, rng, monkeypatch, rows
+):
+    """On a CPU adapter a call of more rows than SMALL_TILE_ROWS whose own tile (8 rows here) is not compiled runs in
+    tiles of SMALL_TILE_ROWS, compiling only that pipeline (seconds less on lavapipe), with every row's result bit
+    for bit the own tile's; once the own tile is compiled, calls run it. On a GPU the own tile is compiled on use."""
+    from doppler_py.gpu.kernels import PipelineCache
+    from doppler_py.ops.linear import SMALL_TILE_ROWS, row_tile
+
+    cache = registry.pipelines
+    fresh = PipelineCache()  # the compiled pipelines but the matmuls'
+    fresh.modules = cache.modules
+    fresh.kernels = {key: kernel for key, kernel in cache.kernels.items() if key[0] != "matmul"}
+    monkeypatch.setattr(registry, "pipelines", fresh)
+    n, k = 70, 64
+    raw = quantize_blocks(_random_weight(rng, n, k), "q4_1")
+    weight = Weight.from_gguf_blocks(gpu, raw, "q4_1", (n, k), name="w")
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    outs = [Tensor.empty(gpu, (rows, n)) for _ in range(2)]
+    linears = [Linear(registry, weight, Tensor.from_numpy(gpu, x), out, max_rows=rows) for out in outs]
+    own = row_tile(rows, tiled_gemm=False)
+
+    def tiles_compiled() -> set[int]:
+        return {dict(key[2])["ROWS"] for key in fresh.kernels if key[0] == "matmul"}
+
+    rec = registry.recorder()
+    linears[0].record(rec, rows)
+    rec.submit()
+    small = gpu.on_cpu
+    assert tiles_compiled() == ({SMALL_TILE_ROWS} if small else {own})
+    linears[1].compile(rows)
+    assert linears[1].tile(rows) == own
+    rec = registry.recorder()
+    linears[1].record(rec, rows)
+    rec.submit()
+    got = [out.numpy() for out in outs]
+    np.testing.assert_array_equal(got[0], got[1])
+    _check(got[0], x, raw, "q4_1", (n, k), x.astype(np.float64) @ dequantize_blocks(raw, "q4_1", (n, k)).T)
 
 
 def test_one_recorder_runs_decode_and_verify_with_their_own_uniforms(gpu, registry, rng):

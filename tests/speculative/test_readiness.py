@@ -178,14 +178,35 @@ def test_weighing_holds_the_compile_until_it_pays(pays):
 
 
 def test_the_gate_weighs_the_compile_against_what_the_tokens_to_come_can_save():
-    # 10 pipelines × 1 s against tokens × 0.1 s × (1 - 1/2)
-    assert weigh(10, 1.0, 100, 0.1, 2.0) == (False, 10.0, 5.0)
-    assert weigh(10, 1.0, 200, 0.1, 2.0) == (True, 10.0, 10.0)
+    # 10 s of compiling against tokens × 0.1 s × (1 - 1/2)
+    assert weigh(10.0, 100, 0.1, 2.0) == (False, 10.0, 5.0)
+    assert weigh(10.0, 200, 0.1, 2.0) == (True, 10.0, 10.0)
     # Before a plain token is timed only a compile with nothing left to do passes.
-    assert weigh(10, 1.0, 10**6, None, 2.0) == (False, 10.0, None) and weigh(0, 1.0, 1, None, None)[0]
+    assert weigh(10.0, 10**6, None, 2.0) == (False, 10.0, None) and weigh(0.0, 1, None, None)[0]
     # No speedup measured yet: the prior; a predicted slowdown saves nothing, whatever the tokens.
-    assert weigh(1, 1.0, 100, 0.1, None)[2] == pytest.approx(100 * 0.1 * (1 - 1 / PRIOR_SPEEDUP))
-    assert weigh(1, 1.0, 10**6, 0.1, 0.9) == (False, 1.0, 0.0)
+    assert weigh(1.0, 100, 0.1, None)[2] == pytest.approx(100 * 0.1 * (1 - 1 / PRIOR_SPEEDUP))
+    assert weigh(1.0, 10**6, 0.1, 0.9) == (False, 1.0, 0.0)
+
+
+def test_the_compile_estimate_counts_each_missing_pipeline_at_its_row_tiles_cost():
+    """Each missing matmul pipeline costs its row tile's weight times this process's seconds per unit of weight:
+    after 2-row tiles took 1.2 s each, an 8-row tile is estimated at 2.9 × 1.2 s, not at the mean of those compiled."""
+    from doppler_py.gpu.kernels import CompileRecord, PipelineCache
+    from doppler_py.speculative.readiness.compile_gate import PRIOR_COMPILE_S, TILE_COMPILE_WEIGHTS, compile_estimate_s
+
+    def key(rows: int) -> tuple:
+        return ("matmul", "main", (("FORMAT", 3), ("ROWS", rows)))
+
+    cache = PipelineCache()
+    assert compile_estimate_s(cache, [key(2), key(8)]) == pytest.approx(PRIOR_COMPILE_S * (1 + TILE_COMPILE_WEIGHTS[8]))
+    cache.records += [CompileRecord(key(2), 0.2, 1.0, "t", 0.0), CompileRecord(key(2), 0.0, 1.2, "t", 0.0)]
+    cache.records.append(CompileRecord(("rmsnorm", "main", ()), 0.0, 50.0, "t", 0.0))  # not a matmul: not counted
+    assert compile_estimate_s(cache, []) == 0.0
+    assert compile_estimate_s(cache, [key(8), key(4)]) == pytest.approx(
+        1.2 * (TILE_COMPILE_WEIGHTS[8] + TILE_COMPILE_WEIGHTS[4])
+    )
+    cache.records.append(CompileRecord(key(8), 0.0, 2.9 * 3.0, "t", 0.0))  # a slower phase: 3 s per unit of weight
+    assert compile_estimate_s(cache, [key(1)]) == pytest.approx(TILE_COMPILE_WEIGHTS[1] * (2.4 + 8.7) / (2 + 2.9))
 
 
 def test_an_answer_begun_plainly_weighs_the_compile_again_once_its_plain_tokens_are_timed():

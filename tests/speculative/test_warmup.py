@@ -12,6 +12,7 @@ import pytest
 from support.decode import reference_decode
 
 import doppler_py
+from doppler_py.ops.linear import row_tile
 from doppler_py.sampling import SamplingParams
 from doppler_py.speculative import DraftModelDrafter
 from doppler_py.speculative.engine import SpeculativeEngine
@@ -51,6 +52,11 @@ def test_background_warmup_streams_plain_tokens_then_speculates(models):
     assert engine.policy.limit is None and engine.readiness.usable_rows == max(engine.verify_rows())
     assert len(calibrated) == 1 and sorted(calibrated[0]) == engine.verify_rows()
     assert all(seconds > 0 for seconds in calibrated[0].values())
+    # Calibrating compiled each row count's own row tile: no step runs the small ones a CPU adapter falls back on.
+    target = models["target"]
+    for linear in target.linears():
+        for rows in engine.verify_rows():
+            assert rows > linear.max_rows or linear.tile(rows) == row_tile(rows, linear.tiled_gemm), (linear, rows)
 
 
 def test_a_seeded_sampled_generation_waits_for_the_warmup(models):
@@ -228,8 +234,8 @@ def test_the_compile_pays_by_its_pipelines_and_the_tokens_to_come(models, monkey
     from doppler_py.speculative.readiness import compile_gate
 
     target = models["target"]
-    monkeypatch.setattr(compile_gate, "pipelines_to_compile", lambda target, rows: 10)
-    monkeypatch.setattr(target.registry.pipelines, "mean_compile_s", lambda shader: 1.0)
+    monkeypatch.setattr(compile_gate, "missing_pipelines", lambda target, rows: [("matmul", "main", ())] * 10)
+    monkeypatch.setattr(compile_gate, "compile_estimate_s", lambda cache, keys: 1.0 * len(keys))
     # 10 pipelines × 1 s against tokens × 0.1 s × (1 - 1/2)
     assert compile_gate.compile_pays(target, [1, 2], tokens=100, plain_token_s=0.1, speedup=2.0) == (False, 10.0, 5.0)
     assert compile_gate.compile_pays(target, [1, 2], tokens=300, plain_token_s=0.1, speedup=2.0)[0]
@@ -246,22 +252,22 @@ def test_only_pipelines_not_compiled_yet_are_counted(gpu, tiny_folder, tmp_path)
     from doppler_py.gpu.kernels import SHADER_DIR, KernelRegistry
     from doppler_py.model.loader import load_weights
     from doppler_py.model.transformer import Transformer
-    from doppler_py.speculative.readiness.compile_gate import pipelines_to_compile
+    from doppler_py.speculative.readiness.compile_gate import missing_pipelines
 
     # A registry over a copy of the shaders has a pipeline cache of its own: nothing compiled yet.
     registry = KernelRegistry(gpu, shutil.copytree(SHADER_DIR, tmp_path / "shaders"))
     target = Transformer(load_weights(tiny_folder(MODEL), gpu, "f32"), registry, max_rows=8)
     try:
         distinct = {linear.pipeline_key(rows) for linear in target.linears() for rows in (2, 3)}
-        assert pipelines_to_compile(target, [2, 3]) == len(distinct) < 2 * len(target.linears())  # shapes share
+        assert len(missing_pipelines(target, [2, 3])) == len(distinct) < 2 * len(target.linears())  # shapes share
         for linear in target.linears():
             linear.compile(2)
-        assert pipelines_to_compile(target, [2]) == 0
-        assert 0 < pipelines_to_compile(target, [2, 3]) < len(distinct)
+        assert missing_pipelines(target, [2]) == []
+        assert 0 < len(missing_pipelines(target, [2, 3])) < len(distinct)
         for linear in target.linears():
             linear.compile(3)
-        assert pipelines_to_compile(target, [2, 3]) == 0
-        assert registry.pipelines.mean_compile_s(target.linears()[0].pipeline_key(2)[0]) > 0
+        assert missing_pipelines(target, [2, 3]) == []
+        assert all(r.pipeline_s > 0 for r in registry.pipelines.records if r.key[0] == "matmul")  # the gate's basis
     finally:
         registry.close()
         target.close()
@@ -277,12 +283,18 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
     from doppler_py.ops.linear import Linear
 
     target = models["target"]
-    asked: list[set[int]] = []
-    monkeypatch.setattr(transformer, "compile_at_once", lambda calls: asked.append({rows for _, rows in calls}))
+    asked: list[tuple[set[int], bool]] = []
+    monkeypatch.setattr(
+        transformer,
+        "compile_at_once",
+        lambda calls, small_tiles: asked.append(({rows for _, rows in calls}, small_tiles)),
+    )
     monkeypatch.setattr(target, "_generation_rows", set())
     target.compile_generation(40)  # a chunk of 32 rows, one of 8, then plain steps
     target.compile_generation(40)  # ... once
-    assert asked == [{32, 8, 1}]
+    # A short prompt gets the small row tiles; one of LONG_PROMPT_ROWS rows its own (compiled again for it).
+    target.compile_generation(transformer.LONG_PROMPT_ROWS)
+    assert asked == [({32, 8, 1}, True), ({32, 1}, False)]
     monkeypatch.undo()
 
     prompt = [5, 9, 11, 4]  # 3 prefill rows: small row tiles, quick to compile
@@ -296,9 +308,9 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
     threads: set[str] = set()
     compile_rows = Linear.compile
 
-    def compile(linear: Linear, rows: int) -> None:
+    def compile(linear: Linear, rows: int, *, small: bool = False) -> None:
         threads.add(threading.current_thread().name)
-        compile_rows(linear, rows)
+        compile_rows(linear, rows, small=small)
 
     monkeypatch.setattr(Linear, "compile", compile)
     compiled: list[int] = []  # matmul pipelines compiled when `compile_generation` returned
@@ -315,7 +327,7 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
         engine.close()
     layer = target.layers[0]
     for linear, rows in [(layer.qkv, 3), (layer.down, 3), (layer.o, 1), (target.lm_head_last, 1)]:
-        assert target.registry.compiled(linear.pipeline_key(rows))
+        assert target.registry.compiled(linear.pipeline_key(rows, small=True))  # a short prompt's (`row_tile`)
     assert compiled == [len(fresh.compile_s["matmul"])]  # the generation compiled no matmul itself
     if (os.cpu_count() or 1) > 1:  # several at once
         assert len(threads) >= 2, threads

@@ -9,8 +9,14 @@ never started. So before each generation while the warm-up has not started, and 
 generation that began plainly (its own plain tokens timed by then), the engine weighs the compile's cost against
 what speculation can save over the tokens to come:
 
-    cost = (matmul pipelines not compiled yet) × (mean compile time of this process's matmul pipelines so far)
+    cost = Σ over the matmul pipelines not compiled yet: (its row tile's weight) × (this process's matmul
+           compile seconds so far per unit of weight)
     gain = (tokens) × (plain seconds per token) × (1 − 1 / expected speedup)
+
+A tile's weight is what lavapipe takes to create its pipeline, relative to the others (TILE_COMPILE_WEIGHTS): an
+8-row tile ~3x a 1-row one. The mean of all pipelines compiled so far, the estimate before, counted every missing
+pipeline at whatever mix of tiles the process had compiled: after a first generation whose prompt compiled the
+8-row tiles (two at once, 8.7 s each), ~4 s for each of verification's 2-row tiles (~1 s alone).
 
 where `tokens` is what is left of this answer plus what the engine generated before in this process (this answer's
 tokens so far included: a process that has generated much is likely to generate more: a chat, a server), and the
@@ -27,10 +33,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+from doppler_py.gpu.kernels import PipelineCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.linear import SHADER as MATMUL_SHADER
 
-PRIOR_COMPILE_S = 1.0  # a matmul pipeline's compile on a CPU adapter, before this process compiled any
+PRIOR_COMPILE_S = 1.0  # a 2-row matmul pipeline's compile on a CPU adapter, before this process compiled any
+# Seconds to create a matmul pipeline relative to a 2-row tile's, by row tile (0: the tiled GEMM). Lavapipe, each
+# alone (`tools/bench_compile.py`'s verification and head phases, issue 65): 1 row 0.76-0.87 s, 2 rows 0.94-1.13 s,
+# 4 rows 1.42-1.67 s, 8 rows 2.7-3.1 s.
+TILE_COMPILE_WEIGHTS = {0: 1.0, 1: 0.8, 2: 1.0, 4: 1.6, 8: 2.9}
 PRIOR_SPEEDUP = 1.3  # speculation's speedup before anything was measured
 
 
@@ -39,16 +50,29 @@ PRIOR_SPEEDUP = 1.3  # speculation's speedup before anything was measured
 _KEYS: weakref.WeakKeyDictionary[Transformer, dict[tuple[int, ...], frozenset[tuple]]] = weakref.WeakKeyDictionary()
 
 
-def pipelines_to_compile(target: Transformer, rows: Sequence[int]) -> int:
-    """The target's matmul pipelines a step of any of `rows` rows needs that are not compiled yet (the bulk of
-    the verification's pipelines: one per row tile and matmul shape)."""
+def missing_pipelines(target: Transformer, rows: Sequence[int]) -> list[tuple]:
+    """The keys of the target's matmul pipelines a step of any of `rows` rows needs that are not compiled yet (the
+    bulk of the verification's pipelines: one per row tile and matmul shape)."""
     known = _KEYS.setdefault(target, {})
     keys = known.get(tuple(rows))
     if keys is None:
         linears = target.linears()
         keys = frozenset(linear.pipeline_key(n) for linear in linears for n in rows if n <= linear.max_rows)
         known[tuple(rows)] = keys
-    return sum(not target.registry.compiled(key) for key in keys)
+    return [key for key in keys if not target.registry.compiled(key)]
+
+
+def _tile_weight(key: tuple) -> float:
+    return TILE_COMPILE_WEIGHTS.get(int(dict(key[2]).get("ROWS", 0)), 1.0)
+
+
+def compile_estimate_s(cache: PipelineCache, keys: Sequence[tuple]) -> float:
+    """Seconds to compile the matmul pipelines of `keys` here: each its tile's weight times this process's
+    seconds per unit of weight so far (its matmul pipelines' seconds over their weights; the prior before any)."""
+    done = [record for record in cache.records if record.key[0] == MATMUL_SHADER]
+    weights = sum(_tile_weight(record.key) for record in done)
+    per_weight = sum(r.module_s + r.pipeline_s for r in done) / weights if done else PRIOR_COMPILE_S
+    return per_weight * sum(_tile_weight(key) for key in keys)
 
 
 def compile_pays(
@@ -58,16 +82,15 @@ def compile_pays(
     this process timed a plain token), for `target` verifying `rows` on its device (`weigh` is the rule)."""
     if not target.gpu.on_cpu:
         return True, 0.0, 0.0
-    per_pipeline = target.registry.pipelines.mean_compile_s(MATMUL_SHADER) or PRIOR_COMPILE_S
-    return weigh(pipelines_to_compile(target, rows), per_pipeline, tokens, plain_token_s, speedup)
+    cost = compile_estimate_s(target.registry.pipelines, missing_pipelines(target, rows))
+    return weigh(cost, tokens, plain_token_s, speedup)
 
 
 def weigh(
-    pipelines: int, per_pipeline_s: float, tokens: int, plain_token_s: float | None, speedup: float | None
+    cost: float, tokens: int, plain_token_s: float | None, speedup: float | None
 ) -> tuple[bool, float, float | None]:
-    """The gate's rule on a CPU adapter (module docstring): `pipelines` still to compile at `per_pipeline_s` each
-    against `tokens` plain tokens of `plain_token_s` sped up by `speedup` (None: the prior)."""
-    cost = pipelines * per_pipeline_s
+    """The gate's rule on a CPU adapter (module docstring): `cost` seconds still to compile against `tokens`
+    plain tokens of `plain_token_s` sped up by `speedup` (None: the prior)."""
     if plain_token_s is None:
         return cost == 0, cost, None
     gain = tokens * plain_token_s * (1 - 1 / max(speedup or PRIOR_SPEEDUP, 1.0))
