@@ -253,6 +253,7 @@ class Transformer:
         # whether another forward has overwritten them since.
         self.forwards = 0
         self._generation_rows: set[tuple[int, bool]] = set()  # (row count, small tiles) `compile_generation` compiled
+        self._small_tile_prompt_rows = 0  # the prompt rows `compile_generation` gave the small tiles so far
         # Layer index → [max_rows, H]: that layer's output (the residual stream after it) for the rows of the
         # latest forward that ran it (`tap_layers`).
         self.taps: dict[int, Tensor] = {}
@@ -442,10 +443,13 @@ class Transformer:
 
     def compile_generation(self, prompt_rows: int) -> None:
         """Compile, several at once (`compile_at_once`), the matmul pipelines a generation runs first: its prefill's
-        chunks of `prompt_rows` rows in all, then plain steps with the last row's logits. On a CPU adapter a prompt
-        shorter than LONG_PROMPT_ROWS gets the small row tiles (`row_tile`: the 8-row ones cost more to compile
-        than they save it)."""
-        small = prompt_rows < LONG_PROMPT_ROWS
+        chunks of `prompt_rows` rows in all, then plain steps with the last row's logits. On a CPU adapter the
+        prompts run in the small row tiles until they add up to LONG_PROMPT_ROWS rows (`row_tile`: the 8-row tiles
+        cost more to compile than they save on fewer rows); the prompt that would pass that compiles its own tiles,
+        so a long-lived process (`chat`, `serve`) does not prefill in small tiles for good."""
+        small = self._small_tile_prompt_rows + prompt_rows < LONG_PROMPT_ROWS
+        if small:
+            self._small_tile_prompt_rows += prompt_rows
         chunks = {min(self.max_rows, prompt_rows - begin) for begin in range(0, prompt_rows, self.max_rows)}
         rows = sorted({(n, small) for n in {*chunks, 1}} - self._generation_rows)
         if not rows:

@@ -290,11 +290,20 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
         lambda calls, small_tiles: asked.append(({rows for _, rows in calls}, small_tiles)),
     )
     monkeypatch.setattr(target, "_generation_rows", set())
+    monkeypatch.setattr(target, "_small_tile_prompt_rows", 0)
     target.compile_generation(40)  # a chunk of 32 rows, one of 8, then plain steps
     target.compile_generation(40)  # ... once
     # A short prompt gets the small row tiles; one of LONG_PROMPT_ROWS rows its own (compiled again for it).
     target.compile_generation(transformer.LONG_PROMPT_ROWS)
     assert asked == [({32, 8, 1}, True), ({32, 1}, False)]
+    # Short prompts adding up past LONG_PROMPT_ROWS: the one that would pass it compiles its own tiles.
+    asked.clear()
+    monkeypatch.setattr(target, "_generation_rows", set())
+    monkeypatch.setattr(target, "_small_tile_prompt_rows", 0)
+    short = transformer.LONG_PROMPT_ROWS // 2 - 1
+    for _ in range(3):
+        target.compile_generation(short)
+    assert [small for _, small in asked] == [True, False]  # the second prompt compiles nothing (small again)
     monkeypatch.undo()
 
     prompt = [5, 9, 11, 4]  # 3 prefill rows: small row tiles, quick to compile
