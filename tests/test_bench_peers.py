@@ -56,6 +56,7 @@ def test_rows_hold_every_measure(record):
     rows = {row["peer"]: row for row in data["results"][0]["rows"]}
     for row in rows.values():
         assert row["rounds"] == 2 and len(row["decode_tok_s_runs"]) == 2
+        assert len(row["load_average_runs"]) == 2 and all(load >= 0 for load in row["load_average_runs"])
         for key in ("load_s", "warmup_s", "first_token_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mib"):
             assert row[key] > 0, (row["peer"], key, row[key])
         assert row["warmup_tokens"] == 2

@@ -92,7 +92,7 @@ PROMPT = (
 )
 # ours-auto's warm-up generation is the rounds' own (see the docstring): its drafts decide which pipelines run.
 WARM_UP_AS_MEASURED = frozenset({"ours-auto"})
-MEASURES = ("first_token_s", "prefill_tok_s", "decode_tok_s")
+MEASURES = ("first_token_s", "prefill_tok_s", "decode_tok_s", "load_average")  # printed per round
 
 
 def random_specs() -> dict[str, TinySpec]:
@@ -582,6 +582,9 @@ def measure(record: dict, prompt_tokens: int, round_index: int) -> dict:
     decoded = len(record["tokens"]) - record["first_count"]
     measured = {
         "round": round_index,
+        # The host's 1-minute load average as the generation ends: a CPU peer's threads (torch's OpenMP team above
+        # all) slow down far more than lavapipe's when other work shares the cores, so a ratio needs its load.
+        "load_average": os.getloadavg()[0],
         "first_token_s": record["first_token_s"],
         "prefill_tok_s": prompt_tokens / record["first_token_s"],
         "decode_tok_s": decoded / record["decode_s"],
@@ -701,6 +704,7 @@ def summarise(peer: str, runs: dict[str, list[dict]], ready: dict, prepared: Pre
         "peak_rss_mib": max(r["max_rss_bytes"] for r in rows) / 2**20,
         "rounds": len(rows),
         "decode_tok_s_runs": [r["decode_tok_s"] for r in rows],
+        "load_average_runs": [r["load_average"] for r in rows],
     }
     if "prepare_s" in ready:
         row["prepare_s"] = ready["prepare_s"]
@@ -777,7 +781,11 @@ def draw_chart(results: list[dict], path: Path) -> None:
         positions = range(len(labels))[::-1]
         ax.barh(list(positions), values, color=colours)
         ax.set_yticks(list(positions), labels)
-        ax.set_xscale("log")
+        shown = [value for value in values if value]
+        if shown and max(shown) > 10 * min(shown):  # a log axis only where the bars span orders of magnitude
+            ax.set_xscale("log")
+        else:  # else it would stretch a few percent across the axis
+            ax.set_xlim(0, 1.15 * max(shown, default=1))
         ax.set_title(title)
         for y, value in zip(positions, values, strict=True):
             if value:
