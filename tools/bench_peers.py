@@ -854,11 +854,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error("--new-tokens must be at least 2 (one first token, one decoded) and --rounds at least 1")
     deadline = Deadline(args.max_minutes * 60)
+    host = machine()  # at the start: the checkout may move on while a long run goes on
     adapter = adapter_environment(args.vulkan)
     results = [bench_model(model, peers, args, adapter, deadline) for model in models]
     print_table(results)
     record = {
-        "machine": machine(),
+        "machine": host,
         "command": sys.argv if argv is None else argv,
         "args": vars(args),
         "results": results,
