@@ -9,9 +9,10 @@ Peers (--peers, comma-separated; each runs in a process of its own, loaded once 
 - doppler-gpu: the JS original (npm doppler-gpu, pinned in doppler_py.parity.npm) in Node on Dawn, converted by
   its own converter into its production format for the family (doppler_py.parity.doppler_model; Q4K weights with
   f16 embeddings, head and KV cache where the package has such a config, else its float32 lane);
-- llama.cpp-vulkan, llama.cpp-cpu: llama-cpp-python (built from source with -DGGML_VULKAN=on) on the GGUF in
+- llama.cpp-vulkan, llama.cpp-cpu: llama-cpp-python (tools/build_llamacpp_vulkan.sh: with Vulkan) on the GGUF in
   --gguf-type (requantised from the shipped GGUF by llama.cpp's own quantiser), all layers offloaded or none;
-- transformers: HF transformers on the CPU in float32 (torch, --threads threads).
+- transformers: HF transformers on the CPU in float32 (torch, --threads threads; on a loaded host its two OpenMP
+  threads slowed 4-12x where one did not: docs/benchmarks.md).
 A peer that cannot run here (a missing package, no Node, no GGUF for the family) is listed as skipped with the
 reason, never silently left out.
 
