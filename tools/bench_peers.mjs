@@ -19,8 +19,8 @@
 
 import { performance } from 'node:perf_hooks';
 import { createInterface } from 'node:readline';
-import { pathToFileURL } from 'node:url';
-import { readFileSync } from 'node:fs';
+
+import { exitOnUncaught, loadModel } from '../doppler_py/parity/node_driver.mjs';
 
 const [packageDir, rdrrDir] = process.argv.slice(2);
 if (!rdrrDir) {
@@ -40,19 +40,10 @@ function argmax(logits) {
   return best;
 }
 
-process.on('uncaughtException', (error) => {
-  console.error(error?.stack ?? error);
-  reply({ error: `${error?.message ?? error}` });
-  process.exit(1);
-});
+exitOnUncaught((message) => reply({ error: message }));
 
 const loadStart = performance.now();
-const { load } = await import(pathToFileURL(`${packageDir}/src/index.js`).href);
-// As doppler_model.mjs: the runtime's KV cache dtype is the manifest's (the runtime default is f16 regardless).
-const manifest = JSON.parse(readFileSync(`${rdrrDir}/manifest.json`, 'utf8'));
-const kvDtype = manifest.inference?.session?.kvcache?.kvDtype;
-const runtimeConfig = kvDtype ? { inference: { session: { kvcache: { kvDtype } } } } : undefined;
-const model = await load({ url: pathToFileURL(rdrrDir).href }, { runtimeConfig });
+const model = await loadModel(packageDir, rdrrDir);
 reply({ load_s: (performance.now() - loadStart) / 1000, adapter: model.deviceInfo ?? null });
 
 const lines = createInterface({ input: process.stdin });
