@@ -27,8 +27,11 @@ lint
 DOPPLER_DAWN_REPLAY=1 .venv/bin/python -m pytest --durations=30
 # Again on Dawn, the WebGPU implementation Chrome ships (Tint compiling our WGSL; tests/model/test_smollm2_dawn.py
 # ran above): the kernels whose pipelines Mesa 25's lavapipe, Dawn's driver on a CPU-only machine, compiles in
-# seconds (f32 matmul and attention take it minutes per pipeline here, which also keeps the tiny f32 models'
-# drafter tests off Dawn: docs/testing.md).
+# seconds (matmul and attention take it minutes for all their variants), and on the tiny models the greedy exactness
+# of prompt lookup, layer skip, the draft models, lookahead and token trees plus one sampled joint distribution
+# (docs/testing.md: 40 s with Mesa's shader cache warm, about 10 CPU minutes cold).
 .venv/bin/python -m pytest -q --webgpu dawn --durations=10 tests/gpu/test_webgpu_choice.py \
   tests/kernels/test_{rmsnorm,softmax,rope,residual,swiglu,embedding,sample,logprobs,token_mask}.py \
-  tests/kernels/test_{penalties,logit_softcap,vocab_scatter,stream_read,tree_ops,spec_verify}.py
+  tests/kernels/test_{penalties,logit_softcap,vocab_scatter,stream_read,tree_ops,spec_verify}.py \
+  tests/speculative/test_engine.py tests/speculative/drafters/test_lookahead.py tests/speculative/trees/test_tree_steps.py \
+  -k "not speculative or greedy_speculative_equals_plain_greedy or two_token_joint or plain_greedy_decoding"

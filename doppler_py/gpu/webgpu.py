@@ -13,6 +13,8 @@ after, so a wgpu-native device in the same process keeps the system's driver.
 Environment variables:
   DOPPLER_WEBGPU      wgpu-native (the default) or dawn
   DOPPLER_MESA25_DIR  where tools/mesa25.sh unpacked Mesa 25's lavapipe (default ~/.cache/doppler-py/mesa25)
+  DOPPLER_MESA25_VECTOR_WIDTH  the vector width (bits) Mesa 25's lavapipe compiles Dawn's kernels for (default 128;
+                      see MESA25_VECTOR_BITS); wgpu-native's driver keeps LP_NATIVE_VECTOR_WIDTH
   VK_ICD_FILENAMES    (the Vulkan loader's own) when set, Dawn uses the drivers it names and nothing is changed
 """
 
@@ -37,6 +39,13 @@ ENV_VAR = "DOPPLER_WEBGPU"
 MESA25_DIR = Path(os.environ.get("DOPPLER_MESA25_DIR", Path.home() / ".cache/doppler-py/mesa25"))
 _MESA25_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "mesa25.sh"
 _LOADER_ENV = ("VK_ICD_FILENAMES", "VK_DRIVER_FILES")
+_WIDTH_ENV = "LP_NATIVE_VECTOR_WIDTH"
+# Mesa 25's llvmpipe compiles a kernel in a time that grows with its vector width and, faster than linearly, with
+# the storage loads the kernel spells out: a kernel of 128 unrolled vec4 loads took 35 s of CPU at 512 bits, 12 s at
+# 256 and 4 s at 128 (Mesa 22.3: 0.7 s at 512). Our f32 matmul (64 loads per block) took 28 s at 512 bits, 5.4 s at
+# 256 and 3.2 s at 128; attention at head dim 256, 36.5 s and 6.8 s (Mesa 22.3 at 512: 1.4 s and 2.6 s). Dawn on
+# a CPU is there to check the kernels on Chrome's implementation, not to be fast, so its driver gets 4 lanes.
+MESA25_VECTOR_BITS = 128
 # Guards the environment while Dawn lists its adapters.
 _DAWN_LOCK = threading.Lock()
 
@@ -79,8 +88,11 @@ def enumerate_adapters(name: str) -> list:
     icd = mesa25_icd()
     with _DAWN_LOCK:
         _load_mesa25_libraries(icd)
-        saved = {v: os.environ.get(v) for v in _LOADER_ENV}
+        saved = {v: os.environ.get(v) for v in (*_LOADER_ENV, _WIDTH_ENV)}
         os.environ["VK_ICD_FILENAMES"] = os.environ["VK_DRIVER_FILES"] = str(icd)
+        # llvmpipe reads its width once, when this listing loads it; the system's driver (another library) keeps
+        # the width device.py gives it when it loads.
+        os.environ[_WIDTH_ENV] = os.environ.get("DOPPLER_MESA25_VECTOR_WIDTH", str(MESA25_VECTOR_BITS))
         try:
             return module.gpu.enumerate_adapters_sync()
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -58,3 +59,15 @@ def test_a_device_on_each_implementation_moves_data(name):
     assert gpu.has_subgroups == bool({"subgroup", "subgroups"} & set(gpu.adapter.features))
     values = np.arange(37, dtype=np.float32)
     assert np.array_equal(Tensor.from_numpy(gpu, values, label="x").numpy(), values)
+
+
+@pytest.mark.skipif(webgpu.driver_to_unpack("dawn") is not None or not webgpu._cpu_only(), reason="no Mesa 25 here")
+def test_dawn_gets_mesa25_at_its_own_vector_width_and_wgpu_native_keeps_its_own(monkeypatch):
+    # Both drivers load in this process: Mesa 25's while Dawn lists its adapters, the system's for wgpu-native.
+    monkeypatch.delenv("DOPPLER_MESA25_VECTOR_WIDTH", raising=False)
+    native = create_gpu(webgpu="wgpu-native")
+    before = os.environ.get("LP_NATIVE_VECTOR_WIDTH")  # the system driver's: the user's or device.py's, if set
+    dawn = create_gpu(webgpu="dawn")
+    assert f"{webgpu.MESA25_VECTOR_BITS} bits" in dawn.name and "Mesa 25" in str(dawn.info.get("description"))
+    assert os.environ.get("LP_NATIVE_VECTOR_WIDTH") == before
+    assert f"{before or 256} bits" in native.name  # 256: llvmpipe's own default

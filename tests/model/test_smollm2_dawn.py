@@ -1,7 +1,7 @@
 """SmolLM2 on Dawn (Chrome's WebGPU implementation, Tint compiling our WGSL) answers token for token as on
-wgpu-native, in its shipped q4_1 blocks. wgpu-native's answers equal HF transformers' (test_smollm2.py), so Dawn's
-do too. Not f32: on a CPU-only machine Dawn runs on Mesa 25's lavapipe, whose LLVM took over 6 minutes on the f32
-matmul pipelines here (2 cores) where Debian's Mesa 22.3 takes seconds (docs/testing.md)."""
+wgpu-native, in f32 and in its shipped q4_1 blocks. wgpu-native's answers equal HF transformers' (test_smollm2.py),
+so Dawn's do too. On a CPU-only machine Dawn runs on Mesa 25's lavapipe at 128-bit vectors (webgpu.py
+MESA25_VECTOR_BITS): at 512 its LLVM spent over 6 minutes in the f32 matmul pipelines here."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=["q4_1"])
+@pytest.fixture(scope="module", params=["q4_1", "f32"])
 def engines(request, smollm2_gguf):
     """implementation -> the default model at one precision on it (both in this process)."""
     from doppler_py.model.catalog import DEFAULT_MODEL
