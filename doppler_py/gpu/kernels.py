@@ -340,7 +340,9 @@ class KernelRegistry:
         for taken in slots:
             self._free_slots.append(taken)
             where = (id(taken.arena.buffer), taken.offset)
-            for key in [key for key in self._bind_groups if key[1:3] == where]:
+            # A snapshot of the keys (one C call, so atomic under the GIL): a compile thread may be binding a
+            # matmul's variants meanwhile (`Linear.compile`), and iterating the dict itself then raises.
+            for key in [key for key in tuple(self._bind_groups) if key[1:3] == where]:
                 self._forget_group(key)
 
     def phased(self, bound: Bound, phase: int) -> Bound:

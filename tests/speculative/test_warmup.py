@@ -314,6 +314,7 @@ def test_a_generations_first_matmul_pipelines_compile_at_once(models, monkeypatc
     fresh.kernels = {key: kernel for key, kernel in cache.kernels.items() if key[0] != "matmul"}
     monkeypatch.setattr(target.registry, "pipelines", fresh)
     monkeypatch.setattr(target, "_generation_rows", set())
+    monkeypatch.setattr(target, "_small_tile_prompt_rows", 0)  # a fresh process's first prompts
     threads: set[str] = set()
     compile_rows = Linear.compile
 
