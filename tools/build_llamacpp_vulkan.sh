@@ -30,7 +30,6 @@ headers_suite="${VULKAN_HEADERS_SUITE:-trixie}"
 for tool in apt-get dpkg cmake glslc; do
   command -v "$tool" >/dev/null 2>&1 || { echo "build_llamacpp_vulkan: $tool missing (see the header)" >&2; exit 1; }
 done
-arch="$(dpkg --print-architecture)"
 multiarch="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)"
 [ -e "/usr/lib/$multiarch/libvulkan.so" ] || { echo "build_llamacpp_vulkan: no libvulkan.so (apt-get install libvulkan-dev)" >&2; exit 1; }
 
@@ -38,21 +37,8 @@ headers="$dir/vulkan-headers"
 if [ ! -f "$headers/usr/include/vulkan/vulkan.hpp" ]; then
   work="$headers.partial"
   rm -rf "$work"
-  mkdir -p "$work/apt/lists/partial" "$work/apt/archives/partial" "$work/debs"
-  echo "deb http://deb.debian.org/debian $headers_suite main" >"$work/apt/sources.list"
-  apt_opts=(
-    -o "Dir::Etc::SourceList=$work/apt/sources.list"
-    -o "Dir::Etc::SourceParts=-"
-    -o "Dir::State::Lists=$work/apt/lists"
-    -o "Dir::Cache=$work/apt"
-    -o "Dir::State::status=/dev/null"
-    -o "APT::Architecture=$arch"
-    -o "Debug::NoLocking=1"
-    -o "APT::Get::List-Cleanup=0"
-    -o "APT::Sandbox::User=$(id -un)"  # apt's _apt user cannot write into DIR
-  )
-  apt-get "${apt_opts[@]}" update -qq
-  (cd "$work/debs" && apt-get "${apt_opts[@]}" download -qq libvulkan-dev)
+  source "$(dirname "${BASH_SOURCE[0]}")/apt_download.sh"
+  apt_download "$work" "$headers_suite" libvulkan-dev
   mkdir "$work/root"
   dpkg -x "$work"/debs/libvulkan-dev_*.deb "$work/root"
   grep -q "LayerSettingEXT" "$work/root/usr/include/vulkan/vulkan.hpp" "$work"/root/usr/include/vulkan/vulkan_*.hpp ||

@@ -16,25 +16,12 @@ if [ -f "$icd" ]; then
   exit 0
 fi
 command -v apt-get >/dev/null 2>&1 || { echo "mesa25: apt-get missing (Debian only)" >&2; exit 1; }
-arch="$(dpkg --print-architecture)"
 work="$dir.partial"
 rm -rf "$work"
-mkdir -p "$work/apt/lists/partial" "$work/apt/archives/partial" "$work/debs" "$work/root"
-echo "deb http://deb.debian.org/debian bookworm-backports main" >"$work/apt/sources.list"
-apt_opts=(
-  -o "Dir::Etc::SourceList=$work/apt/sources.list"
-  -o "Dir::Etc::SourceParts=-"
-  -o "Dir::State::Lists=$work/apt/lists"
-  -o "Dir::Cache=$work/apt"
-  -o "Dir::State::status=/dev/null"
-  -o "APT::Architecture=$arch"
-  -o "Debug::NoLocking=1"
-  -o "APT::Get::List-Cleanup=0"
-  -o "APT::Sandbox::User=$(id -un)"  # apt's _apt user cannot write into DIR
-)
-apt-get "${apt_opts[@]}" update -qq
+mkdir -p "$work/root"
+source "$(dirname "${BASH_SOURCE[0]}")/apt_download.sh"
 # mesa-vulkan-drivers holds libvulkan_lvp.so; it links a newer libdrm (libdrm2, libdrm-amdgpu1) than bookworm's.
-(cd "$work/debs" && apt-get "${apt_opts[@]}" download -qq mesa-vulkan-drivers libdrm2 libdrm-amdgpu1)
+apt_download "$work" bookworm-backports mesa-vulkan-drivers libdrm2 libdrm-amdgpu1
 for deb in "$work"/debs/*.deb; do
   dpkg -x "$deb" "$work/root"
 done
