@@ -229,9 +229,9 @@ class Linear:
         pipeline is not compiled, SMALL_TILE_ROWS (the reason is in `row_tile`)."""
         tile = row_tile(rows, self.tiled_gemm)
         small = self._tile(rows, small=True)
-        if small != tile and not self.registry.compiled(self._key(tile, self._fuses_glu(rows))):
-            return small
-        return tile
+        if small == tile or (tile, self._fuses_glu(rows)) in self._variants:  # bound, so compiled: no key to build
+            return tile
+        return tile if self.registry.compiled(self._key(tile, self._fuses_glu(rows))) else small
 
     def _tile(self, rows: int, small: bool) -> int:
         tile = row_tile(rows, self.tiled_gemm)
