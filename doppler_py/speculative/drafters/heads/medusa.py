@@ -68,7 +68,7 @@ def load_medusa(
     if not isinstance(heads, int) or heads < 1:
         raise ModelFormatError(f"{folder / 'medusa.json'}: 'heads' must be a positive integer, got {heads!r}")
     tensors = read_resblocks(folder / "medusa.safetensors", heads, target)
-    fmt = dense_format(precision, tensors["lm_head.weight"].dtype)
+    fmt = dense_format(target, precision, tensors["lm_head.weight"].dtype)
     return MedusaHeads(
         folder=folder,
         blocks=upload_resblocks(target, tensors, fmt, "medusa"),

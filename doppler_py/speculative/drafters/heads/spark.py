@@ -79,7 +79,7 @@ def load_spark(
     tensors = read_resblocks(path, block, target, {"confidence.weight": (block, h), "confidence.bias": (block,)})
     n = tensors["draft_to_target"].size
     require_shapes(path, tensors, {"prev.embed": (n + 1, rank), "prev.proj": (n, rank)})
-    fmt = dense_format(precision, tensors["lm_head.weight"].dtype)
+    fmt = dense_format(target, precision, tensors["lm_head.weight"].dtype)
     slots = np.full(vocab, n, np.int64)
     slots[tensors["draft_to_target"]] = np.arange(n)
     gpu = target.gpu

@@ -429,10 +429,29 @@ def test_the_api_drafts_with_a_head_for_eagle_and_auto_and_stays_exact(head_dir,
 
 
 def test_the_compile_hook_covers_every_matmul_of_the_head(models, heads, monkeypatch):
-    """The engine's warm-up runs `compile`: the head's f16 matmuls (input projections, its layer, its LM head)
-    share no pipeline with a target kept in 4-bit blocks, and each that it missed compiled mid-generation."""
+    """The engine's warm-up runs `compile`: each of the head's matmuls (input projections, its layer, its LM head)
+    that it missed and the target had not compiled would compile mid-generation, timed as a step's cost."""
     drafter = EagleDrafter(models["target"], heads("eagle-1")[1])
     assert matmul_pipelines(drafter, drafter.head.model.linears()) <= compile_requests(drafter, monkeypatch)
+
+
+def test_a_head_for_a_block_quantised_target_runs_the_targets_own_pipelines(tiny_model, trained_head):
+    """A head loaded for a q4_1 target takes its format (`dense_format`): its layer, its LM head and its input
+    projections run matmul pipelines the target's own steps compile, so on a CPU adapter it adds only the f32
+    feature projection's (issue 65: the f16 head's own pipelines were 12 of `auto`'s 26)."""
+    target = tiny_model(TARGET, "q4_1", max_rows=32, max_positions=256)
+    head = load_head(trained_head("eagle-1", "llama"), target)
+    drafter = EagleDrafter(target, head)
+    try:
+        rows = (1, 2, 4, 8)
+        targets = {linear.pipeline_key(n) for linear in target.linears() for n in rows if n <= linear.max_rows}
+        shared = (drafter.fc_embed, drafter.fc_own, *head.model.linears())
+        assert {op.pipeline_key(n) for op in shared for n in rows if n <= op.max_rows} <= targets
+        assert head.model.weights.layers[0].down.format == "q4_1"
+        assert drafter.fc_raw.weight.format == "f32" and drafter.fc_raw.pipeline_key(1) not in targets
+    finally:
+        drafter.close()
+        head.close()
 
 
 def test_auto_s_pair_declares_the_heads_taps_and_pipelines_and_chains_only(models, heads, monkeypatch):
