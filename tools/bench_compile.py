@@ -4,9 +4,10 @@
 
 Run it in a fresh process (it must be: pipelines are cached per process). Phases, in order:
   plain      a plain generation of a few tokens (its prefill and decode pipelines: what the first token waits for);
-  verify     what `auto`'s background warm-up compiles (`PipelineWarmup`: one verification step per row count on a
-             shadow of the target), alone, with the main thread waiting, per row count as it is reached;
-  drafter    the drafter's own pipelines (the EAGLE head's), compiled by the warm-up after the row counts;
+  stage N    what `auto`'s background warm-up compiles, stage by stage (`SpeculativeEngine.compile_stages`: on a
+             CPU adapter the row counts of one-draft steps, then the rest), alone, with the main thread waiting:
+             one verification step per row count on a shadow of the target (`PipelineWarmup`), per row count as
+             it is reached ("stage N rows<=R"), then the drafter's own pipelines for them ("stage N drafter");
   generate   a `--tokens` generation with `auto` once everything is compiled: which row counts its steps verify
              (and anything it still had to compile).
 Each pipeline is one `CompileRecord` (`gpu.kernels.PipelineCache.records`): its shader module's seconds (paid by
@@ -35,7 +36,6 @@ from host_cpu import describe_cpu
 import doppler_py
 from doppler_py.gpu.kernels import CompileRecord
 from doppler_py.sampling import SamplingParams
-from doppler_py.speculative.readiness.warmup import PipelineWarmup
 
 FORMATS = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 4: "q8_0"}
 PROMPT = "Write a short story about a night-train conductor and a passenger who cannot sleep."
@@ -97,27 +97,25 @@ def main() -> None:
     mode = engine._resolve_mode("auto")
     spec = engine.speculative_engine(mode)  # background: nothing compiles until a generation starts the warm-up
     rows = spec.verify_rows()
-    start = time.perf_counter()
-    warmup = PipelineWarmup(
-        spec.target,
-        lambda shadow: type(spec)(shadow, None, capacity=spec.capacity),
-        rows,
-    )
-    reached: dict[int, float] = {}
-    while not warmup.done.wait(0.005):
-        reached.setdefault(warmup.compiled_rows, time.perf_counter())
-    warmup.finish()
-    end = time.perf_counter()
-    phases["verify"] = (start, end)
-    marks = [*sorted((t, r) for r, t in reached.items() if r > 0), (end, rows[-1])]
-    previous = start
-    for t, r in marks:  # the pipelines started before row count r was reached belong to it
-        phases[f"verify rows<={r}"] = (previous, t)
-        previous = t
-
-    start = time.perf_counter()
-    spec.drafter.compile()
-    phases["drafter"] = (start, time.perf_counter())
+    done: list[int] = []
+    for number, stage in enumerate(spec.compile_stages(), 1):
+        stage_rows = [r for r in stage if r not in done]
+        start = time.perf_counter()
+        warmup = spec.start_warmup(stage_rows)  # the stage's row counts, then the drafter's pipelines for them
+        reached: dict[int, float] = {}
+        while not warmup.done.wait(0.005):
+            reached.setdefault(warmup.compiled_rows, time.perf_counter())
+        warmup.finish()
+        end = time.perf_counter()
+        name = f"stage {number}"
+        phases[name] = (start, end)
+        marks = [*sorted((t, r) for r, t in reached.items() if r in stage_rows), (end, stage_rows[-1])]
+        previous = start
+        for t, r in marks:  # the pipelines started before row count r was reached belong to it
+            phases[f"{name} rows<={r}"] = (previous, t)
+            previous = t
+        phases[f"{name} drafter"] = (reached.get(stage_rows[-1], end), end)
+        done += stage_rows
 
     start = time.perf_counter()
     result = spec.generate(chat, args.tokens, SamplingParams())
@@ -154,7 +152,9 @@ def main() -> None:
         other = p["wall_s"] - p["module_s"] - p["pipeline_s"]
         seconds = f"{p['wall_s']:7.2f} {p['pipelines']:5d} {p['module_s']:8.2f} {p['pipeline_s']:7.2f} {other:7.2f}"
         print(f"{phase:<16} {seconds}")
-    for phase in ("plain", "verify", "drafter", "generate"):
+    for phase in [p for p in report["phases"] if p == "plain" or (p.startswith("stage") and "<=" not in p)] + [
+        "generate"
+    ]:
         kinds = report["phases"][phase]["kinds"]
         if kinds:
             print(f"\n{phase}: {'kind':<34} {'n':>3} {'sum s':>6} {'median s':>8}")

@@ -76,12 +76,14 @@ def row_tile(rows: int, tiled_gemm: bool) -> int:
     return min(MAX_TILE_ROWS, 1 << (rows - 1).bit_length())
 
 
-def compile_rows(linears: Sequence[Linear], stop: threading.Event | None = None) -> None:
-    """Compile the pipeline of every row count each of `linears` may run with (row counts ascending, so the
-    shortest calls, a drafter's first, are ready first); thread-safe, e.g. in a warm-up thread, which `stop`
-    ends after the row count being compiled. A drafter's f16 matmuls share no pipeline with a target kept in
-    4-bit blocks, and compiled on first use mid-generation."""
-    for rows in range(1, REGISTER_TILED_MAX_ROWS + 2):  # past the register tiles, one tiled GEMM for any count
+def compile_rows(linears: Sequence[Linear], stop: threading.Event | None = None, max_rows: int | None = None) -> None:
+    """Compile the pipeline of every row count each of `linears` may run with, up to `max_rows` (None: all; row
+    counts ascending, so the shortest calls, a drafter's first, are ready first); thread-safe, e.g. in a warm-up
+    thread, which `stop` ends after the row count being compiled. A drafter's matmuls in a format of their own
+    (f32, or f16 beside a float target) share no pipeline with the target's, and compiled on first use
+    mid-generation."""
+    last = REGISTER_TILED_MAX_ROWS + 1  # past the register tiles, one tiled GEMM for any count
+    for rows in range(1, min(last, max_rows or last) + 1):
         if stop is not None and stop.is_set():
             return
         for linear in linears:

@@ -40,6 +40,7 @@ from doppler_py.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from doppler_py.constraints.matcher import GrammarMatcher
+    from doppler_py.ops.linear import Linear
     from doppler_py.ops.penalties import Penalties
 
 
@@ -187,8 +188,12 @@ class Drafter(Protocol):
     # Its `commit` reads the target's logits rows of the step just verified (rows 0..), as the verification left them.
     reads_verified_logits: bool
 
-    def compile(self) -> None:
-        """Build the drafter's own pipelines for every shape it may run (thread-safe; before first use)."""
+    def matmuls(self) -> Sequence[Linear]:
+        """The matmuls the drafter runs on the GPU (the compile gate counts their pipelines not compiled yet)."""
+
+    def compile(self, max_rows: int | None = None) -> None:
+        """Build the drafter's own pipelines for every shape it may run with at most `max_rows` rows (None: every
+        shape; thread-safe; before first use)."""
 
     def start(self, ctx: StepContext) -> None:
         """A new generation of ctx.tokens (the prompt), before the target's prefill."""
@@ -235,7 +240,10 @@ class NoOpHooks:
     reads_step_rows = True  # the safe default: a drafter that reads none of the target's rows says so
     reads_verified_logits = False
 
-    def compile(self) -> None:
+    def matmuls(self) -> Sequence[Linear]:
+        return ()
+
+    def compile(self, max_rows: int | None = None) -> None:
         pass
 
     def continue_tokens(self, tokens: Sequence[int], k: int) -> list[int]:

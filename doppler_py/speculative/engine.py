@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from doppler_py.errors import CapacityError, DopplerError, GenerationOptionError, InternalError
 from doppler_py.gpu.tensor import Tensor
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.linear import Linear
 from doppler_py.ops.logprobs import TokenLogprob, check_top_logprobs
 from doppler_py.ops.speculative import MAX_DRAFT_TOKENS
 from doppler_py.rng import Mulberry32
@@ -31,6 +32,7 @@ from doppler_py.speculative.batch import Generation, PrefillTurn, StepBatch, Ste
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, PlainDecoding, Proposal, StepContext
 from doppler_py.speculative.kv_budget import KVBudget
 from doppler_py.speculative.policy.draft_length import DraftLengthPolicy, worth_drafting
+from doppler_py.speculative.readiness.compile_gate import FIRST_STAGE_ROWS
 from doppler_py.speculative.readiness.state import QUICK_CONTEXT, Readiness
 from doppler_py.speculative.readiness.warmup import PipelineWarmup
 from doppler_py.speculative.stats import SpecStats
@@ -130,12 +132,25 @@ class SpeculativeEngine:
     def compile_drafter(self) -> None:
         self.drafter.compile()
 
-    def start_warmup(self) -> PipelineWarmup:
+    def compile_stages(self) -> list[list[int]]:
+        """The row counts a weighed compile makes usable, stage by stage (`readiness.compile_gate`): on a CPU
+        adapter those of one-draft steps first (FIRST_STAGE_ROWS), then the rest; elsewhere all at once."""
+        rows = self.verify_rows()
+        first = [r for r in rows if r <= FIRST_STAGE_ROWS]
+        return [first, rows] if self.target.gpu.on_cpu and len(first) < len(rows) else [rows]
+
+    def drafter_matmuls(self) -> Sequence[Linear]:
+        return self.drafter.matmuls()
+
+    def start_warmup(self, rows: list[int]) -> PipelineWarmup:
+        """Compile `rows` (and the drafter's pipelines for steps of that many rows; for the last stage, all of
+        them) in a background thread."""
+        last = max(rows) >= max(self.verify_rows())
         return PipelineWarmup(
             self.target,
             lambda shadow: SpeculativeEngine(shadow, None, capacity=self.capacity),
-            self.verify_rows(),
-            also=self.drafter.compile,
+            rows,
+            also=functools.partial(self.drafter.compile, None if last else max(rows)),
         )
 
     def measured_costs(self) -> dict[int, float]:
@@ -257,6 +272,8 @@ class SpeculativeEngine:
                 proposal, speculate = None, True
                 if self.speculative:
                     if ctx.drafter is self.drafter:
+                        # Drafting within the row counts compiled so far: the next stage weighed (`compile_stages`).
+                        self.readiness.weigh_during(remaining, produced, stats, self._plain_token_s)
                         speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
                     else:  # began plainly: the compile not worth it at the start
                         speculate = self._join_when_ready(ctx, remaining, produced, stats)

@@ -40,6 +40,8 @@ class FakeEngine:
         self.calls: list[tuple] = []
         self.limit: int | None = -1  # never set
         self.warmups: list[FakeWarmup] = []
+        self.warmup_rows: list[list[int]] = []
+        self.stages = [list(ROWS)]
 
     def verify_rows(self) -> list[int]:
         return list(ROWS)
@@ -56,8 +58,15 @@ class FakeEngine:
     def compile_drafter(self) -> None:
         self.calls.append(("compile drafter",))
 
-    def start_warmup(self) -> FakeWarmup:
+    def compile_stages(self) -> list[list[int]]:
+        return self.stages
+
+    def drafter_matmuls(self) -> tuple:
+        return ()
+
+    def start_warmup(self, rows: list[int]) -> FakeWarmup:
         self.warmups.append(FakeWarmup())
+        self.warmup_rows.append(list(rows))
         return self.warmups[-1]
 
     def measured_costs(self) -> dict[int, float]:
@@ -148,8 +157,8 @@ def test_a_seeded_generation_starts_the_compile_at_once_and_waits_for_it():
     done_later = threading.Timer(0.05, lambda: engine.warmups[0].done.set())
     original = engine.start_warmup
 
-    def start():
-        warmup = original()
+    def start(rows):
+        warmup = original(rows)
         done_later.start()
         return warmup
 
@@ -162,7 +171,7 @@ def test_a_seeded_generation_starts_the_compile_at_once_and_waits_for_it():
 def test_weighing_holds_the_compile_until_it_pays(pays):
     asked = []
 
-    def compile_pays(target, rows, *, tokens, plain_token_s, speedup):
+    def compile_pays(target, rows, *, tokens, plain_token_s, speedup, drafter):
         asked.append((tokens, plain_token_s, speedup))
         return pays, 12.0, 3.0
 
@@ -215,7 +224,7 @@ def test_an_answer_begun_plainly_weighs_the_compile_again_once_its_plain_tokens_
     asked = []
     verdicts = iter([False, True])
 
-    def compile_pays(target, rows, *, tokens, plain_token_s, speedup):
+    def compile_pays(target, rows, *, tokens, plain_token_s, speedup, drafter):
         asked.append((tokens, plain_token_s))
         return next(verdicts), 12.0, 3.0
 
@@ -244,3 +253,54 @@ def test_closing_cancels_a_running_compile():
     ready.may_speculate(first_step=False, seeded=False)
     ready.close()
     assert engine.warmups[0].cancelled and ready.warmup is None
+
+
+def test_a_staged_compile_weighs_compiles_and_uses_each_stage_on_its_own():
+    """On a CPU adapter the engine compiles in stages (`compile_stages`): the gate weighs the one-draft row counts
+    first; once they are compiled the answers draft within them while the rest is weighed, which then compiles
+    and makes every row count usable."""
+    weighed, verdicts = [], iter([True, False, True])
+
+    def compile_pays(target, rows, *, tokens, plain_token_s, speedup, drafter):
+        weighed.append(list(rows))
+        return next(verdicts), 1.0, 2.0
+
+    engine = FakeEngine()
+    engine.stages = [[1, 2], list(ROWS)]
+    ready = Readiness(engine, compile_pays=compile_pays)
+    ready.prepare(costs=True, background=True, weigh=True)
+    stats = SpecStats()
+    assert ready.before_generation(10, GREEDY, stats, plain_token_s=0.05) and ready.stage is Stage.PENDING
+    assert not ready.may_speculate(first_step=False, seeded=False) and engine.warmup_rows == [[2]]
+    engine.warmups[0].compiled_rows = 2
+    engine.warmups[0].done.set()
+    assert ready.may_speculate(first_step=False, seeded=False)
+    assert ready.stage is Stage.WEIGHING and ready.usable_rows == 2 and engine.limit == 1
+    assert ready.before_generation(10, GREEDY, stats, plain_token_s=0.05)  # the rest does not pay: drafts of one
+    assert ready.may_speculate(first_step=True, seeded=False) and ready.stage is Stage.WEIGHING
+    assert ready.weigh_during(5, 5, stats, plain_token_s=0.05) and ready.stage is Stage.PENDING
+    assert weighed == [[1, 2], ROWS, ROWS]
+    assert ready.may_speculate(first_step=False, seeded=False) and engine.warmup_rows[1] == [3, 4, 5, 6]
+    engine.warmups[1].compiled_rows = max(ROWS)
+    engine.warmups[1].done.set()
+    assert ready.may_speculate(first_step=False, seeded=False)
+    assert ready.stage is Stage.READY and ready.usable_rows == max(ROWS) and engine.limit is None
+
+
+def test_a_seeded_generation_between_stages_waits_for_the_rest():
+    """Which steps of a seeded generation speculate must not depend on when a stage paid: it compiles every row
+    count and waits, as from PENDING."""
+    ready, engine = readiness(costs=True, background=True, weigh=True)
+    engine.stages = [[1, 2], list(ROWS)]
+    ready.stage, ready.usable_rows = Stage.WEIGHING, 2
+    done_later = threading.Timer(0.05, lambda: engine.warmups[0].done.set())
+    original = engine.start_warmup
+
+    def start(rows):
+        warmup = original(rows)
+        done_later.start()
+        return warmup
+
+    engine.start_warmup = start
+    assert ready.may_speculate(first_step=True, seeded=True)
+    assert engine.warmup_rows == [[3, 4, 5, 6]] and ready.stage is Stage.READY and ready.usable_rows == max(ROWS)

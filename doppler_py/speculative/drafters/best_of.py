@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from doppler_py.ops.linear import Linear
 from doppler_py.speculative.contract import NO_PROPOSAL, Drafter, NoOpHooks, Proposal, StepContext
 
 
@@ -49,9 +50,12 @@ class BestOfDrafter(NoOpHooks):
     def continue_tokens(self, tokens: Sequence[int], k: int) -> list[int]:
         return self.lookup.continue_tokens(tokens, k)
 
-    def compile(self) -> None:
-        self.lookup.compile()
-        self.head.compile()
+    def matmuls(self) -> tuple[Linear, ...]:
+        return (*self.lookup.matmuls(), *self.head.matmuls())
+
+    def compile(self, max_rows: int | None = None) -> None:
+        self.lookup.compile(max_rows)
+        self.head.compile(max_rows)
 
     def start(self, ctx: StepContext) -> None:
         self.last = None

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from doppler_py.gpu.kernels import PipelineCache
 from doppler_py.model.transformer import Transformer
 from doppler_py.ops.linear import SHADER as MATMUL_SHADER
+from doppler_py.ops.linear import Linear
 
 PRIOR_COMPILE_S = 1.0  # a 2-row matmul pipeline's compile on a CPU adapter, before this process compiled any
 # Seconds to create a matmul pipeline relative to a 2-row tile's, by row tile (0: the tiled GEMM). Lavapipe, each
@@ -43,22 +44,30 @@ PRIOR_COMPILE_S = 1.0  # a 2-row matmul pipeline's compile on a CPU adapter, bef
 # 4 rows 1.42-1.67 s, 8 rows 2.7-3.1 s.
 TILE_COMPILE_WEIGHTS = {0: 1.0, 1: 0.8, 2: 1.0, 4: 1.6, 8: 2.9}
 PRIOR_SPEEDUP = 1.3  # speculation's speedup before anything was measured
+# On a CPU adapter the compile comes in two stages, each weighed on its own: first the row counts of steps that
+# verify one draft (what most steps verify on a 2-core lavapipe host: with every count compiled, `auto` verified
+# 2 rows in 82-88 of a story's ~88 steps and more in the rest), then the rest, once the tokens to come repay those
+# too. The first stage is a few pipelines (with a head in the target's format, `dense_format`: the target's 2-row
+# tile with the fused activation, its 2-row LM head and the head's f32 projection), the rest most of them.
+FIRST_STAGE_ROWS = 2
 
 
-# Per target and row counts, the pipeline keys its steps need: a generation that began plainly weighs them before
-# each step, and building them anew (SmolLM2: 122 matmuls × 9 row counts) took ~14 ms, a tenth of a plain step.
-_KEYS: weakref.WeakKeyDictionary[Transformer, dict[tuple[int, ...], frozenset[tuple]]] = weakref.WeakKeyDictionary()
+# Per target and row counts, the pipeline keys its steps need (and its drafter's matmuls'): a generation weighs
+# them before each step while the gate is closed, and building them anew (SmolLM2: 122 matmuls × 9 row counts)
+# took ~14 ms, a tenth of a plain step.
+_KEYS: weakref.WeakKeyDictionary[Transformer, dict[tuple, frozenset[tuple]]] = weakref.WeakKeyDictionary()
 
 
-def missing_pipelines(target: Transformer, rows: Sequence[int]) -> list[tuple]:
-    """The keys of the target's matmul pipelines a step of any of `rows` rows needs that are not compiled yet (the
-    bulk of the verification's pipelines: one per row tile and matmul shape)."""
+def missing_pipelines(target: Transformer, rows: Sequence[int], drafter: Sequence[Linear] = ()) -> list[tuple]:
+    """The keys of the matmul pipelines a step of any of `rows` rows needs that are not compiled yet: the target's
+    (the bulk of the verification's: one per row tile and matmul shape) and its `drafter`'s matmuls'."""
     known = _KEYS.setdefault(target, {})
-    keys = known.get(tuple(rows))
+    cache_key = (tuple(rows), tuple(id(linear) for linear in drafter))
+    keys = known.get(cache_key)
     if keys is None:
-        linears = target.linears()
+        linears = (*target.linears(), *drafter)
         keys = frozenset(linear.pipeline_key(n) for linear in linears for n in rows if n <= linear.max_rows)
-        known[tuple(rows)] = keys
+        known[cache_key] = keys
     return [key for key in keys if not target.registry.compiled(key)]
 
 
@@ -76,13 +85,20 @@ def compile_estimate_s(cache: PipelineCache, keys: Sequence[tuple]) -> float:
 
 
 def compile_pays(
-    target: Transformer, rows: Sequence[int], *, tokens: int, plain_token_s: float | None, speedup: float | None
+    target: Transformer,
+    rows: Sequence[int],
+    *,
+    tokens: int,
+    plain_token_s: float | None,
+    speedup: float | None,
+    drafter: Sequence[Linear] = (),
 ) -> tuple[bool, float, float | None]:
     """(whether the warm-up should start, its estimated cost in seconds, the estimated gain in seconds: None before
-    this process timed a plain token), for `target` verifying `rows` on its device (`weigh` is the rule)."""
+    this process timed a plain token), for `target` verifying `rows` on its device with a `drafter` running these
+    matmuls (`weigh` is the rule)."""
     if not target.gpu.on_cpu:
         return True, 0.0, 0.0
-    cost = compile_estimate_s(target.registry.pipelines, missing_pipelines(target, rows))
+    cost = compile_estimate_s(target.registry.pipelines, missing_pipelines(target, rows, drafter))
     return weigh(cost, tokens, plain_token_s, speedup)
 
 

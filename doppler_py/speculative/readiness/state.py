@@ -2,10 +2,13 @@
 small state machine the engine asks before each generation and each step.
 
     WEIGHING ──(the compile pays, `before_generation` or mid-answer `weigh_during`)──► PENDING ──(after the first
-    token, `may_speculate`)──► COMPILING ──(the warm-up is done)──► READY
+    token, `may_speculate`)──► COMPILING ──(the warm-up is done)──► READY, or WEIGHING for the next stage
 
 `prepare(background=False)` goes straight to READY (it compiles and calibrates first); `prepare(background=True)`
 starts at PENDING, or at WEIGHING with `weigh` (`compile_gate`: compile only once the tokens to come can repay it).
+The engine may compile in stages (`compile_stages`: on a CPU adapter the row counts of one-draft steps first): each
+stage is weighed, compiled and made usable on its own, and while the next is weighed the engine speculates with
+the row counts compiled so far.
 While COMPILING, steps verify at most the row counts compiled so far (`usable_rows`): with costs from the on-disk
 cache every newly compiled count is used at once; without them each step up calibrates first, which pauses the
 stream, so only at CALIBRATION_STAGES. A seeded sampled generation never speculates on timing: it waits for the
@@ -34,7 +37,7 @@ QUICK_CONTEXT = 32
 
 
 class Stage(enum.Enum):
-    WEIGHING = "weighing"  # not worth compiling yet: generations run plainly, without the drafter
+    WEIGHING = "weighing"  # not worth compiling (more) yet: plain generations, or drafts within `usable_rows`
     PENDING = "pending"  # the compile starts once the next generation's first token is out
     COMPILING = "compiling"  # a background thread compiles; steps verify at most `usable_rows` rows
     READY = "ready"  # every row count usable
@@ -69,7 +72,11 @@ class Calibrator(Protocol):
 
     def compile_drafter(self) -> None: ...
 
-    def start_warmup(self) -> Warmup: ...
+    def compile_stages(self) -> list[list[int]]: ...
+
+    def drafter_matmuls(self) -> Sequence[object]: ...
+
+    def start_warmup(self, rows: list[int]) -> Warmup: ...
 
     def measured_costs(self) -> dict[int, float]: ...
 
@@ -86,6 +93,7 @@ class Readiness:
         self.usable_rows = max(engine.verify_rows())
         self.needs_calibration = False
         self.warmup: Warmup | None = None
+        self.stage_rows: list[int] = []  # the row counts the warm-up weighed, pending or running compiles
         self.tokens_generated = 0  # by the engine's generations so far: what the compile gate weighs
         self.on_calibrated: Callable[[dict[int, float]], None] | None = None
 
@@ -112,13 +120,14 @@ class Readiness:
         seeded = not params.greedy and params.seed is not None
         if self.stage is not Stage.WEIGHING or seeded:
             return True
-        return self._weigh(max_new_tokens + self.tokens_generated, plain_token_s, stats)
+        return self._weigh(max_new_tokens + self.tokens_generated, plain_token_s, stats) or self.usable_rows >= 2
 
     def weigh_during(self, remaining: int, produced: int, stats: SpecStats, plain_token_s: float | None) -> bool:
         """Before a step of a generation that began plainly (WEIGHING at its start): whether the compile pays now,
         weighed again over the `remaining` tokens of this answer plus those generated before it and its `produced`
         so far, with this answer's plain tokens timed; then PENDING, and the next `may_speculate` starts the
-        compile. True also once another generation opened the gate."""
+        compile. True also once another generation opened the gate. An answer drafting within the row counts
+        compiled so far weighs the next stage here too (the verdict is then only the stage's)."""
         if self.stage is not Stage.WEIGHING:
             return True
         if plain_token_s is None:  # nothing new to weigh before a plain token is timed
@@ -127,9 +136,11 @@ class Readiness:
 
     def _weigh(self, tokens: int, plain_token_s: float | None, stats: SpecStats) -> bool:
         engine = self.engine
+        rows = self._next_stage()
         pays, stats.compile_cost_s, stats.compile_gain_s = self.compile_pays(
             engine.target,
-            engine.verify_rows(),
+            rows,
+            drafter=engine.drafter_matmuls(),
             tokens=tokens,
             plain_token_s=plain_token_s,
             # From verification costs of several rows (cached, or calibrated): live plain steps alone would
@@ -137,8 +148,15 @@ class Readiness:
             speedup=None if self.needs_calibration else engine.best_speedup(),
         )
         if pays:
-            self.stage = Stage.PENDING
+            self.stage, self.stage_rows = Stage.PENDING, rows
         return pays
+
+    def _next_stage(self) -> list[int]:
+        """The row counts of the first compile stage that goes past those usable now (all of them once none does)."""
+        for rows in self.engine.compile_stages():
+            if max(rows) > self.usable_rows:
+                return rows
+        return self.engine.verify_rows()
 
     def may_speculate(self, first_step: bool, seeded: bool) -> bool:
         """Before a step: whether it may draft (at most `usable_rows` - 1 drafts). PENDING starts the compile after
@@ -146,11 +164,17 @@ class Readiness:
         and the compiler), or at once for a seeded generation, which then waits for it: which steps speculate
         decides which random numbers each token uses."""
         if self.stage is Stage.WEIGHING:
-            return False
+            if not seeded or self.usable_rows < 2:
+                return self.usable_rows >= 2
+            # A seeded generation speculates with every row count or none, whatever the stages' timing: the rest
+            # compiles now and it waits for it (below).
+            self.stage, self.stage_rows = Stage.PENDING, self.engine.verify_rows()
         if self.stage is Stage.PENDING:
             if first_step and not seeded:
-                return False
-            self.warmup = self.engine.start_warmup()
+                return self.usable_rows >= 2
+            if not self.stage_rows:  # PENDING from `prepare` (a background warm-up, not weighed): the whole compile
+                self.stage_rows = self.engine.verify_rows()
+            self.warmup = self.engine.start_warmup([r for r in self.stage_rows if r > self.usable_rows])
             self.stage = Stage.COMPILING
         if self.stage is Stage.COMPILING:
             warmup = self.warmup
@@ -159,8 +183,15 @@ class Readiness:
             if warmup.done.is_set():
                 self.warmup = None
                 warmup.finish()
-                self._use_rows(max(self.engine.verify_rows()), between_steps=True)
-                self.stage = Stage.READY
+                rows = max(self.stage_rows)
+                self._use_rows(rows, between_steps=True)
+                if rows >= max(self.engine.verify_rows()):
+                    self.stage = Stage.READY
+                elif seeded:  # the rest at once, waited for
+                    self.stage, self.stage_rows = Stage.PENDING, self.engine.verify_rows()
+                    return self.may_speculate(first_step, seeded)
+                else:
+                    self.stage = Stage.WEIGHING
             elif warmup.compiled_rows > self.usable_rows and self._worth_a_step_up(warmup.compiled_rows):
                 self._use_rows(warmup.compiled_rows, between_steps=True)
         return self.usable_rows >= 2

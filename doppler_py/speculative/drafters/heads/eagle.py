@@ -222,13 +222,16 @@ class EagleDrafter(NoOpHooks):
         self.kept_x = Tensor.empty(gpu, (1, hidden), "f32", "eagle kept prediction")
         self.kept_logits = Tensor.empty(gpu, (1, model.config.vocab_size), "f32", "eagle kept logits")
 
-    def compile(self) -> None:
+    def matmuls(self) -> tuple[Linear, ...]:
+        return (self.fc_embed, self.fc_raw, self.fc_own, *self.fc_taps, *self.head.model.linears())
+
+    def compile(self, max_rows: int | None = None) -> None:
         """Compile the pipelines of the head's matmuls (its input projections, its layer and LM head) for every
         row count they may run with (the rows a verification kept, 1..capacity + 1, or a prefill chunk;
-        `compile_rows`): else a first long accepted run compiles the input projections mid-generation, and with
-        `--weights keep` the layer's too, all timed as the step's cost. The engine runs it beside its own
-        warm-up."""
-        compile_rows((self.fc_embed, self.fc_raw, self.fc_own, *self.fc_taps, *self.head.model.linears()))
+        `compile_rows`), or up to `max_rows`: else a first long accepted run compiles the f32 input projection
+        mid-generation (and a head in a format of its own, its other matmuls too), timed as the step's cost. The
+        engine runs it beside its own warm-up."""
+        compile_rows(self.matmuls(), max_rows=max_rows)
 
     @property
     def branches(self) -> int:

@@ -107,10 +107,10 @@ class ResBlockDrafter(NoOpHooks):
     def matmuls(self) -> tuple[Linear, ...]:
         return (self.resblocks, self.lm_act, self.lm_h)
 
-    def compile(self) -> None:
+    def compile(self, max_rows: int | None = None) -> None:
         """Compile the heads' matmul pipelines ahead of use (`compile_rows`): the engine runs it beside its own
         warm-up; on first use with `--weights keep` they compiled mid-generation (4-5 pipelines on lavapipe)."""
-        compile_rows(self.matmuls())
+        compile_rows(self.matmuls(), max_rows=max_rows)
 
     def record_resblocks(self, rec: Recorder, ctx: StepContext, k: int) -> None:
         """Record logits[i] = LM·y_i for the first k positions, from the verified row of `ctx.hidden`."""

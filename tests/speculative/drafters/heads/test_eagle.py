@@ -297,12 +297,12 @@ def test_an_answer_that_crosses_the_compile_gate_switches_to_speculation_and_sta
     engine = SpeculativeEngine(target, pair, capacity=2)  # row tiles 1, 2 and 4: less to compile
     weighed = []
 
-    def pays(target, rows, *, tokens, plain_token_s, speedup):
-        weighed.append(plain_token_s)
+    def pays(target, rows, *, tokens, plain_token_s, speedup, drafter):
+        weighed.append((tuple(rows), plain_token_s))
         return len(weighed) > 3, 30.0, 0.5
 
-    def first_rows_compiled(start_warmup=engine.start_warmup):
-        warmup = start_warmup()
+    def first_rows_compiled(rows, start_warmup=engine.start_warmup):
+        warmup = start_warmup(rows)
         while warmup.compiled_rows < 2 and not warmup.done.wait(0.01):
             pass
         return warmup
@@ -319,7 +319,9 @@ def test_an_answer_that_crosses_the_compile_gate_switches_to_speculation_and_sta
         engine.close()
     assert result.tokens == reference_decode(target, prompt, 40, GREEDY)
     stats = result.stats
-    assert weighed[0] is None and all(weighed[1:]) and len(weighed) == 4  # then open: not weighed again
+    assert weighed[0][1] is None and all(t for _, t in weighed[1:])
+    # The one-draft row counts open after three weighings; the rest, weighed once they are done, opens at once.
+    assert [rows for rows, _ in weighed][:4] == [(1, 2)] * 4 and [rows for rows, _ in weighed][4:] in ([], [(1, 2, 3)])
     assert 0 < stats.joined_at < 40 and stats.warmup_steps == stats.joined_at and stats.drafted > 0
 
 
@@ -467,7 +469,7 @@ def test_auto_s_pair_declares_the_heads_taps_and_pipelines_and_chains_only(model
     pair = BestOfDrafter(PromptLookupDrafter(), EagleDrafter(untapped, head))
     assert pair.feature_taps == FUSED_LAYERS and not pair.gates_chains and pair.tree_branches == 1
     compiled = []
-    monkeypatch.setattr(EagleDrafter, "compile", lambda drafter: compiled.append(drafter))
+    monkeypatch.setattr(EagleDrafter, "compile", lambda drafter, max_rows=None: compiled.append(drafter))
     engine = SpeculativeEngine(untapped, pair)
     try:
         assert sorted(untapped.taps) == list(FUSED_LAYERS)
