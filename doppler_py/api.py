@@ -300,8 +300,9 @@ class Engine:
         return self._reranker.rerank(query, documents, instruction=instruction, top_n=top_n)
 
     # -- speculative engines ----------------------------------------------------------------------------
-    def _resolve_mode(self, speculative: str | None) -> str:
-        """The mode a checked `speculative` (`GenerationOptions`) runs here: "none", "auto"'s choice, or itself."""
+    def resolve_mode(self, speculative: str | None) -> str:
+        """The mode a checked `speculative` (`GenerationOptions`) runs here: "none", "auto"'s choice (what a
+        benchmark labels its `auto` row with), or itself; a mode this engine cannot run is a GenerationOptionError."""
         if speculative is None:
             return "none"
         if speculative == "auto":  # an explicitly loaded draft model, else a head with lookup, else lookup
@@ -397,7 +398,7 @@ class Engine:
 
     def should_speculate(self, speculative: str = "auto") -> bool:
         """Whether `speculative` is predicted to pay here, from measured costs and acceptance so far."""
-        mode = self._resolve_mode(check_speculative(speculative))
+        mode = self.resolve_mode(check_speculative(speculative))
         return mode != "none" and self.speculative_engine(mode).policy.should_speculate()
 
     # -- generation --------------------------------------------------------------------------------------
@@ -452,7 +453,7 @@ class Engine:
         if options.shorten_to_fit:
             max_tokens = max(1, min(max_tokens, self.model.max_positions - len(ids)))  # no room: refused below
         check_fits(len(ids), max_tokens, self.model.max_positions)
-        mode = self._resolve_mode(options.speculative)
+        mode = self.resolve_mode(options.speculative)
         engine = self._lease(mode)
         try:
             yield from self._stream(engine, mode, ids, max_tokens, options, constraint)

@@ -191,3 +191,11 @@ def test_every_type_on_smollm2(smollm2, draft_type):
     assert verified.tokens == plain.tokens[: verified.accepted + 1]
     text, result = SpeculativeDecodingWrapper(smollm2, router).generate(prompt, 12, use_spec_dec=True)
     assert text == plain.text and result.used and result.draft_tokens > 0
+
+
+def test_resolve_mode_names_what_a_mode_runs_on_this_engine(tiny_engine):
+    """What a benchmark labels its rows with: `auto` here (no head, no draft model) is prompt lookup."""
+    assert tiny_engine.resolve_mode(None) == "none" and tiny_engine.resolve_mode("auto") == "prompt-lookup"
+    assert tiny_engine.resolve_mode("lookahead") == "lookahead"
+    with pytest.raises(GenerationOptionError, match="draft model"):
+        tiny_engine.resolve_mode("draft-model")

@@ -94,7 +94,7 @@ def main() -> None:
     engine.generate(PROMPT, chat=True, max_tokens=4, speculative=None)
     phases["plain"] = (start, time.perf_counter())
 
-    mode = engine._resolve_mode("auto")
+    mode = engine.resolve_mode("auto")
     spec = engine.speculative_engine(mode)  # background: nothing compiles until a generation starts the warm-up
     rows = spec.verify_rows()
     done: list[int] = []

@@ -320,7 +320,7 @@ def load_ours(config: dict, mode: str) -> tuple[Callable, dict]:
     )
     # What speculative="auto" picks for this model (Engine.stream's choice), prepared now: compiled and calibrated
     # (or its costs read from the on-disk cache), which is warm-up rather than load.
-    chosen = engine._resolve_mode("auto") if mode == "auto" else "none"
+    chosen = engine.resolve_mode("auto") if mode == "auto" else "none"
     prepare_start = time.perf_counter()
     spec = engine.speculative_engine(chosen)
     prepare_s = time.perf_counter() - prepare_start

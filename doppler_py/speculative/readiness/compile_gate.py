@@ -3,10 +3,12 @@
 On a CPU adapter (lavapipe) the shader compiler and the decoding share the same cores: while the verification
 pipelines compile in the background (`warmup.py`), every plain token is slower, and compiling all of them takes
 tens of seconds there (0.4-2 s to create a pipeline and about as much again at its first dispatch; SmolLM2's
-verification needs 10 matmul pipelines, its EAGLE head 16). A short answer cannot win that back: on a
-fresh 2-core machine the first `generate` of 128 tokens finished ~9 s later than plain decoding, its speculation
-never started. So before each generation while the warm-up has not started, and again before each step of a
-generation that began plainly (its own plain tokens timed by then), the engine weighs the compile's cost against
+verification needs 10 matmul pipelines, its EAGLE head 5 more in f32 when kept in the target's format, 16 in
+f16). A short answer cannot win that back: on a fresh 2-core machine the first `generate` of 128 tokens finished
+~9 s later than plain decoding, its speculation never started. So the compile comes in stages (FIRST_STAGE_ROWS:
+the one-draft row counts, 4 pipelines, ~3 s there, then the rest), and before each generation while a stage's
+warm-up has not started, and again before each step of a generation that began plainly (its own plain tokens
+timed by then) or that drafts within the stages compiled so far, the engine weighs the next stage's cost against
 what speculation can save over the tokens to come:
 
     cost = Σ over the matmul pipelines not compiled yet: (its row tile's weight) × (this process's matmul
@@ -22,7 +24,8 @@ where `tokens` is what is left of this answer plus what the engine generated bef
 tokens so far included: a process that has generated much is likely to generate more: a chat, a server), and the
 expected speedup is the policy's prediction from measured costs (cached on disk per device) or a prior. The
 warm-up starts once gain ≥ cost, which on a GPU (the compiler runs on the CPU, beside the device's work, and
-pipelines take milliseconds) is at once. Until then a generation runs without its drafter: plain decoding, with no
+pipelines take milliseconds) is at once, and for every stage together. Until the first stage opens a generation
+runs without its drafter: plain decoding, with no
 drafter upkeep (an EAGLE head runs over every committed token and compiles pipelines of its own) and the plain
 seconds per token measured for the next weighing. Where the gate opens during an answer, the drafter joins it
 once its first row counts are compiled (`Drafter.join`), so a long answer speculates in its later part.
@@ -45,10 +48,10 @@ PRIOR_COMPILE_S = 1.0  # a 2-row matmul pipeline's compile on a CPU adapter, bef
 TILE_COMPILE_WEIGHTS = {0: 1.0, 1: 0.8, 2: 1.0, 4: 1.6, 8: 2.9}
 PRIOR_SPEEDUP = 1.3  # speculation's speedup before anything was measured
 # On a CPU adapter the compile comes in two stages, each weighed on its own: first the row counts of steps that
-# verify one draft (what most steps verify on a 2-core lavapipe host: with every count compiled, `auto` verified
-# 2 rows in 82-88 of a story's ~88 steps and more in the rest), then the rest, once the tokens to come repay those
-# too. The first stage is a few pipelines (with a head in the target's format, `dense_format`: the target's 2-row
-# tile with the fused activation, its 2-row LM head and the head's f32 projection), the rest most of them.
+# verify one draft (most steps on a 2-core lavapipe host: with every count compiled, `auto` drafted 82-86 tokens
+# in ~82 steps of the default story answer), then the rest, once the tokens to come repay those too. The first
+# stage is 4 pipelines (with a head in the target's format, `dense_format`: the target's 2-row tile with the fused
+# activation, its 2-row LM head and the head's f32 projection at 1 and 2 rows), the rest 10.
 FIRST_STAGE_ROWS = 2
 
 
