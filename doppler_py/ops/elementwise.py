@@ -1,5 +1,5 @@
 """The element-wise ops of a transformer (SwiGLU / GeGLU, Qwen 3.5's attention gate, Gemma 4's per-layer input gate,
-Gemma 2's logit soft-capping) and the shape checks all ops share.
+Gemma 2's logit soft-capping, an EAGLE head's feature standardisation) and the shape checks all ops share.
 
 The residual adds are folded into the matmuls (`Linear(accumulate=True)`); the standalone residual op only the
 tests run is tests/support/residual.py's `Residual`.
@@ -74,6 +74,23 @@ class SigmoidGate:
 
     def record(self, rec: Recorder, rows: int) -> None:
         require_rows(rows, self.max_rows, "SigmoidGate")
+        rec.dispatch(self.bound, workgroups(self.width, 256), rows)
+
+
+class Standardize:
+    """x[t, i] = (x[t, i] - mean[i]) / std[i] in place over rows of x [max_rows, width] (shaders/standardize.wgsl:
+    why an EAGLE head standardises its input features before its input projection)."""
+
+    def __init__(self, registry: KernelRegistry, mean: Tensor, std: Tensor, x: Tensor, *, max_rows: int):
+        width = mean.numel
+        require_f32(mean, width, "Standardize mean")
+        require_f32(std, width, "Standardize std")
+        require_f32(x, max_rows * width, "Standardize x")
+        self.width, self.max_rows = width, max_rows
+        self.bound = registry.bind(registry.kernel("standardize"), params={"width": width}, mean=mean, spread=std, x=x)
+
+    def record(self, rec: Recorder, rows: int) -> None:
+        require_rows(rows, self.max_rows, "Standardize")
         rec.dispatch(self.bound, workgroups(self.width, 256), rows)
 
 

@@ -4,7 +4,7 @@ The head, at position p, takes the pair (f_p, t_{p+1}) — the target's final re
 final norm) and the embedding of the token after it — and predicts f_{p+1} (in standardised units) and the
 token after that over a reduced draft vocabulary (the N most frequent target tokens):
 
-    x   = W_e·E[t_{p+1}] + b + W_f·(f_p − μ)/σ          (W_f/σ and −W_f·μ/σ folded at load for target rows)
+    x   = W_e·E[t_{p+1}] + b + W_f·(f_p − μ)/σ          (a target row standardised first, `Standardize`)
     out = decoder_layer(x)                              own KV cache, RoPE at position p
     q   = lm_head(rmsnorm(out)) → spread over the target vocabulary (-inf elsewhere) → sampled
 
@@ -47,6 +47,7 @@ from doppler_py.gpu.weights import Weight
 from doppler_py.model.kv_cache import KVCache
 from doppler_py.model.loader import load_weights
 from doppler_py.model.transformer import Transformer
+from doppler_py.ops.elementwise import Standardize
 from doppler_py.ops.embedding import Embedding
 from doppler_py.ops.linear import Linear, compile_rows
 from doppler_py.ops.tree import MAX_TREE_ROWS
@@ -68,14 +69,15 @@ class EagleHead:
     model: Transformer  # the decoder layer + norm + draft LM head (vocabulary = the draft vocabulary)
     fc_embed: Weight
     fc_bias: Tensor
-    fc_feature_raw: Weight  # W_f / σ: for the target's own features
-    fc_feature_raw_bias: Tensor  # −W_f·μ/σ
-    fc_feature: Weight  # W_f: for the head's own (standardised) predictions
+    feature_mean: Tensor  # μ, σ: a target feature is standardised, (f − μ)/σ, before fc_feature
+    feature_std: Tensor
+    fc_feature: Weight  # W_f, over standardised features: the target's, and the head's own predictions
     draft_to_target: np.ndarray
-    # EAGLE-3 fusion: the target layers whose outputs the first draft also reads, and per layer W_t/σ_t (their
-    # −W_t·μ_t/σ_t terms are folded into fc_feature_raw_bias)
+    # EAGLE-3 fusion: the target layers whose outputs the first draft also reads, and per layer μ_t, σ_t and W_t
     tap_layers: tuple[int, ...] = ()
-    fc_taps_raw: tuple[Weight, ...] = ()
+    tap_mean: tuple[Tensor, ...] = ()
+    tap_std: tuple[Tensor, ...] = ()
+    fc_taps: tuple[Weight, ...] = ()
     # The drafter whose latest prediction the head model's buffers hold: several generations' drafters share the
     # head (`EagleDrafter.claim`).
     holder: object | None = field(default=None, repr=False, compare=False)
@@ -83,9 +85,9 @@ class EagleHead:
     def close(self) -> None:
         self.model.close()
         self.model.weights.destroy()
-        for w in (self.fc_embed, self.fc_feature_raw, self.fc_feature, *self.fc_taps_raw):
+        for w in (self.fc_embed, self.fc_feature, *self.fc_taps):
             w.destroy()
-        for t in (self.fc_bias, self.fc_feature_raw_bias):
+        for t in (self.fc_bias, self.feature_mean, self.feature_std, *self.tap_mean, *self.tap_std):
             t.destroy()
 
 
@@ -122,34 +124,27 @@ def load_head(
             f"{folder / 'config.json'}: the head's layer has hidden size {model.config.hidden_size}, the target's is "
             f"{cfg.hidden_size}"
         )
-    w_f = tensors["fc_feature.weight"].astype(np.float64)
-    mean, std = tensors["feature_mean"].astype(np.float64), tensors["feature_std"].astype(np.float64)
-    raw_bias = -(w_f @ (mean / std))
-    w_taps = []  # per tapped layer: W_t/σ_t, its bias −W_t·μ_t/σ_t added to raw_bias
-    for t in range(len(taps)):
-        w_t = tensors["fc_taps.weight"][:, t * h : (t + 1) * h].astype(np.float64)
-        mean_t, std_t = tensors["tap_mean"][t].astype(np.float64), tensors["tap_std"][t].astype(np.float64)
-        w_taps.append(w_t / std_t[None, :])
-        raw_bias -= w_t @ (mean_t / std_t)
 
     def upload(name: str, w: np.ndarray) -> Weight:
         return Weight.from_numpy(gpu, np.ascontiguousarray(w, np.float32), fmt, name=name)
+
+    def vector(name: str, v: np.ndarray) -> Tensor:
+        return Tensor.from_numpy(gpu, np.ascontiguousarray(v, np.float32), "f32", name)
 
     return EagleHead(
         folder=folder,
         model=model,
         fc_embed=upload("fc_embed", tensors["fc_embed.weight"]),
-        fc_bias=Tensor.from_numpy(gpu, tensors["fc_embed.bias"].astype(np.float32), "f32", "fc_bias"),
-        # f32 whatever the precision: x·(W_f/σ) − W_f·μ/σ cancels two large terms on SmolLM2's massive-activation
-        # dimensions (|x|, |μ| in the thousands), where f16's 3 digits would leave an error of order one.
-        fc_feature_raw=Weight.from_numpy(gpu, (w_f / std[None, :]).astype(np.float32), "f32", name="fc_feature_raw"),
-        fc_feature_raw_bias=Tensor.from_numpy(gpu, raw_bias.astype(np.float32), "f32", "fc_raw_bias"),
-        fc_feature=upload("fc_feature", w_f),
+        fc_bias=vector("fc_bias", tensors["fc_embed.bias"]),
+        feature_mean=vector("feature_mean", tensors["feature_mean"]),
+        feature_std=vector("feature_std", tensors["feature_std"]),
+        fc_feature=upload("fc_feature", tensors["fc_feature.weight"]),
         draft_to_target=tensors["draft_to_target"].astype(np.int64),
         tap_layers=taps,
-        fc_taps_raw=tuple(
-            Weight.from_numpy(gpu, w.astype(np.float32), "f32", name=f"fc_tap {layer}")
-            for w, layer in zip(w_taps, taps, strict=True)
+        tap_mean=tuple(vector(f"tap_mean {layer}", tensors["tap_mean"][t]) for t, layer in enumerate(taps)),
+        tap_std=tuple(vector(f"tap_std {layer}", tensors["tap_std"][t]) for t, layer in enumerate(taps)),
+        fc_taps=tuple(
+            upload(f"fc_tap {layer}", tensors["fc_taps.weight"][:, t * h : (t + 1) * h]) for t, layer in enumerate(taps)
         ),
     )
 
@@ -188,18 +183,17 @@ class EagleDrafter(NoOpHooks):
         self.features = Tensor.empty(gpu, (rows, hidden), "f32", "eagle features")
         self.embed = Embedding(registry, target.weights.embed, model.ids, self.emb, max_rows=rows)
         self.fc_embed = Linear(registry, head.fc_embed, self.emb, model.x, max_rows=rows, bias=head.fc_bias)
-        self.fc_raw = Linear(
-            registry, head.fc_feature_raw, self.features, model.x, max_rows=rows, bias=head.fc_feature_raw_bias,
-            accumulate=True,
-        )  # fmt: skip
-        self.fc_own = Linear(
-            registry, head.fc_feature, self.features, model.x, max_rows=min(rows, MAX_TREE_ROWS), accumulate=True
-        )
+        self.standardize = Standardize(registry, head.feature_mean, head.feature_std, self.features, max_rows=rows)
+        self.fc_feature = Linear(registry, head.fc_feature, self.features, model.x, max_rows=rows, accumulate=True)
         self.feature_taps = head.tap_layers  # the engine taps them (contract.Drafter)
         self.tapped = [Tensor.empty(gpu, (rows, hidden), "f32", f"eagle tap {layer}") for layer in head.tap_layers]
+        self.standardize_taps = [
+            Standardize(registry, mean, std, tapped, max_rows=rows)
+            for mean, std, tapped in zip(head.tap_mean, head.tap_std, self.tapped, strict=True)
+        ]
         self.fc_taps = [
             Linear(registry, w, tapped, model.x, max_rows=rows, accumulate=True)
-            for w, tapped in zip(head.fc_taps_raw, self.tapped, strict=True)
+            for w, tapped in zip(head.fc_taps, self.tapped, strict=True)
         ]
         self.sampling = DraftSampler(model, target.config.vocab_size)
         self.branches = 1
@@ -223,14 +217,13 @@ class EagleDrafter(NoOpHooks):
         self.kept_logits = Tensor.empty(gpu, (1, model.config.vocab_size), "f32", "eagle kept logits")
 
     def matmuls(self) -> tuple[Linear, ...]:
-        return (self.fc_embed, self.fc_raw, self.fc_own, *self.fc_taps, *self.head.model.linears())
+        return (self.fc_embed, self.fc_feature, *self.fc_taps, *self.head.model.linears())
 
     def compile(self, max_rows: int | None = None) -> None:
         """Compile the pipelines of the head's matmuls (its input projections, its layer and LM head) for every
         row count they may run with (the rows a verification kept, 1..capacity + 1, or a prefill chunk;
-        `compile_rows`), or up to `max_rows`: else a first long accepted run compiles the f32 input projection
-        mid-generation (and a head in a format of its own, its other matmuls too), timed as the step's cost. The
-        engine runs it beside its own warm-up."""
+        `compile_rows`), or up to `max_rows`: else a head in a format of its own (not the target's, `dense_format`)
+        compiles them mid-generation, timed as the step's cost. The engine runs it beside its own warm-up."""
         compile_rows(self.matmuls(), max_rows=max_rows)
 
     @property
@@ -292,9 +285,11 @@ class EagleDrafter(NoOpHooks):
             rec.copy(self.target.taps[layer], tapped, rows * row_bytes, src_offset=first)
         self.embed.record(rec, rows=rows)  # gather: emb = E[t_{p+1}]
         self.fc_embed.record(rec, rows=rows)  # matmul: x = emb·W_eᵀ + b
-        self.fc_raw.record(rec, rows=rows)  # matmul: x += f·(W_f/σ)ᵀ − (W_f·μ/σ + Σ W_t·μ_t/σ_t)
-        for fc_tap in self.fc_taps:
-            fc_tap.record(rec, rows=rows)  # matmul: x += f_t·(W_t/σ_t)ᵀ
+        self.standardize.record(rec, rows=rows)  # f ← (f − μ)/σ
+        self.fc_feature.record(rec, rows=rows)  # matmul: x += f·W_fᵀ
+        for standardize, fc_tap in zip(self.standardize_taps, self.fc_taps, strict=True):
+            standardize.record(rec, rows=rows)
+            fc_tap.record(rec, rows=rows)  # matmul: x += ((f_t − μ_t)/σ_t)·W_tᵀ
         model.record_forward(rec, rows, self.cache, self.consumed - self.offset, logits="last", embedded=True)
         row_bytes = hidden * 4
         rec.copy(model.x, self.kept_x, row_bytes, src_offset=(rows - 1) * row_bytes)
@@ -351,7 +346,7 @@ class EagleDrafter(NoOpHooks):
             model.tree.view((rows, 2)).write(tree.layout())
             self.embed.record(rec, rows=rows)
             self.fc_embed.record(rec, rows=rows)
-            self.fc_own.record(rec, rows=rows)
+            self.fc_feature.record(rec, rows=rows)
             model.record_forward(rec, rows, self.cache, m - self.offset, logits="all", embedded=True, tree=True)
             rec.submit()
             raw = gpu.queue.read_buffer(model.logits.buffer, first * n * 4, (rows - first) * n * 4)
@@ -379,7 +374,7 @@ class EagleDrafter(NoOpHooks):
                 rec.copy(model.x, self.features, hidden * 4, src_offset=self.out_row * hidden * 4)
                 self.embed.record(rec, rows=1)
                 self.fc_embed.record(rec, rows=1)
-                self.fc_own.record(rec, rows=1)
+                self.fc_feature.record(rec, rows=1)
                 model.record_forward(rec, 1, self.cache, m + i - 1 - self.offset, logits="last", embedded=True)
                 self.out_row = 0
             self.scatter.record(rec)  # the draft-vocabulary logits over the target's vocabulary

@@ -437,20 +437,20 @@ def test_the_compile_hook_covers_every_matmul_of_the_head(models, heads, monkeyp
     assert matmul_pipelines(drafter, drafter.head.model.linears()) <= compile_requests(drafter, monkeypatch)
 
 
-def test_a_head_for_a_block_quantised_target_runs_the_targets_own_pipelines(tiny_model, trained_head):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_head_for_a_block_quantised_target_runs_the_targets_own_pipelines(tiny_model, trained_head, kind):
     """A head loaded for a q4_1 target takes its format (`dense_format`): its layer, its LM head and its input
-    projections run matmul pipelines the target's own steps compile, so on a CPU adapter it adds only the f32
-    feature projection's (issue 65: the f16 head's own pipelines were 12 of `auto`'s 26)."""
+    projections (the fused layers' too) run matmul pipelines the target's own steps compile, so on a CPU adapter
+    it adds none (issue 65: the f16 head's own pipelines were 16 of `auto`'s 26)."""
     target = tiny_model(TARGET, "q4_1", max_rows=32, max_positions=256)
-    head = load_head(trained_head("eagle-1", "llama"), target)
+    head = load_head(trained_head(kind, "llama"), target)
     drafter = EagleDrafter(target, head)
     try:
         rows = (1, 2, 4, 8)
         targets = {linear.pipeline_key(n) for linear in target.linears() for n in rows if n <= linear.max_rows}
-        shared = (drafter.fc_embed, drafter.fc_own, *head.model.linears())
-        assert {op.pipeline_key(n) for op in shared for n in rows if n <= op.max_rows} <= targets
-        assert head.model.weights.layers[0].down.format == "q4_1"
-        assert drafter.fc_raw.weight.format == "f32" and drafter.fc_raw.pipeline_key(1) not in targets
+        assert len(drafter.matmuls()) == 2 + len(head.tap_layers) + len(head.model.linears())
+        assert {op.pipeline_key(n) for op in drafter.matmuls() for n in rows if n <= op.max_rows} <= targets
+        assert head.model.weights.layers[0].down.format == "q4_1" == drafter.fc_feature.weight.format
     finally:
         drafter.close()
         head.close()
