@@ -273,7 +273,7 @@ class SpeculativeEngine:
                 if self.speculative:
                     if ctx.drafter is self.drafter:
                         # Drafting within the row counts compiled so far: the next stage weighed (`compile_stages`).
-                        self.readiness.weigh_during(remaining, produced, stats, self._plain_token_s)
+                        self.readiness.weigh_during(remaining, stats, self._plain_token_s)
                         speculate = self.readiness.may_speculate(produced == 0, seeded=not self.policy.cost_aware)
                     else:  # began plainly: the compile not worth it at the start
                         speculate = self._join_when_ready(ctx, remaining, produced, stats)
@@ -331,7 +331,7 @@ class SpeculativeEngine:
         drafter takes over the answer (`Drafter.join`, from the last step's rows), only while the generation runs
         alone in its loop: beside others the target's rows are not kept for a drafter that never ran."""
         readiness = self.readiness
-        if not readiness.weigh_during(remaining, produced, stats, self._plain_token_s):
+        if not readiness.weigh_during(remaining, stats, self._plain_token_s):
             return False
         if not readiness.may_speculate(produced == 0, seeded=False) or self.batch.members > 1:
             return False

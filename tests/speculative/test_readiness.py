@@ -219,7 +219,7 @@ def test_the_compile_estimate_counts_each_missing_pipeline_at_its_row_tiles_cost
 
 
 def test_an_answer_begun_plainly_weighs_the_compile_again_once_its_plain_tokens_are_timed():
-    """Mid-answer (`weigh_during`): over the answer's remaining tokens plus its own so far and those of earlier
+    """Mid-answer (`weigh_during`): over the answer's remaining tokens plus those of earlier
     answers; once it pays, the next step starts the compile as after an answer's first token."""
     asked = []
     verdicts = iter([False, True])
@@ -233,11 +233,11 @@ def test_an_answer_begun_plainly_weighs_the_compile_again_once_its_plain_tokens_
     ready.prepare(costs=True, background=True, weigh=True)
     ready.tokens_generated = 40
     stats = SpecStats()
-    assert not ready.weigh_during(100, 0, stats, plain_token_s=None) and not asked  # nothing timed yet
-    assert not ready.weigh_during(99, 1, stats, plain_token_s=0.05) and ready.stage is Stage.WEIGHING
-    assert ready.weigh_during(90, 10, stats, plain_token_s=0.04) and ready.stage is Stage.PENDING
-    assert asked == [(140, 0.05), (140, 0.04)] and (stats.compile_cost_s, stats.compile_gain_s) == (12.0, 3.0)
-    assert ready.weigh_during(80, 20, stats, plain_token_s=0.04) and len(asked) == 2  # open: not weighed again
+    assert not ready.weigh_during(100, stats, plain_token_s=None) and not asked  # nothing timed yet
+    assert not ready.weigh_during(99, stats, plain_token_s=0.05) and ready.stage is Stage.WEIGHING
+    assert ready.weigh_during(90, stats, plain_token_s=0.04) and ready.stage is Stage.PENDING
+    assert asked == [(139, 0.05), (130, 0.04)] and (stats.compile_cost_s, stats.compile_gain_s) == (12.0, 3.0)
+    assert ready.weigh_during(80, stats, plain_token_s=0.04) and len(asked) == 2  # open: not weighed again
     assert not ready.may_speculate(first_step=False, seeded=False) and len(engine.warmups) == 1
 
 
@@ -278,7 +278,7 @@ def test_a_staged_compile_weighs_compiles_and_uses_each_stage_on_its_own():
     assert ready.stage is Stage.WEIGHING and ready.usable_rows == 2 and engine.limit == 1
     assert ready.before_generation(10, GREEDY, stats, plain_token_s=0.05)  # the rest does not pay: drafts of one
     assert ready.may_speculate(first_step=True, seeded=False) and ready.stage is Stage.WEIGHING
-    assert ready.weigh_during(5, 5, stats, plain_token_s=0.05) and ready.stage is Stage.PENDING
+    assert ready.weigh_during(5, stats, plain_token_s=0.05) and ready.stage is Stage.PENDING
     assert weighed == [[1, 2], ROWS, ROWS]
     assert ready.may_speculate(first_step=False, seeded=False) and engine.warmup_rows[1] == [3, 4, 5, 6]
     engine.warmups[1].compiled_rows = max(ROWS)

@@ -20,8 +20,9 @@ A tile's weight is what lavapipe takes to create its pipeline, relative to the o
 pipeline at whatever mix of tiles the process had compiled: after a first generation whose prompt compiled the
 8-row tiles (two at once, 8.7 s each), ~4 s for each of verification's 2-row tiles (~1 s alone).
 
-where `tokens` is what is left of this answer plus what the engine generated before in this process (this answer's
-tokens so far included: a process that has generated much is likely to generate more: a chat, a server), and the
+where `tokens` is what is left of this answer plus what the engine generated in this process's earlier answers (a
+process that has generated much is likely to generate more: a chat, a server; not this answer's own tokens so far,
+whose compile would slow the rest of the answer for what only later answers gain, `Readiness.weigh_during`), and the
 expected speedup is the policy's prediction from measured costs (cached on disk per device) or a prior. The
 warm-up starts once gain ≥ cost, which on a GPU (the compiler runs on the CPU, beside the device's work, and
 pipelines take milliseconds) is at once, and for every stage together. Until the first stage opens a generation

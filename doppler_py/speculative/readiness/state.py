@@ -122,17 +122,19 @@ class Readiness:
             return True
         return self._weigh(max_new_tokens + self.tokens_generated, plain_token_s, stats) or self.usable_rows >= 2
 
-    def weigh_during(self, remaining: int, produced: int, stats: SpecStats, plain_token_s: float | None) -> bool:
+    def weigh_during(self, remaining: int, stats: SpecStats, plain_token_s: float | None) -> bool:
         """Before a step of a generation that began plainly (WEIGHING at its start): whether the compile pays now,
-        weighed again over the `remaining` tokens of this answer plus those generated before it and its `produced`
-        so far, with this answer's plain tokens timed; then PENDING, and the next `may_speculate` starts the
-        compile. True also once another generation opened the gate. An answer drafting within the row counts
-        compiled so far weighs the next stage here too (the verdict is then only the stage's)."""
+        weighed again over the `remaining` tokens of this answer plus those generated before it, with this
+        answer's plain tokens timed; then PENDING, and the next `may_speculate` starts the compile. True also once
+        another generation opened the gate. An answer drafting within the row counts compiled so far weighs the
+        next stage here too (the verdict is then only the stage's). The answer's own tokens so far do not count:
+        a compile opened late in an answer slows the rest of it for what only later answers could gain (a fresh
+        128-token `generate` that counted them opened it past mid-answer and ended 2.4-4.7 s later than plain)."""
         if self.stage is not Stage.WEIGHING:
             return True
         if plain_token_s is None:  # nothing new to weigh before a plain token is timed
             return False
-        return self._weigh(remaining + produced + self.tokens_generated, plain_token_s, stats)
+        return self._weigh(remaining + self.tokens_generated, plain_token_s, stats)
 
     def _weigh(self, tokens: int, plain_token_s: float | None, stats: SpecStats) -> bool:
         engine = self.engine
