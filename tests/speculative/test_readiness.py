@@ -304,3 +304,15 @@ def test_a_seeded_generation_between_stages_waits_for_the_rest():
     engine.start_warmup = start
     assert ready.may_speculate(first_step=True, seeded=True)
     assert engine.warmup_rows == [[3, 4, 5, 6]] and ready.stage is Stage.READY and ready.usable_rows == max(ROWS)
+
+
+def test_an_answer_s_stats_keep_its_closest_weighing():
+    """The tokens left shrink as an answer goes on, so its last weighing says little: the stats keep the one with
+    the largest gain (what the stats line reports as what the answer could have saved)."""
+    gains = iter([2.0, 1.5, 0.1])
+    ready = Readiness(FakeEngine(), compile_pays=lambda *a, **k: (False, 3.0, next(gains)))
+    ready.prepare(costs=True, background=True, weigh=True)
+    stats = SpecStats()
+    for remaining in (100, 70, 5):
+        assert not ready.weigh_during(remaining, stats, plain_token_s=0.05)
+    assert (stats.compile_cost_s, stats.compile_gain_s) == (3.0, 2.0)

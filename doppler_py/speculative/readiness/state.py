@@ -139,7 +139,7 @@ class Readiness:
     def _weigh(self, tokens: int, plain_token_s: float | None, stats: SpecStats) -> bool:
         engine = self.engine
         rows = self._next_stage()
-        pays, stats.compile_cost_s, stats.compile_gain_s = self.compile_pays(
+        pays, cost, gain = self.compile_pays(
             engine.target,
             rows,
             drafter=engine.drafter_matmuls(),
@@ -149,6 +149,10 @@ class Readiness:
             # extrapolate them linearly from one row, which no device's costs follow.
             speedup=None if self.needs_calibration else engine.best_speedup(),
         )
+        # The answer's best chance is what its stats report: the weighing that came closest (the tokens left
+        # shrink as it goes, so the last weighing says little).
+        if pays or stats.compile_gain_s is None or (gain is not None and gain >= stats.compile_gain_s):
+            stats.compile_cost_s, stats.compile_gain_s = cost, gain
         if pays:
             self.stage, self.stage_rows = Stage.PENDING, rows
         return pays
