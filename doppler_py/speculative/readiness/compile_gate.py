@@ -3,10 +3,10 @@
 On a CPU adapter (lavapipe) the shader compiler and the decoding share the same cores: while the verification
 pipelines compile in the background (`warmup.py`), every plain token is slower, and compiling all of them takes
 tens of seconds there (0.4-2 s to create a pipeline and about as much again at its first dispatch; SmolLM2's
-verification needs 10 matmul pipelines, its EAGLE head 5 more in f32 when kept in the target's format, 16 in
+verification needs 10 matmul pipelines, its EAGLE head none more when kept in the target's format, 16 in
 f16). A short answer cannot win that back: on a fresh 2-core machine the first `generate` of 128 tokens finished
 ~9 s later than plain decoding, its speculation never started. So the compile comes in stages (FIRST_STAGE_ROWS:
-the one-draft row counts, 4 pipelines, ~3 s there, then the rest), and before each generation while a stage's
+the one-draft row counts, 2 pipelines, ~2 s there, then the rest), and before each generation while a stage's
 warm-up has not started, and again before each step of a generation that began plainly (its own plain tokens
 timed by then) or that drafts within the stages compiled so far, the engine weighs the next stage's cost against
 what speculation can save over the tokens to come:
@@ -51,8 +51,8 @@ PRIOR_SPEEDUP = 1.3  # speculation's speedup before anything was measured
 # On a CPU adapter the compile comes in two stages, each weighed on its own: first the row counts of steps that
 # verify one draft (most steps on a 2-core lavapipe host: with every count compiled, `auto` drafted 82-86 tokens
 # in ~82 steps of the default story answer), then the rest, once the tokens to come repay those too. The first
-# stage is 4 pipelines (with a head in the target's format, `dense_format`: the target's 2-row tile with the fused
-# activation, its 2-row LM head and the head's f32 projection at 1 and 2 rows), the rest 10.
+# stage is 2 pipelines (with a head in the target's format, `dense_format`: the target's 2-row tile with the fused
+# activation and its 2-row LM head), the rest 8.
 FIRST_STAGE_ROWS = 2
 
 
