@@ -42,6 +42,7 @@ class FakeEngine:
         self.warmups: list[FakeWarmup] = []
         self.warmup_rows: list[list[int]] = []
         self.stages = [list(ROWS)]
+        self.done_after: float | None = None  # seconds after which a started warm-up finishes on its own
 
     def verify_rows(self) -> list[int]:
         return list(ROWS)
@@ -67,6 +68,8 @@ class FakeEngine:
     def start_warmup(self, rows: list[int]) -> FakeWarmup:
         self.warmups.append(FakeWarmup())
         self.warmup_rows.append(list(rows))
+        if self.done_after is not None:
+            threading.Timer(self.done_after, self.warmups[-1].done.set).start()
         return self.warmups[-1]
 
     def measured_costs(self) -> dict[int, float]:
@@ -154,15 +157,7 @@ def test_the_compile_done_makes_every_row_count_usable_and_stores_the_final_cali
 
 def test_a_seeded_generation_starts_the_compile_at_once_and_waits_for_it():
     ready, engine = readiness(costs=True, background=True)
-    done_later = threading.Timer(0.05, lambda: engine.warmups[0].done.set())
-    original = engine.start_warmup
-
-    def start(rows):
-        warmup = original(rows)
-        done_later.start()
-        return warmup
-
-    engine.start_warmup = start
+    engine.done_after = 0.05
     assert ready.may_speculate(first_step=True, seeded=True)
     assert ready.stage is Stage.READY and ready.usable_rows == max(ROWS)
 
@@ -293,15 +288,7 @@ def test_a_seeded_generation_between_stages_waits_for_the_rest():
     ready, engine = readiness(costs=True, background=True, weigh=True)
     engine.stages = [[1, 2], list(ROWS)]
     ready.stage, ready.usable_rows = Stage.WEIGHING, 2
-    done_later = threading.Timer(0.05, lambda: engine.warmups[0].done.set())
-    original = engine.start_warmup
-
-    def start(rows):
-        warmup = original(rows)
-        done_later.start()
-        return warmup
-
-    engine.start_warmup = start
+    engine.done_after = 0.05
     assert ready.may_speculate(first_step=True, seeded=True)
     assert engine.warmup_rows == [[3, 4, 5, 6]] and ready.stage is Stage.READY and ready.usable_rows == max(ROWS)
 
