@@ -110,7 +110,7 @@ def load_head(
         if not (tensors[name] > 0).all():
             raise ModelFormatError(f"{folder / 'eagle.safetensors'}: {name} must be positive")
     gpu = target.gpu
-    fmt = dense_format(target, precision, tensors["fc_embed.weight"].dtype)
+    fmt = dense_format(target, precision, tensors["fc_embed.weight"].dtype, in_target_blocks=True)
     weights = load_weights(folder, gpu, fmt)
     try:
         model = Transformer(weights, target.registry, max_rows=target.max_rows, max_logit_rows=MAX_TREE_ROWS)

@@ -116,16 +116,18 @@ def require_shapes(path: Path, tensors: dict[str, np.ndarray], shapes: dict[str,
             )
 
 
-def dense_format(target: Transformer, precision: str, stored: np.dtype) -> str:
-    """The format of a head's matrices. A target whose layers are kept in a block format (q4_0, q4_1, q8_0, or
-    "keep" of a file stored in blocks) gets the head in its layers' format, so the head's matmuls run pipelines
-    the target compiled already: on a CPU adapter each pipeline of the head's own costs ~1 s to compile, and in
-    f16 the EAGLE head added 12 of `auto`'s 26 (issue 65), while its first drafts were accepted as often in
-    q4_1 (0.584 against 0.590-0.593 in f16, mean over six open-ended prompts). Otherwise f16 for f16, f32 for
-    f32, and under "keep" as the head stores them."""
+def dense_format(target: Transformer, precision: str, stored: np.dtype, *, in_target_blocks: bool = False) -> str:
+    """The format of a head's matrices. With `in_target_blocks` (the EAGLE head), a target whose layers are kept in
+    a block format (q4_0, q4_1, q8_0, or "keep" of a file stored in blocks) gets the head in its layers' format,
+    so the head's matmuls run pipelines the target compiled already: on a CPU adapter each pipeline of the head's
+    own costs ~1 s to compile, and in f16 the EAGLE head added 16 of `auto`'s 26 (issue 65), while with k = 1 it
+    accepted 0.569 of its drafts in q4_1 against 0.580 in f16 (six open-ended prompts). Medusa's and spark's
+    residual blocks lost more in q4_1 (at k = 2: 0.227 against 0.243, 0.299 against 0.309), and are not what
+    `auto` drafts with: those stay f16 beside a compact target. Otherwise f16 for f16, f32 for f32, and under
+    "keep" as the head stores them."""
     layers = target.weights.layers[0].down.format
-    if layers in BLOCK_FORMATS:
+    if in_target_blocks and layers in BLOCK_FORMATS:
         return layers
     if precision == "keep":
         return "f16" if stored == np.float16 else "f32"
-    return "f16" if precision == "f16" else "f32"
+    return "f16" if precision in ("f16", *BLOCK_FORMATS) else "f32"
