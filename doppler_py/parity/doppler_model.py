@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from doppler_py.errors import DopplerError
+from doppler_py.gpu.webgpu import LAVAPIPE_WIDTH_ENV, mesa25_vector_width
 from doppler_py.parity.npm import DOPPLER_GPU, NpmPackage, fetch_package
 
 WEBGPU = NpmPackage(
@@ -521,12 +522,15 @@ def convert(
 
 @dataclass(frozen=True)
 class DawnDriver:
-    """The Vulkan driver Dawn runs the JS original on: its ICD json, and a library folder it needs first on
-    LD_LIBRARY_PATH (None: the system's)."""
+    """The Vulkan driver Dawn runs the JS original on: its ICD json, a library folder it needs first on
+    LD_LIBRARY_PATH (None: the system's), and the LP_NATIVE_VECTOR_WIDTH a lavapipe gets (None: the environment's)."""
 
     name: str  # "lavapipe 25" or "swiftshader" (or "DOPPLER_DAWN_VK_ICD" when named there)
     icd: Path
     library_dir: Path | None
+    # Mesa 25's lavapipe gets the width our own Dawn devices give it (gpu/webgpu.py), not the 512 bits device.py
+    # sets in this process for the system's Mesa 22.3 on AVX-512 hosts: Mesa 25 compiles many times slower at 512.
+    vector_width: str | None = None
 
 
 def dawn_driver() -> DawnDriver:
@@ -536,7 +540,7 @@ def dawn_driver() -> DawnDriver:
         return DawnDriver("DOPPLER_DAWN_VK_ICD", SWIFTSHADER_ICD, None)
     mesa25 = MESA25_DIR / "lvp_icd.json"
     if mesa25.is_file() and os.environ.get(DRIVER_CHOICE) != "swiftshader":
-        return DawnDriver("lavapipe 25", mesa25, MESA25_DIR / "lib")
+        return DawnDriver("lavapipe 25", mesa25, MESA25_DIR / "lib", mesa25_vector_width())
     if not SWIFTSHADER_ICD.is_file():
         raise DopplerParityError(
             f"no Vulkan driver Dawn accepts: neither Mesa 25's lavapipe ({mesa25}; tools/mesa25.sh unpacks it) nor "
@@ -555,6 +559,8 @@ def node_environment(driver: DawnDriver | None = None) -> dict[str, str]:
     env["VK_ICD_FILENAMES"] = env["VK_DRIVER_FILES"] = str(driver.icd)
     if driver.library_dir is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(driver.library_dir), env.get("LD_LIBRARY_PATH")]))
+    if driver.vector_width is not None:
+        env[LAVAPIPE_WIDTH_ENV] = driver.vector_width
     env["DOPPLER_NODE_WEBGPU_MODULE"] = str(fetch_package(WEBGPU))
     env.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # Dawn's Vulkan loader complains without one
     return env
