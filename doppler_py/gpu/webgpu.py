@@ -48,12 +48,19 @@ MESA25_WIDTH_ENV = "DOPPLER_MESA25_VECTOR_WIDTH"
 # 256 and 3.2 s at 128; attention at head dim 256, 36.5 s and 6.8 s (Mesa 22.3 at 512: 1.4 s and 2.6 s). Dawn on
 # a CPU is there to check the kernels on Chrome's implementation, not to be fast, so its driver gets 4 lanes.
 MESA25_VECTOR_BITS = 128
+_LLVMPIPE_WIDTHS = ("128", "256", "512")
 
 
 def mesa25_vector_width() -> str:
     """The LAVAPIPE_WIDTH_ENV value Mesa 25's lavapipe gets wherever Dawn runs on it (this process's Dawn devices,
     the JS original's Node process): $DOPPLER_MESA25_VECTOR_WIDTH, else MESA25_VECTOR_BITS."""
-    return os.environ.get(MESA25_WIDTH_ENV, str(MESA25_VECTOR_BITS))
+    value = os.environ.get(MESA25_WIDTH_ENV, str(MESA25_VECTOR_BITS)).strip()
+    if value not in _LLVMPIPE_WIDTHS:
+        raise WebGpuImplementationError(
+            f"{MESA25_WIDTH_ENV}={value!r} is not a vector width llvmpipe compiles for",
+            advice=f"set it to one of {', '.join(_LLVMPIPE_WIDTHS)} (bits), or unset it for {MESA25_VECTOR_BITS}",
+        )
+    return value
 
 
 # Guards the environment while Dawn lists its adapters.
