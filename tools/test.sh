@@ -28,14 +28,17 @@ DOPPLER_DAWN_REPLAY=1 .venv/bin/python -m pytest --durations=30
 # Again on Dawn, the WebGPU implementation Chrome ships (Tint compiling our WGSL; tests/model/test_smollm2_dawn.py
 # ran above): the kernels whose pipelines Mesa 25's lavapipe, Dawn's driver on a CPU-only machine, compiles in
 # seconds (matmul and attention take it minutes for all their variants), and on the tiny models the greedy exactness
-# of prompt lookup, a draft model and a token tree plus one sampled joint distribution. CI's Mesa shader cache starts
-# empty, and these compile ~4 CPU minutes cold (every k and drafter, lookahead and the tree grid: ~10; docs/testing.md
-# has the command for all of them).
+# of prompt lookup, a draft model, a token tree, trained Medusa heads and a trained spark block plus one sampled joint
+# distribution. CI's Mesa shader cache starts empty, and these compile ~4 CPU minutes cold (every k and drafter,
+# lookahead and the tree grid: ~10; an EAGLE head ~2 more; docs/testing.md has the commands for all of them).
 SPEC=tests/speculative
+HEADS=$SPEC/drafters/heads
 .venv/bin/python -m pytest -q --webgpu dawn --durations=10 tests/gpu/test_webgpu_choice.py \
   tests/kernels/test_{rmsnorm,softmax,rope,residual,swiglu,embedding,sample,logprobs,token_mask}.py \
   tests/kernels/test_{penalties,logit_softcap,vocab_scatter,stream_read,tree_ops,spec_verify}.py \
   "$SPEC/test_engine.py::test_greedy_speculative_equals_plain_greedy[prompt-lookup-4]" \
   "$SPEC/test_engine.py::test_greedy_speculative_equals_plain_greedy[draft-model-4]" \
   "$SPEC/test_engine.py::test_two_token_joint_distribution_matches_the_target" \
-  "$SPEC/trees/test_tree_steps.py::test_greedy_tree_decoding_is_plain_greedy_decoding[5-llama-tied-gqa]"
+  "$SPEC/trees/test_tree_steps.py::test_greedy_tree_decoding_is_plain_greedy_decoding[5-llama-tied-gqa]" \
+  "$HEADS/test_medusa.py::test_greedy_medusa_equals_plain_greedy_and_drafts_as_the_trainer_does[llama-1-2]" \
+  "$HEADS/test_spark.py::test_greedy_spark_equals_plain_greedy_and_drafts_as_the_trainer_does[llama-1-2]"

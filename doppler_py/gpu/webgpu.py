@@ -39,13 +39,30 @@ ENV_VAR = "DOPPLER_WEBGPU"
 MESA25_DIR = Path(os.environ.get("DOPPLER_MESA25_DIR", Path.home() / ".cache/doppler-py/mesa25"))
 _MESA25_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "mesa25.sh"
 _LOADER_ENV = ("VK_ICD_FILENAMES", "VK_DRIVER_FILES")
-_WIDTH_ENV = "LP_NATIVE_VECTOR_WIDTH"
+# Mesa's own variable: the vector width (bits) llvmpipe compiles kernels for, read once when the driver loads.
+LAVAPIPE_WIDTH_ENV = "LP_NATIVE_VECTOR_WIDTH"
+MESA25_WIDTH_ENV = "DOPPLER_MESA25_VECTOR_WIDTH"
 # Mesa 25's llvmpipe compiles a kernel in a time that grows with its vector width and, faster than linearly, with
 # the storage loads the kernel spells out: a kernel of 128 unrolled vec4 loads took 35 s of CPU at 512 bits, 12 s at
 # 256 and 4 s at 128 (Mesa 22.3: 0.7 s at 512). Our f32 matmul (64 loads per block) took 28 s at 512 bits, 5.4 s at
 # 256 and 3.2 s at 128; attention at head dim 256, 36.5 s and 6.8 s (Mesa 22.3 at 512: 1.4 s and 2.6 s). Dawn on
 # a CPU is there to check the kernels on Chrome's implementation, not to be fast, so its driver gets 4 lanes.
 MESA25_VECTOR_BITS = 128
+_LLVMPIPE_WIDTHS = ("128", "256", "512")
+
+
+def mesa25_vector_width() -> str:
+    """The LAVAPIPE_WIDTH_ENV value Mesa 25's lavapipe gets wherever Dawn runs on it (this process's Dawn devices,
+    the JS original's Node process): $DOPPLER_MESA25_VECTOR_WIDTH, else MESA25_VECTOR_BITS."""
+    value = os.environ.get(MESA25_WIDTH_ENV, str(MESA25_VECTOR_BITS)).strip()
+    if value not in _LLVMPIPE_WIDTHS:
+        raise WebGpuImplementationError(
+            f"{MESA25_WIDTH_ENV}={value!r} is not a vector width llvmpipe compiles for",
+            advice=f"set it to one of {', '.join(_LLVMPIPE_WIDTHS)} (bits), or unset it for {MESA25_VECTOR_BITS}",
+        )
+    return value
+
+
 # Guards the environment while Dawn lists its adapters.
 _DAWN_LOCK = threading.Lock()
 
@@ -88,11 +105,11 @@ def enumerate_adapters(name: str) -> list:
     icd = mesa25_icd()
     with _DAWN_LOCK:
         _load_mesa25_libraries(icd)
-        saved = {v: os.environ.get(v) for v in (*_LOADER_ENV, _WIDTH_ENV)}
+        saved = {v: os.environ.get(v) for v in (*_LOADER_ENV, LAVAPIPE_WIDTH_ENV)}
         os.environ["VK_ICD_FILENAMES"] = os.environ["VK_DRIVER_FILES"] = str(icd)
         # llvmpipe reads its width once, when this listing loads it; the system's driver (another library) keeps
         # the width device.py gives it when it loads.
-        os.environ[_WIDTH_ENV] = os.environ.get("DOPPLER_MESA25_VECTOR_WIDTH", str(MESA25_VECTOR_BITS))
+        os.environ[LAVAPIPE_WIDTH_ENV] = mesa25_vector_width()
         try:
             return module.gpu.enumerate_adapters_sync()
         finally:

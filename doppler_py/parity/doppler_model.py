@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from doppler_py.errors import DopplerError
+from doppler_py.gpu.webgpu import LAVAPIPE_WIDTH_ENV, mesa25_vector_width
 from doppler_py.parity.npm import DOPPLER_GPU, NpmPackage, fetch_package
 
 WEBGPU = NpmPackage(
@@ -45,6 +46,10 @@ MESA25_DIR = Path(os.environ.get("DOPPLER_MESA25_DIR", Path.home() / ".cache/dop
 # "swiftshader": run on SwiftShader even where Mesa 25 is there (findings that depend on its 4-wide subgroups).
 DRIVER_CHOICE = "DOPPLER_DAWN_DRIVER"
 DRIVER = Path(__file__).with_name("doppler_model.mjs")
+# llvmpipe's subgroups are its vector width / 32 bits wide. The JS original's subgroup RMSNorm keeps one partial sum
+# per subgroup of its 256 invocations in 32 slots (finding 6), so it needs subgroups of 8 or more: at Dawn's 128
+# bits (4 lanes, SwiftShader's width) the tiny LLaMAs of hidden 128 and 256 disagree with HF by 5.7 (measured).
+MESA25_MIN_VECTOR_BITS = 256
 CONVERT_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 600
 
@@ -521,12 +526,15 @@ def convert(
 
 @dataclass(frozen=True)
 class DawnDriver:
-    """The Vulkan driver Dawn runs the JS original on: its ICD json, and a library folder it needs first on
-    LD_LIBRARY_PATH (None: the system's)."""
+    """The Vulkan driver Dawn runs the JS original on: its ICD json, a library folder it needs first on
+    LD_LIBRARY_PATH (None: the system's), and the LP_NATIVE_VECTOR_WIDTH a lavapipe gets (None: the environment's)."""
 
     name: str  # "lavapipe 25" or "swiftshader" (or "DOPPLER_DAWN_VK_ICD" when named there)
     icd: Path
     library_dir: Path | None
+    # Mesa 25's lavapipe gets `node_vector_width()`, not the 512 bits device.py sets in this process for the system's
+    # Mesa 22.3 on AVX-512 hosts: Mesa 25 compiles many times slower at 512.
+    vector_width: str | None = None
 
 
 def dawn_driver() -> DawnDriver:
@@ -536,7 +544,7 @@ def dawn_driver() -> DawnDriver:
         return DawnDriver("DOPPLER_DAWN_VK_ICD", SWIFTSHADER_ICD, None)
     mesa25 = MESA25_DIR / "lvp_icd.json"
     if mesa25.is_file() and os.environ.get(DRIVER_CHOICE) != "swiftshader":
-        return DawnDriver("lavapipe 25", mesa25, MESA25_DIR / "lib")
+        return DawnDriver("lavapipe 25", mesa25, MESA25_DIR / "lib", node_vector_width())
     if not SWIFTSHADER_ICD.is_file():
         raise DopplerParityError(
             f"no Vulkan driver Dawn accepts: neither Mesa 25's lavapipe ({mesa25}; tools/mesa25.sh unpacks it) nor "
@@ -544,6 +552,12 @@ def dawn_driver() -> DawnDriver:
             "in DOPPLER_DAWN_VK_ICD)"
         )
     return DawnDriver("swiftshader", SWIFTSHADER_ICD, None)
+
+
+def node_vector_width() -> str:
+    """The LP_NATIVE_VECTOR_WIDTH Mesa 25's lavapipe gets under the JS original: our Dawn devices' width
+    (`mesa25_vector_width`, fast compiles), but never below MESA25_MIN_VECTOR_BITS (its subgroups' slots)."""
+    return str(max(int(mesa25_vector_width()), MESA25_MIN_VECTOR_BITS))
 
 
 def node_environment(driver: DawnDriver | None = None) -> dict[str, str]:
@@ -555,6 +569,8 @@ def node_environment(driver: DawnDriver | None = None) -> dict[str, str]:
     env["VK_ICD_FILENAMES"] = env["VK_DRIVER_FILES"] = str(driver.icd)
     if driver.library_dir is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(driver.library_dir), env.get("LD_LIBRARY_PATH")]))
+    if driver.vector_width is not None:
+        env[LAVAPIPE_WIDTH_ENV] = driver.vector_width
     env["DOPPLER_NODE_WEBGPU_MODULE"] = str(fetch_package(WEBGPU))
     env.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # Dawn's Vulkan loader complains without one
     return env
