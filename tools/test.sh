@@ -35,7 +35,7 @@ SPEC=tests/speculative
 HEADS=$SPEC/drafters/heads
 .venv/bin/python -m pytest -q --webgpu dawn --durations=10 tests/gpu/test_webgpu_choice.py \
   tests/kernels/test_{rmsnorm,softmax,rope,residual,swiglu,embedding,sample,logprobs,token_mask}.py \
-  tests/kernels/test_{penalties,logit_softcap,vocab_scatter,stream_read,tree_ops,spec_verify}.py \
+  tests/kernels/test_{penalties,logit_softcap,vocab_scatter,stream_read,tree_ops,spec_verify,standardize}.py \
   "$SPEC/test_engine.py::test_greedy_speculative_equals_plain_greedy[prompt-lookup-4]" \
   "$SPEC/test_engine.py::test_greedy_speculative_equals_plain_greedy[draft-model-4]" \
   "$SPEC/test_engine.py::test_two_token_joint_distribution_matches_the_target" \
