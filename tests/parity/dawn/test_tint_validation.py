@@ -94,6 +94,7 @@ VARIANTS: dict[str, dict[str, list[Constants]]] = {
     "swiglu": {"main": [{"ACTIVATION": 1}], "sigmoid_gate": [], "per_layer_gate": [{"ACTIVATION": 1}]},
     "kv_compact": {"main": []},
     "vocab_scatter": {"main": []},
+    "standardize": {"main": []},
     # doppler_py/bandwidth.py measures with these workgroup sizes, both patterns and both unrolls.
     "stream_read": {
         entry: _product(WORKGROUP_SIZE=[16, 64, 256], PATTERN=[0, 1], UNROLL=[1, 4])
