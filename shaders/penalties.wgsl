@@ -101,6 +101,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   if (lid < MAX_PATH) {
     path[lid] = 0u;
   }
+  // The zeros must land before invocation 0 writes the path: without this barrier an invocation scheduled after it
+  // (SwiftShader runs a workgroup's invocations 4 at a time, up to each barrier) wipes path[4..].
+  workgroupBarrier();
   if (lid == 0u) {
     var mask = (2u << row) - 1u;  // a chain: rows 0..row (row < MAX_PATH)
     if (params.is_tree != 0u) {

@@ -109,6 +109,20 @@ def test_penalties_match_the_reference_per_row_with_its_paths_drafts(registry, g
     assert not np.array_equal(np.nan_to_num(want), np.nan_to_num(logits)), "the case changes nothing"
 
 
+def test_the_longest_chain_penalises_its_last_rows_after_every_draft(registry, gpu):
+    """31 drafts, a path for every row up to the 32 rows a step has: longer than any SIMD group a CPU adapter runs
+    a workgroup's invocations in (lavapipe's 16 at 512 bits, SwiftShader's 4), so that an invocation clearing the
+    workgroup's path after it was written would leave late rows without their last drafts."""
+    rng = np.random.default_rng(31)
+    vocab, params = 300, SamplingParams(temperature=1.0, frequency_penalty=0.7, presence_penalty=-0.4)
+    context = [int(t) for t in rng.integers(0, vocab, 12)]
+    fresh = [int(t) for t in rng.permutation(vocab) if t not in context]  # path tokens only: no entry holds them
+    drafts = fresh[:28] + fresh[:3]  # three repeats at the end
+    logits = rng.normal(0, 3, size=(len(drafts) + 1, vocab)).astype(np.float32)
+    got = run(registry, gpu, logits, context, 4, drafts, None, params)
+    assert_within_an_ulp(got, reference(logits, context, 4, drafts, None, params))
+
+
 def test_a_vocabulary_of_one_token(registry, gpu):
     params = SamplingParams(temperature=1.0, frequency_penalty=1.0, repetition_penalty=2.0, min_p=0.9)
     logits = np.array([[3.0], [-2.0], [np.inf]], np.float32)
