@@ -45,6 +45,12 @@ def pytest_configure(config):
         os.environ[ENV_VAR] = config.getoption("--webgpu")
 
 
+def pytest_report_header(config):
+    if config.getoption("--webgpu"):  # which driver Dawn took (Mesa 25's lavapipe, or VK_ICD_FILENAMES' one)
+        return f"webgpu: {config.getoption('--webgpu')} on {default_gpu(browser_limits=True).name}"
+    return None
+
+
 @pytest.fixture(scope="session")
 def gpu():
     return default_gpu(browser_limits=True)

@@ -1,5 +1,6 @@
-"""Kernel tests: with DOPPLER_DAWN_REPLAY=1 (`tools/test.sh`), each submit that dispatches a pipeline not replayed
-before also runs under Dawn/Tint on SwiftShader and must match wgpu-py (tests/parity/dawn/trace.py)."""
+"""Kernel tests: with DOPPLER_DAWN_REPLAY=1 (opt-in: CI runs these tests in process on Dawn instead, tools/test.sh),
+each submit that dispatches a pipeline not replayed before also runs under Dawn/Tint on SwiftShader and must match
+wgpu-py (tests/parity/dawn/trace.py)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ Each entry is validated with its override defaults and with every override combi
 in VARIANTS below (reviewed by hand: an op that starts using a new combination adds it here). A shader file
 without a VARIANTS entry is still validated with its defaults, and
 `test_variant_table_covers_every_shader_and_names_only_existing_entry_points` fails until someone records
-its variants (an empty list when it has none). Variants used by the kernel tests are also compiled by the
-Dawn replay (DOPPLER_DAWN_REPLAY=1), so a combination missing here is still caught when a test uses it.
+its variants (an empty list when it has none). Variants used by the kernel tests are also compiled by Tint when
+CI runs those tests in process on Dawn (tools/test.sh), so a combination missing here is still caught when a test
+uses it.
 
 Dawn's null backend is enough: it runs Tint's full validation (uniformity, limits, f16, subgroups) and
 creates each pipeline with the same explicit bind group layout the kernel registry builds. All variants of
