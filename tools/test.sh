@@ -38,7 +38,9 @@ HEADS=$SPEC/drafters/heads
 #    milliseconds and keeps no cache, so nothing here waits on a warm one: every kernel and device test but the
 #    statistical ones (run above; slow on SwiftShader); then on the tiny models every drafter's greedy exactness
 #    at k = 1, 4 and 8, lookahead's and the token trees' over every family, the trained EAGLE, Medusa and spark
-#    heads', and one sampled joint distribution. DOPPLER_ADAPTER fails the lane if Dawn took another driver.
+#    heads', one sampled joint distribution, and the batch: `auto` drafting inside it, generations with different
+#    drafters sharing one forward, a grammar with penalties over a token tree. (All of tests/speculative and
+#    tests/model pass there: docs/testing.md.) DOPPLER_ADAPTER fails the lane if Dawn took another driver.
 SWIFTSHADER=/usr/lib/chromium/vk_swiftshader_icd.json
 on_swiftshader() {
   VK_ICD_FILENAMES=$SWIFTSHADER VK_DRIVER_FILES=$SWIFTSHADER DOPPLER_ADAPTER=swiftshader \
@@ -49,4 +51,8 @@ on_swiftshader "$SPEC/test_engine.py" "$SPEC/drafters/test_lookahead.py" "$SPEC/
   "$HEADS/test_eagle.py::test_greedy_eagle_equals_plain_greedy_and_drafts_as_the_trainer_does[llama-eagle-1-1-3]" \
   "$HEADS/test_medusa.py::test_greedy_medusa_equals_plain_greedy_and_drafts_as_the_trainer_does[llama-1-2]" \
   "$HEADS/test_spark.py::test_greedy_spark_equals_plain_greedy_and_drafts_as_the_trainer_does[llama-1-2]" \
-  -k "greedy_speculative_equals_plain_greedy or two_token_joint or plain_greedy_decoding or as_the_trainer_does"
+  "$SPEC/test_batch.py::test_every_drafter_drafts_inside_the_batch_and_each_generation_equals_its_solo_run[auto]" \
+  "$SPEC/test_batch.py::test_generations_with_different_drafters_share_one_forward[greedy]" \
+  "$SPEC/test_constrained.py::test_greedy_constrained_output_with_penalties_equals_the_reference[prompt-lookup-tree]" \
+  -k "greedy_speculative_equals_plain_greedy or two_token_joint or plain_greedy_decoding or as_the_trainer_does \
+      or drafts_inside_the_batch or share_one_forward or with_penalties_equals_the_reference"
