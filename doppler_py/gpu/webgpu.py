@@ -94,13 +94,18 @@ def api(name: str) -> ModuleType:
     return wgpudawn
 
 
+def dawn_uses_mesa25() -> bool:
+    """Whether Dawn runs on Mesa 25's lavapipe here: a Linux machine whose only Vulkan driver is a lavapipe, and the
+    user has not named the Vulkan drivers (the loader's own variables: then Dawn takes those, as they are)."""
+    return sys.platform == "linux" and not any(os.environ.get(v) for v in _LOADER_ENV) and _cpu_only()
+
+
 def enumerate_adapters(name: str) -> list:
     """Every adapter implementation `name` offers. Dawn's are listed, on a machine whose only Vulkan driver is a
     lavapipe (no GPU render node), with Mesa 25's lavapipe as the only Vulkan driver; the environment is as it was
     afterwards. A Dawn adapter serves one device, so each device needs a listing of its own."""
     module = api(name)
-    user_drivers = any(os.environ.get(v) for v in _LOADER_ENV)
-    if name == WGPU_NATIVE or sys.platform != "linux" or user_drivers or not _cpu_only():
+    if name == WGPU_NATIVE or not dawn_uses_mesa25():
         return module.gpu.enumerate_adapters_sync()
     icd = mesa25_icd()
     with _DAWN_LOCK:
@@ -141,7 +146,7 @@ def feature_name(name: str, feature: str) -> str:
 
 def driver_to_unpack(name: str) -> Path | None:
     """The Mesa 25 folder implementation `name` would unpack on its first device here, if it would (None: none)."""
-    if name != DAWN or sys.platform != "linux" or any(os.environ.get(v) for v in _LOADER_ENV) or not _cpu_only():
+    if name != DAWN or not dawn_uses_mesa25():
         return None
     return None if (MESA25_DIR / "lvp_icd.json").is_file() else MESA25_DIR
 

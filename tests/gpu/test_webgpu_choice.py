@@ -61,10 +61,9 @@ def test_a_device_on_each_implementation_moves_data(name):
     assert np.array_equal(Tensor.from_numpy(gpu, values, label="x").numpy(), values)
 
 
-@pytest.mark.skipif(webgpu.driver_to_unpack("dawn") is not None or not webgpu._cpu_only(), reason="no Mesa 25 here")
 @pytest.mark.skipif(
-    any(os.environ.get(v) for v in ("VK_ICD_FILENAMES", "VK_DRIVER_FILES")),
-    reason="the Vulkan drivers are the user's (VK_ICD_FILENAMES): Dawn takes those, not Mesa 25",
+    not webgpu.dawn_uses_mesa25() or webgpu.driver_to_unpack("dawn") is not None,
+    reason="Dawn does not run on Mesa 25 here (a GPU, or the Vulkan drivers the user named), or it is not unpacked",
 )
 def test_dawn_gets_mesa25_at_its_own_vector_width_and_wgpu_native_keeps_its_own(monkeypatch):
     # Both drivers load in this process: Mesa 25's while Dawn lists its adapters, the system's for wgpu-native.
